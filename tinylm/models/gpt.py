@@ -1,0 +1,320 @@
+"""A decoder-only transformer built from PyTorch primitives, in one file.
+
+Reading order: norms -> positions -> attention (with its KV cache) -> feed-forward -> block -> GPT.
+Shapes in comments: B batch, T new tokens, S keys attended (cache + new), C d_model,
+H heads, Hkv key/value heads, D head width.
+
+Defaults are the seed architecture (pre-LN, learned positions, LayerNorm, GELU, biases, tied
+weights). Options cover the checkpoints people bring: RMSNorm, rotary positions, SwiGLU,
+grouped-query attention, no biases (llama2.c / Llama shape).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from tinylm.config import ModelConfig
+
+IGNORE_INDEX = -100  # targets with this value (padding) add nothing to the loss
+
+
+# ---------------------------------------------------------------------------------------- norms
+class LayerNorm(nn.Module):
+    """(x - mean) / sqrt(var + eps) * weight + bias over the last dimension."""
+
+    def __init__(self, dim: int, eps: float = 1e-5, bias: bool = True):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.bias = nn.Parameter(torch.zeros(dim)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        var, mean = torch.var_mean(x, dim=-1, keepdim=True, unbiased=False)
+        y = (x - mean) * torch.rsqrt(var + self.eps) * self.weight
+        return y + self.bias if self.bias is not None else y
+
+
+class RMSNorm(nn.Module):
+    """x / sqrt(mean(x^2) + eps) * weight (no centring, no bias), as in Llama."""
+
+    def __init__(self, dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return y.type_as(x) * self.weight
+
+
+def make_norm(cfg: ModelConfig) -> nn.Module:
+    if cfg.norm == "rmsnorm":
+        return RMSNorm(cfg.d_model, cfg.norm_eps)
+    return LayerNorm(cfg.d_model, cfg.norm_eps, cfg.bias)
+
+
+# ------------------------------------------------------------------------------------ positions
+def sinusoidal_table(n_positions: int, dim: int) -> torch.Tensor:
+    """The fixed sin/cos table of "Attention is all you need": (n_positions, dim)."""
+    pos = torch.arange(n_positions, dtype=torch.float32)[:, None]
+    freq = torch.exp(torch.arange(0, dim, 2, dtype=torch.float32) * (-math.log(10000.0) / dim))
+    table = torch.zeros(n_positions, dim)
+    table[:, 0::2] = torch.sin(pos * freq)
+    table[:, 1::2] = torch.cos(pos * freq)[:, : dim // 2]
+    return table
+
+
+def rope_tables(n_positions: int, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of the rotary angles: each (n_positions, head_dim // 2)."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    angles = torch.outer(torch.arange(n_positions, dtype=torch.float32), inv_freq)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate consecutive pairs (x0, x1), (x2, x3), ... (the Meta / llama2.c layout).
+
+    x: (B, H, T, D); cos, sin: (B, 1, T, D/2).
+    """
+    x_even, x_odd = x.float().unflatten(-1, (-1, 2)).unbind(-1)
+    out = torch.stack((x_even * cos - x_odd * sin, x_even * sin + x_odd * cos), dim=-1)
+    return out.flatten(-2).type_as(x)
+
+
+# ------------------------------------------------------------------------------------ KV cache
+class KVCache:
+    """Keys and values of every layer, preallocated to ``max_len`` slots: no growing torch.cat.
+
+    All rows of a batch share the slot index; a left-padded batch marks its padding slots in
+    ``key_mask`` so that no query attends to them.
+    """
+
+    def __init__(self, cfg: ModelConfig, batch_size: int, max_len: int, device, dtype):
+        head_dim = cfg.d_attn // cfg.n_heads
+        shape = (batch_size, cfg.n_kv_heads, max_len, head_dim)
+        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layers)]
+        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layers)]
+        self.max_len = max_len
+        self.length = 0  # slots filled so far
+        self.key_mask: torch.Tensor | None = None  # (B, max_len) bool, True = real token
+
+    @property
+    def batch_size(self) -> int:
+        return self.k[0].shape[0]
+
+    def reorder(self, rows: torch.Tensor) -> None:
+        """Keep / duplicate batch rows (beam search): row i becomes old row ``rows[i]``."""
+        self.k = [k.index_select(0, rows) for k in self.k]
+        self.v = [v.index_select(0, rows) for v in self.v]
+        if self.key_mask is not None:
+            self.key_mask = self.key_mask.index_select(0, rows)
+
+
+# ------------------------------------------------------------------------------------ attention
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_heads, self.n_kv_heads = cfg.n_heads, cfg.n_kv_heads
+        self.head_dim = cfg.d_attn // cfg.n_heads
+        self.impl = cfg.attention
+        self.dropout = cfg.dropout
+        self.q_proj = nn.Linear(cfg.d_model, cfg.n_heads * self.head_dim, bias=cfg.bias)
+        self.k_proj = nn.Linear(cfg.d_model, cfg.n_kv_heads * self.head_dim, bias=cfg.bias)
+        self.v_proj = nn.Linear(cfg.d_model, cfg.n_kv_heads * self.head_dim, bias=cfg.bias)
+        self.out_proj = nn.Linear(cfg.n_heads * self.head_dim, cfg.d_model, bias=cfg.bias)
+        self.resid_dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x, rope=None, mask=None, kv_cache=None, layer=0, attention_out=None):
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, D)
+        k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
+        v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        if rope is not None:
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        if kv_cache is not None:
+            start = kv_cache.length
+            kv_cache.k[layer][:, :, start : start + T] = k
+            kv_cache.v[layer][:, :, start : start + T] = v
+            k = kv_cache.k[layer][:, :, : start + T]  # (B, Hkv, S, D)
+            v = kv_cache.v[layer][:, :, : start + T]
+        if self.n_kv_heads != self.n_heads:  # grouped-query attention: share each kv head
+            k = k.repeat_interleave(self.n_heads // self.n_kv_heads, dim=1)
+            v = v.repeat_interleave(self.n_heads // self.n_kv_heads, dim=1)
+        dropout_p = self.dropout if self.training else 0.0
+
+        if self.impl == "sdpa" and attention_out is None:
+            if mask is None:  # plain causal over the new tokens (no cache, or a cache being filled)
+                y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=T > 1)
+            else:
+                y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
+        else:
+            # the hand-written path: scores, causal mask, softmax, weighted sum
+            scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(self.head_dim))  # (B, H, T, S)
+            if mask is None:
+                S = k.shape[-2]
+                mask = torch.ones(T, S, dtype=torch.bool, device=x.device).tril(S - T)
+            scores = scores.masked_fill(~mask, float("-inf"))
+            weights = torch.softmax(scores.float(), dim=-1).type_as(q)
+            if attention_out is not None:
+                attention_out.append(weights.detach())
+            weights = F.dropout(weights, p=dropout_p, training=self.training)
+            y = weights @ v  # (B, H, T, D)
+        y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)
+        return self.resid_dropout(self.out_proj(y))
+
+
+# --------------------------------------------------------------------------------- feed-forward
+class FeedForward(nn.Module):
+    """GELU MLP (GPT-2) or SwiGLU (Llama: w2(silu(w1 x) * w3 x))."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.swiglu = cfg.ffn == "swiglu"
+        self.up = nn.Linear(cfg.d_model, cfg.d_ff, bias=cfg.bias)
+        self.gate = nn.Linear(cfg.d_model, cfg.d_ff, bias=cfg.bias) if self.swiglu else None
+        self.down = nn.Linear(cfg.d_ff, cfg.d_model, bias=cfg.bias)
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.swiglu:
+            h = F.silu(self.gate(x)) * self.up(x)
+        else:
+            h = F.gelu(self.up(x), approximate="tanh")  # GPT-2's gelu_new
+        return self.dropout(self.down(h))
+
+
+class Block(nn.Module):
+    """Pre-LN residual block: x + attn(norm(x)), then x + ffn(norm(x))."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.norm1 = make_norm(cfg)
+        self.attn = CausalSelfAttention(cfg)
+        self.norm2 = make_norm(cfg)
+        self.ffn = FeedForward(cfg)
+
+    def forward(self, x, rope=None, mask=None, kv_cache=None, layer=0, attention_out=None):
+        x = x + self.attn(self.norm1(x), rope, mask, kv_cache, layer, attention_out)
+        return x + self.ffn(self.norm2(x))
+
+
+# ---------------------------------------------------------------------------------------- model
+class GPT(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        cfg = cfg.resolved()
+        self.config = cfg
+        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        if cfg.positions == "learned":
+            self.pos_emb = nn.Embedding(cfg.context_length, cfg.d_model)
+        elif cfg.positions == "sinusoidal":
+            self.register_buffer("pos_table", sinusoidal_table(cfg.context_length, cfg.d_model), persistent=False)
+        elif cfg.positions == "rope":
+            cos, sin = rope_tables(cfg.context_length, cfg.d_attn // cfg.n_heads, cfg.rope_theta)
+            self.register_buffer("rope_cos", cos, persistent=False)
+            self.register_buffer("rope_sin", sin, persistent=False)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.norm_f = make_norm(cfg)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        if cfg.tie_weights:
+            self.lm_head.weight = self.tok_emb.weight
+        # Set by the trainer: a function (block, x, rope) -> x that recomputes activations in backward.
+        self.checkpoint_fn = None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """GPT-2 init: N(0, 0.02), residual output projections scaled by 1/sqrt(2 * n_layers)."""
+        for name, p in self.named_parameters():
+            if p.dim() >= 2:
+                std = 0.02 / math.sqrt(2 * self.config.n_layers) if name.endswith(("out_proj.weight", "down.weight")) else 0.02
+                nn.init.normal_(p, mean=0.0, std=std)
+            elif name.endswith("bias"):
+                nn.init.zeros_(p)
+            else:  # norm weights
+                nn.init.ones_(p)
+
+    def num_parameters(self, trainable_only: bool = False) -> int:
+        return sum(p.numel() for p in self.parameters() if p.requires_grad or not trainable_only)
+
+    def new_kv_cache(self, batch_size: int, max_len: int | None = None) -> KVCache:
+        p = self.tok_emb.weight
+        return KVCache(self.config, batch_size, max_len or self.config.context_length, p.device, p.dtype)
+
+    def forward(
+        self,
+        idx: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        *,
+        kv_cache: KVCache | None = None,
+        position_ids: torch.Tensor | None = None,
+        loss_reduction: str = "mean",
+        attention_out: list | None = None,
+    ):
+        """idx (B, T) token ids -> (logits (B, T, V), loss or None).
+
+        targets: (B, T) next-token ids, IGNORE_INDEX where nothing is predicted (padding).
+        kv_cache: append this call's keys/values and attend over everything cached so far.
+        position_ids: (B, T) per-row positions (left-padded batches); default start..start+T-1.
+        attention_out: a list to receive each layer's attention weights (B, H, T, S) (forces the
+            hand-written attention path, since SDPA does not return weights).
+        """
+        cfg = self.config
+        B, T = idx.shape
+        start = kv_cache.length if kv_cache is not None else 0
+        if start + T > cfg.context_length or (kv_cache is not None and start + T > kv_cache.max_len):
+            raise ValueError(
+                f"sequence of {start + T} tokens exceeds the context length {cfg.context_length}"
+            )
+        if position_ids is None:
+            position_ids = torch.arange(start, start + T, device=idx.device).expand(B, T)
+
+        x = self.tok_emb(idx)  # (B, T, C)
+        if cfg.positions == "learned":
+            x = x + self.pos_emb(position_ids)
+        elif cfg.positions == "sinusoidal":
+            x = x + self.pos_table[position_ids].to(x.dtype)
+        x = self.drop(x)
+        rope = None
+        if cfg.positions == "rope":
+            rope = (self.rope_cos[position_ids][:, None], self.rope_sin[position_ids][:, None])  # (B, 1, T, D/2)
+
+        mask = self._attention_mask(T, start, kv_cache, idx.device)
+        for layer, block in enumerate(self.blocks):
+            if self.checkpoint_fn is not None and self.training and kv_cache is None:
+                x = self.checkpoint_fn(block, x, rope, mask)
+            else:
+                x = block(x, rope, mask, kv_cache, layer, attention_out)
+        if kv_cache is not None:
+            kv_cache.length = start + T
+        logits = self.lm_head(self.norm_f(x))  # (B, T, V)
+
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(
+                logits.float().view(-1, logits.size(-1)),
+                targets.reshape(-1),
+                ignore_index=IGNORE_INDEX,
+                reduction=loss_reduction,
+            )
+        return logits, loss
+
+    @staticmethod
+    def _attention_mask(T: int, start: int, kv_cache: KVCache | None, device) -> torch.Tensor | None:
+        """Boolean (B or 1, 1, T, S) mask, True = may attend; None when plain causal suffices."""
+        if kv_cache is None or (kv_cache.key_mask is None and start == 0):
+            return None  # the attention applies the causal triangle itself
+        S = start + T
+        causal = torch.ones(T, S, dtype=torch.bool, device=device).tril(start)  # query i sees keys <= start+i
+        if kv_cache.key_mask is None:
+            return causal
+        keys = kv_cache.key_mask[:, None, None, :S]  # (B, 1, 1, S)
+        # a padding query attends to itself only, so its softmax row is never empty (no NaN)
+        own = torch.zeros(T, S, dtype=torch.bool, device=device)
+        own[torch.arange(T), torch.arange(start, S)] = True
+        return (causal & keys) | own
