@@ -20,6 +20,8 @@ import torch.nn.functional as F
 from tinylm.config import ModelConfig
 
 IGNORE_INDEX = -100  # targets with this value (padding) add nothing to the loss
+_HAS_RMS_NORM = hasattr(F, "rms_norm")  # torch >= 2.4
+_SDPA_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")  # torch >= 2.5
 
 
 # ---------------------------------------------------------------------------------------- norms
@@ -33,9 +35,9 @@ class LayerNorm(nn.Module):
         self.bias = nn.Parameter(torch.zeros(dim)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        var, mean = torch.var_mean(x, dim=-1, keepdim=True, unbiased=False)
-        y = (x - mean) * torch.rsqrt(var + self.eps) * self.weight
-        return y + self.bias if self.bias is not None else y
+        # one fused kernel: the hand-written formula above costs ~6 small ops per call, which
+        # dominates token-by-token decoding (tests check it against the formula)
+        return F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)
 
 
 class RMSNorm(nn.Module):
@@ -47,7 +49,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
+        if x.dtype == torch.float32 and _HAS_RMS_NORM:  # fused kernel, same float32 arithmetic
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        x32 = x.to(torch.promote_types(x.dtype, torch.float32))
         y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return y.type_as(x) * self.weight
 
@@ -81,7 +85,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
     x: (B, H, T, D); cos, sin: (B, 1, T, D/2).
     """
-    x_even, x_odd = x.float().unflatten(-1, (-1, 2)).unbind(-1)
+    x_even, x_odd = x.to(torch.promote_types(x.dtype, torch.float32)).unflatten(-1, (-1, 2)).unbind(-1)
     out = torch.stack((x_even * cos - x_odd * sin, x_even * sin + x_odd * cos), dim=-1)
     return out.flatten(-2).type_as(x)
 
@@ -108,9 +112,20 @@ class KVCache:
         return self.k[0].shape[0]
 
     def reorder(self, rows: torch.Tensor) -> None:
-        """Keep / duplicate batch rows (beam search): row i becomes old row ``rows[i]``."""
-        self.k = [k.index_select(0, rows) for k in self.k]
-        self.v = [v.index_select(0, rows) for v in self.v]
+        """Keep / duplicate batch rows (beam search): row i becomes old row ``rows[i]``.
+
+        With an unchanged batch size only the filled slots are copied, in place (a beam step
+        must not reallocate the whole preallocated cache); a new size (e.g. one prompt row
+        expanded to k beams) builds new tensors.
+        """
+        if rows.numel() == self.batch_size and self.length > 0:
+            n = self.length
+            for cache in (self.k, self.v):
+                for t in cache:
+                    t[:, :, :n] = t[:, :, :n].index_select(0, rows)
+        else:
+            self.k = [k.index_select(0, rows) for k in self.k]
+            self.v = [v.index_select(0, rows) for v in self.v]
         if self.key_mask is not None:
             self.key_mask = self.key_mask.index_select(0, rows)
 
@@ -142,16 +157,19 @@ class CausalSelfAttention(nn.Module):
             kv_cache.v[layer][:, :, start : start + T] = v
             k = kv_cache.k[layer][:, :, : start + T]  # (B, Hkv, S, D)
             v = kv_cache.v[layer][:, :, : start + T]
-        if self.n_kv_heads != self.n_heads:  # grouped-query attention: share each kv head
+        dropout_p = self.dropout if self.training else 0.0
+        use_sdpa = self.impl == "sdpa" and attention_out is None
+        if self.n_kv_heads != self.n_heads and not (use_sdpa and _SDPA_GQA):
+            # grouped-query attention: each kv head serves n_heads / n_kv_heads query heads
             k = k.repeat_interleave(self.n_heads // self.n_kv_heads, dim=1)
             v = v.repeat_interleave(self.n_heads // self.n_kv_heads, dim=1)
-        dropout_p = self.dropout if self.training else 0.0
 
-        if self.impl == "sdpa" and attention_out is None:
+        if use_sdpa:
+            gqa = {"enable_gqa": True} if self.n_kv_heads != self.n_heads and _SDPA_GQA else {}
             if mask is None:  # plain causal over the new tokens (no cache, or a cache being filled)
-                y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=T > 1)
+                y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=T > 1, **gqa)
             else:
-                y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
+                y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, **gqa)
         else:
             # the hand-written path: scores, causal mask, softmax, weighted sum
             scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(self.head_dim))  # (B, H, T, S)
@@ -159,7 +177,8 @@ class CausalSelfAttention(nn.Module):
                 S = k.shape[-2]
                 mask = torch.ones(T, S, dtype=torch.bool, device=x.device).tril(S - T)
             scores = scores.masked_fill(~mask, float("-inf"))
-            weights = torch.softmax(scores.float(), dim=-1).type_as(q)
+            # softmax in at least float32 (bf16/fp16 autocast), in float64 when the model is float64
+            weights = torch.softmax(scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32)).type_as(q)
             if attention_out is not None:
                 attention_out.append(weights.detach())
             weights = F.dropout(weights, p=dropout_p, training=self.training)
@@ -307,8 +326,8 @@ class GPT(nn.Module):
     @staticmethod
     def _attention_mask(T: int, start: int, kv_cache: KVCache | None, device) -> torch.Tensor | None:
         """Boolean (B or 1, 1, T, S) mask, True = may attend; None when plain causal suffices."""
-        if kv_cache is None or (kv_cache.key_mask is None and start == 0):
-            return None  # the attention applies the causal triangle itself
+        if kv_cache is None or (kv_cache.key_mask is None and (start == 0 or T == 1)):
+            return None  # causal triangle applied by the attention itself (one new query sees all keys)
         S = start + T
         causal = torch.ones(T, S, dtype=torch.bool, device=device).tril(start)  # query i sees keys <= start+i
         if kv_cache.key_mask is None:

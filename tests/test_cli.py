@@ -1,0 +1,157 @@
+"""The command line end to end: every bad input is one line on stderr and exit code 2."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import make_stories, tiny_run_config
+from tinylm.cli import main
+from tinylm.pipeline import run_pipeline
+from tinylm.training.checkpoint import load_checkpoint, save_checkpoint
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("run")
+    data = root / "stories.txt"
+    data.write_text("".join(f"{s}\n<|endoftext|>\n" for s in make_stories()), encoding="utf-8")
+    cfg = tiny_run_config(root / "run", data)
+    summary = run_pipeline(cfg, cfg.out_dir, log=lambda *a: None)
+    return root / "run", data, summary
+
+
+def run_cli(capsys, *argv):
+    code = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_pipeline_writes_every_artifact(trained_run):
+    run, _, summary = trained_run
+    for name in ("config.yaml", "tokenizer.json", "metrics.csv", "eval.json", "samples.txt", "report.md",
+                 "checkpoints/best/model.safetensors", "checkpoints/best/config.yaml", "checkpoints/last/checkpoint.json"):
+        assert (run / name).is_file(), name
+    ev = json.loads((run / "eval.json").read_text())
+    assert ev["eval"]["valid"]["tokens"] > 0 and ev["eval"]["valid"]["bpb"] > 0
+    report = (run / "report.md").read_text()
+    assert f"{ev['eval']['valid']['bpb']:.4f}" in report  # the report reads the numbers from disk
+
+
+def test_checkpoint_save_load_identical_logits(trained_run, tmp_path):
+    run, _, _ = trained_run
+    model, tok, meta = load_checkpoint(run)
+    x = torch.randint(0, tok.vocab_size, (2, 16))
+    before = model(x)[0]
+    save_checkpoint(tmp_path / "copy", model, tok, info={"step": meta["step"]})
+    again, tok2, _ = load_checkpoint(tmp_path / "copy")
+    assert torch.equal(again(x)[0], before)
+    assert tok2.encode("Once upon a time") == tok.encode("Once upon a time")
+
+
+def test_evaluate_json_keys(trained_run, capsys):
+    run, data, _ = trained_run
+    code, out, _ = run_cli(capsys, "evaluate", "--checkpoint", run, "--data", data, "--json")
+    assert code == 0
+    m = json.loads(out)
+    assert set(m) == {"token_ppl", "bpb", "word_ppl", "tokens", "bytes", "words"}
+    assert m["bytes"] == sum(len(s.encode()) for s in make_stories())
+
+
+def test_generate_prints_text(trained_run, capsys):
+    run, _, _ = trained_run
+    code, out, _ = run_cli(capsys, "generate", "--checkpoint", run, "--prompt", "Once upon", "--max-new-tokens", "5",
+                           "--temperature", "0", "--json")
+    assert code == 0
+    obj = json.loads(out.splitlines()[0])
+    assert obj["text"].startswith("Once upon") and obj["tokens"] <= 5
+
+
+def test_long_prompt_is_cropped_with_a_warning(trained_run):
+    from tinylm.generation.generate import generate
+
+    model, _, _ = load_checkpoint(trained_run[0])
+    with pytest.warns(UserWarning, match="longer than the context"):
+        out = generate(model, list(range(4, 4 + 40)), 3, temperature=0)
+    assert len(out) <= 3
+
+
+def _bad(capsys, *argv, match):
+    code, out, err = run_cli(capsys, *argv)
+    assert code == 2, (out, err)
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and match in lines[0], err
+
+
+def test_bad_inputs_are_one_line_errors(trained_run, tmp_path, capsys):
+    run, data, _ = trained_run
+    out = tmp_path / "out"
+    _bad(capsys, "train", "--out", out, "data.source=text", f"data.train={tmp_path / 'nope.txt'}", match="does not exist")
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    _bad(capsys, "train", "--out", out, "data.source=text", f"data.train={empty}", match="is empty")
+    small = tmp_path / "small.txt"
+    small.write_text("hello world")
+    _bad(capsys, "train", "--out", out, "data.source=text", f"data.train={small}", f"data.valid={small}",
+         "tokenizer.type=char", "model.context_length=64", match="fewer than one context window")
+    _bad(capsys, "train", "--out", out, "model.nope=1", match="unknown config key model.nope")
+    _bad(capsys, "train", "--out", out, "train.max_steps=many", match="expects an integer")
+    _bad(capsys, "train", "--out", out, "data.source=tinystories", f"data.train={data}", "tokenizer.type=foo",
+         match="unknown tokenizer type 'foo'")
+    _bad(capsys, "train", "--out", out, "data.source=tinystories", f"data.train={data}", "tokenizer.vocab_size=300",
+         "model.n_heads=5", match="does not divide")
+    _bad(capsys, "generate", "--checkpoint", run, "--prompt", "", match="encodes to no tokens")
+    _bad(capsys, "generate", "--checkpoint", tmp_path / "missing", "--prompt", "a", match="does not exist")
+
+
+def test_broken_checkpoints_are_named(trained_run, tmp_path, capsys):
+    import shutil
+
+    run, data, _ = trained_run
+    broken = tmp_path / "ckpt"
+    shutil.copytree(run / "checkpoints" / "best", broken)
+    (broken / "model.safetensors").unlink()
+    _bad(capsys, "evaluate", "--checkpoint", broken, "--data", data, match="missing model.safetensors")
+    shutil.rmtree(broken)
+    shutil.copytree(run / "checkpoints" / "best", broken)
+    meta = json.loads((broken / "checkpoint.json").read_text())
+    meta["version"] = 99
+    (broken / "checkpoint.json").write_text(json.dumps(meta))
+    _bad(capsys, "evaluate", "--checkpoint", broken, "--data", data, match="format version 99")
+    (broken / "checkpoint.json").write_text(json.dumps({**meta, "version": 1}))
+    (broken / "model.safetensors").write_bytes(b"garbage")
+    _bad(capsys, "evaluate", "--checkpoint", broken, "--data", data, match="corrupt")
+
+
+def test_failed_run_keeps_the_previous_checkpoint(trained_run, capsys):
+    run, data, _ = trained_run
+    before = (run / "checkpoints/best/model.safetensors").read_bytes()
+    _bad(capsys, "train", "--out", run, "data.source=tinystories", f"data.train={data}", "tokenizer.vocab_size=300",
+         "model.n_heads=5", match="does not divide")
+    assert (run / "checkpoints/best/model.safetensors").read_bytes() == before
+    load_checkpoint(run)
+
+
+def test_demo_quick_end_to_end(tmp_path):
+    exe = Path(sys.executable).with_name("tinylm")
+    cmd = [str(exe) if exe.exists() else sys.executable, *([] if exe.exists() else ["-m", "tinylm.cli"]),
+           "demo", "--quick", "--out", str(tmp_path / "demo")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=tmp_path,
+                          env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "bits per byte" in proc.stdout and "demo finished" in proc.stdout
+    for name in ("report.md", "metrics.csv", "samples.txt", "config.yaml", "checkpoints/best/model.safetensors"):
+        assert (tmp_path / "demo" / name).is_file()
+
+
+def test_every_subcommand_has_help(capsys):
+    for sub in ("demo", "prepare", "train", "generate", "evaluate"):
+        with pytest.raises(SystemExit) as exc:
+            main([sub, "--help"])
+        assert exc.value.code == 0
+        assert "usage: tinylm" in capsys.readouterr().out

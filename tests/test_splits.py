@@ -1,0 +1,31 @@
+import pytest
+
+from tinylm.data.splits import split_chunks, split_documents
+from tinylm.errors import TinyLMError
+
+
+def test_document_split_is_deterministic_and_disjoint():
+    docs = [f"doc {i}" for i in range(100)]
+    a = split_documents(docs, 0.1, 0.1, seed=0)
+    b = split_documents(docs, 0.1, 0.1, seed=0)
+    assert a == b
+    assert (len(a["train"]), len(a["valid"]), len(a["test"])) == (80, 10, 10)
+    assert sorted(a["train"] + a["valid"] + a["test"]) == sorted(docs)
+
+
+def test_chunk_split_spreads_over_every_document():
+    docs = [("\n\n".join(f"play {p} para {i} " + "x" * 50 for i in range(400))) for p in range(5)]
+    out = split_chunks(docs, 0.05, 0.05, chunk_chars=2000)
+    for name in ("train", "valid", "test"):
+        assert out[name]
+    valid_plays = {c.split()[1] for c in out["valid"]}
+    assert len(valid_plays) >= 3  # validation text comes from most plays, not one
+    total = sum(len(c) for s in out.values() for c in s)
+    assert 0.03 < sum(len(c) for c in out["valid"]) / total < 0.08
+
+
+def test_too_few_documents():
+    with pytest.raises(TinyLMError, match="too few to split by document"):
+        split_documents(["a", "b"], 0.3, 0.3)
+    with pytest.raises(TinyLMError, match="sum to less than 1"):
+        split_documents(["a"] * 10, 0.6, 0.5)
