@@ -88,3 +88,11 @@ def test_empty_corpus():
     for kind in ("bpe", "char", "word"):
         with pytest.raises(TinyLMError, match="empty corpus"):
             new_tokenizer(kind).train([], 300)
+
+
+def test_decode_continuation_keeps_the_word_space():
+    word = WordTokenizer().train(["once upon a time there was a cat"], 50)
+    prompt = word.encode("once upon a time")
+    assert word.decode_continuation(prompt, word.encode("there was")) == " there was"
+    bpe = BPETokenizer().train(CORPUS, 290)
+    assert bpe.decode_continuation(bpe.encode("The cat"), bpe.encode(" sat")) == " sat"

@@ -46,7 +46,7 @@ def _builtin_demo(quick: bool) -> dict:
         "data": {"source": "shakespeare", "split_by": "chunk", "valid_fraction": 0.05, "test_fraction": 0.05},
         "tokenizer": {"type": "bpe", "vocab_size": 1024},
         "model": {"context_length": 128, "d_model": 192, "n_layers": 4, "n_heads": 6, "dropout": 0.0},
-        "train": {"batch_size": 16, "max_steps": 1400, "max_minutes": 3.3, "lr": 2e-3, "min_lr": 2e-4,
+        "train": {"batch_size": 16, "max_steps": 1400, "max_minutes": 3.0, "lr": 2e-3, "min_lr": 2e-4,
                   "warmup_steps": 50, "eval_interval": 200, "eval_batches": 20, "threads": 2},
         "sample": {"prompts": ["ROMEO:", "To be, or not to be", "KING HENRY.\nOnce more"], "max_new_tokens": 80},
     }
@@ -74,6 +74,16 @@ def cmd_demo(args) -> int:
 def cmd_train(args) -> int:
     from tinylm.pipeline import run_pipeline
 
+    if args.resume:
+        from tinylm.training.resume import resume_run_config
+
+        cfg, ckpt, _ = resume_run_config(args.resume, args.config, args.overrides, force=args.force)
+        if args.out:
+            cfg.out_dir = args.out
+        run_pipeline(cfg, cfg.out_dir, resume=ckpt, force=args.force)
+        return 0
+    if args.force:
+        raise TinyLMError("--force only applies together with --resume DIR")
     cfg = _load_config(args)
     run_pipeline(cfg, cfg.out_dir)
     return 0
@@ -100,32 +110,9 @@ def _read_prompts(args) -> list[str]:
 
 
 def cmd_generate(args) -> int:
-    import time
+    from tinylm.generation.cli import run_generate
 
-    from tinylm.generation.generate import generate
-    from tinylm.tokenizers.base import EOS_ID, SOS_ID
-    from tinylm.training.checkpoint import load_checkpoint
-
-    model, tokenizer, _ = load_checkpoint(args.checkpoint)
-    for i, prompt in enumerate(_read_prompts(args)):
-        ids = tokenizer.encode(prompt)
-        if not ids:
-            raise TinyLMError(f"prompt {prompt!r} encodes to no tokens; give a non-empty prompt")
-        t0 = time.perf_counter()
-        try:
-            new = generate(model, [SOS_ID, *ids], args.max_new_tokens, args.temperature, args.top_k, args.top_p,
-                           eos_id=EOS_ID, use_cache=not args.no_cache, seed=args.seed + i)
-        except ValueError as exc:
-            raise TinyLMError(str(exc)) from exc
-        dt = time.perf_counter() - t0
-        text = prompt + tokenizer.decode(new)
-        if args.json:
-            print(json.dumps({"prompt": prompt, "text": text, "tokens": len(new),
-                              "tokens_per_s": round(len(new) / max(dt, 1e-9), 1)}, ensure_ascii=False))
-        else:
-            print(text)
-            print()
-    return 0
+    return run_generate(args)
 
 
 def load_eval_documents(path: str) -> list[str]:
@@ -135,33 +122,38 @@ def load_eval_documents(path: str) -> list[str]:
 
 
 def cmd_evaluate(args) -> int:
-    from tinylm.evaluation.perplexity import evaluate_texts
-    from tinylm.training.checkpoint import load_checkpoint
+    # tinylm dirs, llama2.c .bin (+ --tokenizer) and HF dirs: each story scored from the model's own start token
+    from tinylm.interop import load_any_checkpoint, score_texts
 
-    model, tokenizer, _ = load_checkpoint(args.checkpoint)
+    model, tokenizer, info = load_any_checkpoint(args.checkpoint, getattr(args, "tokenizer", None))
     docs = load_eval_documents(args.data)
     if args.max_docs:
         docs = docs[: args.max_docs]
-    m = evaluate_texts(model, tokenizer, docs, batch_size=args.batch_size)
+    m = score_texts(model, tokenizer, docs, info, batch_size=args.batch_size)
     keys = ("token_ppl", "bpb", "word_ppl", "tokens", "bytes", "words")
+    bleu = None
+    if getattr(args, "bleu", False):  # issue 7: the BLEU protocol (tinylm/evaluation/bleu_cli.py)
+        from tinylm.evaluation.bleu_cli import run_bleu_cli
+
+        bleu = run_bleu_cli(args, model, tokenizer, docs)
     if args.json:
-        print(json.dumps({k: m[k] for k in keys}))
+        print(json.dumps({**{k: m[k] for k in keys}, **({"bleu": bleu} if bleu else {})}))
     else:
         print(f"documents        {len(docs):,}")
         print(f"token perplexity {m['token_ppl']:.4f}   (exp of mean NLL over {m['tokens']:,} tokens)")
         print(f"bits per byte    {m['bpb']:.4f}   (over {m['bytes']:,} UTF-8 bytes)")
         print(f"word perplexity  {m['word_ppl']:.4f}   (over {m['words']:,} whitespace-separated words)")
+        if bleu:
+            from tinylm.evaluation.bleu_cli import print_bleu
+
+            print_bleu(bleu)
     return 0
 
 
 def cmd_report(args) -> int:
-    from tinylm.report import write_run_report
+    from tinylm.commands import cmd_report as write_and_describe
 
-    run = Path(args.run_dir)
-    if not run.is_dir():
-        raise TinyLMError(f"run directory {run} does not exist")
-    print(write_run_report(run))
-    return 0
+    return write_and_describe(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -179,32 +171,50 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("train", help="prepare (cached), train, evaluate, sample and report")
     _add_config_args(p)
+    p.add_argument("--resume", metavar="DIR", help="continue from a checkpoint (or the newest one in a run directory)")
+    p.add_argument("--force", action="store_true", help="with --resume: accept changed keys such as train.max_steps")
     p.set_defaults(func=cmd_train)
 
-    p = sub.add_parser("generate", help="continue prompts with a trained checkpoint")
-    p.add_argument("--checkpoint", required=True, help="checkpoint directory or run directory")
-    p.add_argument("--prompt", action="append", help="prompt text (repeatable)")
-    p.add_argument("--prompts-file", help="one prompt per line")
-    p.add_argument("--max-new-tokens", type=int, default=100)
-    p.add_argument("--temperature", type=float, default=0.8, help="0 for greedy")
-    p.add_argument("--top-k", type=int, default=None)
-    p.add_argument("--top-p", type=float, default=None)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--no-cache", action="store_true", help="recompute the whole context every step")
-    p.add_argument("--json", action="store_true", help="one JSON object per prompt")
+    p = sub.add_parser("generate", help="continue prompts (tinylm, llama2.c .bin or Hugging Face checkpoints)")
+    from tinylm.generation.cli import add_generate_args
+
+    add_generate_args(p)
     p.set_defaults(func=cmd_generate)
 
+    p = sub.add_parser("export-hf", help="write a GPT-2- or Llama-shaped checkpoint as a Hugging Face model directory")
+    from tinylm.interop.cli import add_export_args, run_export
+
+    add_export_args(p)
+    p.set_defaults(func=run_export)
+
     p = sub.add_parser("evaluate", help="token perplexity, bits per byte and word perplexity on a file")
-    p.add_argument("--checkpoint", required=True)
+    p.add_argument("--checkpoint", required=True, help="tinylm checkpoint/run dir, llama2.c .bin or Hugging Face dir")
+    p.add_argument("--tokenizer", default=None, help="tokenizer file (required for a llama2.c .bin, e.g. tok512.bin)")
     p.add_argument("--data", required=True, help="text file (TinyStories format: each story scored alone), or .jsonl")
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--max-docs", type=int, default=None)
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    from tinylm.evaluation.bleu_cli import add_bleu_args
+
+    add_bleu_args(p)
     p.set_defaults(func=cmd_evaluate)
 
-    p = sub.add_parser("report", help="(re)write report.md for a run directory")
+    p = sub.add_parser("report", help="(re)write report.md and report.html for a run directory")
     p.add_argument("run_dir")
     p.set_defaults(func=cmd_report)
+
+    from tinylm.commands import add_attention_parser, add_experiments_parser
+
+    add_attention_parser(sub)
+    add_experiments_parser(sub)
+
+    from tinylm.study import add_study_parser  # `tinylm study shakespeare` (issue 6)
+
+    add_study_parser(sub)
+
+    from tinylm.tokenizers.stats import add_parser as add_tokenizer_stats_parser  # issue 5
+
+    add_tokenizer_stats_parser(sub)
     return parser
 
 

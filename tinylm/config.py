@@ -52,6 +52,10 @@ class TokenizerConfig:
     vocab_size: int = 1024
     lowercase: bool = False  # word-level only
     path: str | None = None  # reuse a saved tokenizer instead of training one
+    min_count: int = 1  # word-level: keep only words seen this often (with the vocab_size cap; 0 = no cap)
+    keep_punctuation: bool = True  # word-level: punctuation marks are tokens (else dropped)
+    splitter: str = "regex"  # word-level: regex | spacy (spaCy's rule-based English tokenizer)
+    pattern: str = "gpt2"  # bpe pre-tokenisation split: gpt2 | gpt4 | a custom regex
 
 
 @dataclass
@@ -72,6 +76,7 @@ class ModelConfig:
     ffn: str = "gelu"  # gelu | swiglu
     bias: bool = True
     tie_weights: bool = True
+    d_embed: int | None = None  # token embedding width; None = d_model, else a learned projection to d_model
     attention: str = "sdpa"  # manual (matmul, mask, softmax) | sdpa (F.scaled_dot_product_attention)
 
     def resolved(self) -> "ModelConfig":
@@ -83,7 +88,15 @@ class ModelConfig:
             cfg.n_kv_heads = cfg.n_heads
         if cfg.d_ff is None:
             cfg.d_ff = 4 * cfg.d_model
-        for name in ("vocab_size", "context_length", "d_model", "n_layers", "n_heads", "d_ff"):
+        if cfg.d_embed is None:
+            cfg.d_embed = cfg.d_model
+        if cfg.d_embed != cfg.d_model and cfg.tie_weights:
+            raise TinyLMError(
+                f"model.tie_weights=true needs the embedding width (d_embed={cfg.d_embed}) to equal "
+                f"d_model={cfg.d_model}; set model.tie_weights=false (the embedding then goes through a "
+                f"learned projection) or model.d_embed={cfg.d_model}"
+            )
+        for name in ("vocab_size", "context_length", "d_model", "n_layers", "n_heads", "d_ff", "d_embed"):
             if getattr(cfg, name) < 1:
                 raise TinyLMError(f"model.{name} must be at least 1 (got {getattr(cfg, name)})")
         if cfg.d_attn % cfg.n_heads:
@@ -110,6 +123,9 @@ class ModelConfig:
 @dataclass
 class TrainConfig:
     batch_size: int = 16  # sequences per micro-batch (per process)
+    # sequences per optimizer step over all processes and micro-steps; when set, batch_size is
+    # derived as global_batch_size / (world size * grad_accum_steps), which must divide evenly
+    global_batch_size: int | None = None
     grad_accum_steps: int = 1
     max_steps: int = 1000
     max_minutes: float | None = None  # wall-clock budget, checked every step
@@ -117,6 +133,9 @@ class TrainConfig:
     min_lr: float = 1e-4
     warmup_steps: int = 100
     schedule: str = "cosine"  # cosine | linear | constant (after warmup)
+    # what the decay after warmup follows: "steps" (progress = step / max_steps) or "wall" (progress =
+    # elapsed / max_minutes, so a wall-clock budget ends at min_lr on any machine; needs max_minutes)
+    schedule_clock: str = "steps"
     weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.95
@@ -130,7 +149,8 @@ class TrainConfig:
     compile: bool = False
     grad_checkpointing: bool = False
     checkpoint_impl: str = "tinylm"  # tinylm (our autograd.Function) | torch (reference)
-    keep_last: int = 2
+    keep_last: int = 2  # resumable step-N checkpoints kept (plus best and last)
+    save_interval: int = 0  # steps between resumable checkpoints; 0: at every evaluation
     early_stopping_patience: int = 0  # evaluations without improvement; 0 disables
     tensorboard: bool = False
     threads: int | None = None  # torch.set_num_threads; None leaves torch's default
@@ -148,6 +168,21 @@ class SampleConfig:
 
 
 @dataclass
+class EmbeddingsConfig:
+    """Pretrained / FastText-trained token embeddings (see tinylm/embeddings.py)."""
+
+    kind: str = "none"  # none | auto | vec | bin | gensim | train (gensim FastText on the train split)
+    path: str | None = None  # the .vec / .bin / gensim file (not for none/train)
+    freeze: bool = False  # no gradient into the embedding matrix
+    oov: str = "subword"  # words without a vector: subword (FastText n-grams, when available) | noise
+    noise_std: float | None = None  # None: the std of the vectors found
+    seed: int = 0
+    train_epochs: int = 5  # kind=train only
+    train_window: int = 5
+    train_min_count: int = 1
+
+
+@dataclass
 class RunConfig:
     out_dir: str = "runs/default"
     data: DataConfig = field(default_factory=DataConfig)
@@ -155,6 +190,7 @@ class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     sample: SampleConfig = field(default_factory=SampleConfig)
+    embeddings: EmbeddingsConfig = field(default_factory=EmbeddingsConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

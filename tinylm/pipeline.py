@@ -30,15 +30,21 @@ def sample_prompts(model, tokenizer, cfg: RunConfig) -> list[dict]:
             raise TinyLMError(f"prompt {prompt!r} encodes to no tokens; give a non-empty prompt")
         new = generate(model, [SOS_ID, *ids], cfg.sample.max_new_tokens, cfg.sample.temperature,
                        cfg.sample.top_k, cfg.sample.top_p, eos_id=EOS_ID, seed=cfg.sample.seed + i)
-        out.append({"prompt": prompt, "continuation": tokenizer.decode(new), "new_tokens": len(new)})
+        out.append({"prompt": prompt, "continuation": tokenizer.decode_continuation(ids, new), "new_tokens": len(new)})
     return out
 
 
-def run_pipeline(cfg: RunConfig, out_dir: str | Path, log=print) -> dict:
+def run_pipeline(cfg: RunConfig, out_dir: str | Path, log=print, *, resume=None, force: bool = False) -> dict:
+    """``resume``: a checkpoint or run directory to continue training from (``force``: allow the
+    --force keys to differ). Under torchrun rank 0 prepares first, all ranks train, rank 0 evaluates."""
+    from tinylm.training import distributed
+
+    ctx = distributed.setup_distributed(cfg.train.device)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    prepared = prepare(cfg, out_dir, log=log)
+    with distributed.main_process_first(ctx):  # the other ranks then reuse rank 0's token cache
+        prepared = prepare(cfg, out_dir, log=log if ctx.is_main else (lambda *a: None))
     t_prepare = time.perf_counter() - t0
     for name in ("train", "valid"):
         if name not in prepared.splits:
@@ -49,7 +55,10 @@ def run_pipeline(cfg: RunConfig, out_dir: str | Path, log=print) -> dict:
                 f"the {name} split has {n} tokens, fewer than one context window ({cfg.model.context_length + 1}); "
                 "use more data, a larger data.valid_fraction, or a smaller model.context_length"
             )
-    result = train(cfg, prepared, out_dir, log=log)
+    result = train(cfg, prepared, out_dir, log=log, resume=resume, force=force)
+    distributed.cleanup(ctx)
+    if not ctx.is_main:
+        return {}
     model, tokenizer, meta = load_checkpoint(result.checkpoint_dir / "best")
     model.to(torch.device("cpu"))
     evals = {}

@@ -66,9 +66,9 @@ def _fingerprint(cfg: RunConfig) -> str:
 
 
 def train_tokenizer(tok_cfg: TokenizerConfig, texts: list[str]) -> Tokenizer:
-    options = {"lowercase": tok_cfg.lowercase} if tok_cfg.type == "word" else {}
-    tokenizer = new_tokenizer(tok_cfg.type, **options)
-    return tokenizer.train(texts, tok_cfg.vocab_size)
+    from tinylm.tokenizers import train_from_config
+
+    return train_from_config(tok_cfg, texts)
 
 
 def prepare(cfg: RunConfig, out_dir: str | Path, log=print) -> Prepared:

@@ -124,7 +124,10 @@ class Batches:
             rows = self._ids[starts[:, None] + torch.arange(T + 1)]
             return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
         docs = torch.randint(0, self.split.n_docs, (n_total,), generator=g)[row_start:]
-        frac = torch.rand(n_total, generator=g)[row_start:]
+        # window offsets from their own generator: drawn from ``g`` after the n_total document
+        # draws, row r's offset would depend on the batch size (ranks / accumulation would differ)
+        g_frac = torch.Generator().manual_seed(self.seed * 1_000_003 + step + 2**40)
+        frac = torch.rand(n_total, generator=g_frac)[row_start:]
         x = torch.full((n_rows, T), PAD_ID, dtype=torch.long)
         y = torch.full((n_rows, T), IGNORE_INDEX, dtype=torch.long)
         for r, (d, u) in enumerate(zip(docs.tolist(), frac.tolist())):

@@ -7,6 +7,11 @@ H heads, Hkv key/value heads, D head width.
 Defaults are the seed architecture (pre-LN, learned positions, LayerNorm, GELU, biases, tied
 weights). Options cover the checkpoints people bring: RMSNorm, rotary positions, SwiGLU,
 grouped-query attention, no biases (llama2.c / Llama shape).
+
+Inference fast path (eval mode and no autograd, e.g. under torch.inference_mode): the linear
+layers use cached, concatenated, transposed copies of their weights (``inference_weights``),
+dropout modules are skipped, and a one-token decoding step uses a three-op attention; training
+and gradient paths are untouched. Tests check both paths against Hugging Face to 1e-5.
 """
 
 from __future__ import annotations
@@ -20,7 +25,6 @@ import torch.nn.functional as F
 from tinylm.config import ModelConfig
 
 IGNORE_INDEX = -100  # targets with this value (padding) add nothing to the loss
-_HAS_RMS_NORM = hasattr(F, "rms_norm")  # torch >= 2.4
 _SDPA_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")  # torch >= 2.5
 
 
@@ -35,9 +39,11 @@ class LayerNorm(nn.Module):
         self.bias = nn.Parameter(torch.zeros(dim)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # one fused kernel: the hand-written formula above costs ~6 small ops per call, which
-        # dominates token-by-token decoding (tests check it against the formula)
-        return F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)
+        # written out by hand (tests compare it with F.layer_norm); var_mean and addcmul keep it
+        # to five small kernels, which matters in token-by-token decoding
+        var, mean = torch.var_mean(x, dim=-1, keepdim=True, unbiased=False)
+        x_hat = (x - mean) * torch.rsqrt(var + self.eps)
+        return x_hat * self.weight if self.bias is None else torch.addcmul(self.bias, x_hat, self.weight)
 
 
 class RMSNorm(nn.Module):
@@ -49,10 +55,10 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32 and _HAS_RMS_NORM:  # fused kernel, same float32 arithmetic
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        # (F.rms_norm is not a fused kernel on CPU and measured slower than these few ops)
         x32 = x.to(torch.promote_types(x.dtype, torch.float32))
-        y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        # sum * (1/D) rather than mean(): same value, and mean() costs several times more per call
+        y = x32 * torch.rsqrt((x32 * x32).sum(-1, keepdim=True) * (1.0 / x.shape[-1]) + self.eps)
         return y.type_as(x) * self.weight
 
 
@@ -80,14 +86,51 @@ def rope_tables(n_positions: int, head_dim: int, theta: float) -> tuple[torch.Te
     return angles.cos(), angles.sin()
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cis: torch.Tensor | None = None) -> torch.Tensor:
     """Rotate consecutive pairs (x0, x1), (x2, x3), ... (the Meta / llama2.c layout).
 
-    x: (B, H, T, D); cos, sin: (B, 1, T, D/2).
+    x: (B, H, T, D); cos, sin: (B, 1, T, D/2); cis: optionally cos + i sin, precomputed once per
+    forward. Each pair is one complex number times cis: (x0 cos - x1 sin, x0 sin + x1 cos), in
+    a handful of ops instead of a dozen (decoding runs this twice per layer per token).
     """
-    x_even, x_odd = x.to(torch.promote_types(x.dtype, torch.float32)).unflatten(-1, (-1, 2)).unbind(-1)
-    out = torch.stack((x_even * cos - x_odd * sin, x_even * sin + x_odd * cos), dim=-1)
-    return out.flatten(-2).type_as(x)
+    xf = x.to(torch.promote_types(x.dtype, torch.float32))
+    if cis is None:
+        cis = torch.complex(cos, sin)
+    if xf.dtype == torch.float64:  # float64 models keep their precision
+        cis = cis.to(torch.complex128)
+    pairs = torch.view_as_complex(xf.reshape(*x.shape[:-1], -1, 2).contiguous())
+    return torch.view_as_real(pairs * cis).flatten(-2).type_as(x)
+
+
+def inference_weights(owner: nn.Module, name: str, linears: tuple[nn.Linear, ...]):
+    """(weight, bias) for ``linear_t``: the weights of one or several Linear layers that read the
+    same input, concatenated and stored transposed, (in, out) contiguous. At inference this
+    does one matmul instead of several, and the (in, out) layout measured 1.3-3x faster than
+    nn.Linear's (out, in) on CPU for decoding-sized inputs (GPT-2's Conv1D uses it too).
+    Cached on ``owner`` (not a parameter, never saved) and rebuilt whenever a weight changes
+    (optimizer step, load_state_dict, .to()); costs one extra copy of those weights."""
+    key = tuple((l.weight.data_ptr(), l.weight._version, l.weight.dtype, l.weight.device) for l in linears)
+    key += tuple((l.bias.data_ptr(), l.bias._version) for l in linears if l.bias is not None)
+    cache = owner.__dict__.setdefault("_inference_weights", {})
+    hit = cache.get(name)
+    if hit is None or hit[0] != key:
+        with torch.no_grad():
+            w = torch.cat([l.weight for l in linears]).t().contiguous()
+            b = torch.cat([l.bias for l in linears]) if linears[0].bias is not None else None
+        hit = cache[name] = (key, w, b)
+    return hit[1], hit[2]
+
+
+def linear_t(x: torch.Tensor, w_t: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """x @ w_t + b for a transposed weight from ``inference_weights``."""
+    x2 = x.reshape(-1, x.shape[-1])
+    y = torch.addmm(b, x2, w_t) if b is not None else x2 @ w_t
+    return y.view(*x.shape[:-1], w_t.shape[1])
+
+
+def _fast_path(module: nn.Module) -> bool:
+    """Inference without autograd: fused matmuls and no dropout calls are safe."""
+    return not module.training and not torch.is_grad_enabled()
 
 
 # ------------------------------------------------------------------------------------ KV cache
@@ -95,7 +138,8 @@ class KVCache:
     """Keys and values of every layer, preallocated to ``max_len`` slots: no growing torch.cat.
 
     All rows of a batch share the slot index; a left-padded batch marks its padding slots in
-    ``key_mask`` so that no query attends to them.
+    ``key_mask`` so that no query attends to them (slots that decoding will fill must be marked
+    True up front: a one-token step reads the mask as is).
     """
 
     def __init__(self, cfg: ModelConfig, batch_size: int, max_len: int, device, dtype):
@@ -146,9 +190,26 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x, rope=None, mask=None, kv_cache=None, layer=0, attention_out=None):
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, D)
-        k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
-        v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        fast = _fast_path(self)
+        H, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
+        if fast:  # one matmul for q, k and v
+            qkv = linear_t(x, *inference_weights(self, "qkv", (self.q_proj, self.k_proj, self.v_proj)))
+            if rope is not None and qkv.dtype in (torch.float32, torch.float64):
+                # q and k sit side by side in qkv: rotate all their heads in one complex multiply
+                cis = rope[2] if len(rope) > 2 else torch.complex(rope[0], rope[1])  # (B|1, 1, T, D/2)
+                qk = torch.view_as_complex(qkv[..., : (H + Hkv) * D].unflatten(-1, (H + Hkv, D // 2, 2)))
+                qk = torch.view_as_real(qk * cis.transpose(1, 2)).flatten(-2)  # (B, T, H + Hkv, D)
+                q, k = qk[:, :, :H].transpose(1, 2), qk[:, :, H:].transpose(1, 2)  # (B, H|Hkv, T, D)
+                v = qkv[..., (H + Hkv) * D :].view(B, T, Hkv, D).transpose(1, 2)
+                rope = None  # done
+            else:
+                q, k, v = qkv.split((H * D, Hkv * D, Hkv * D), dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if q.dim() == 3:
+            q = q.view(B, T, H, D).transpose(1, 2)  # (B, H, T, D)
+            k = k.view(B, T, Hkv, D).transpose(1, 2)  # (B, Hkv, T, D)
+            v = v.view(B, T, Hkv, D).transpose(1, 2)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         if kv_cache is not None:
@@ -157,6 +218,8 @@ class CausalSelfAttention(nn.Module):
             kv_cache.v[layer][:, :, start : start + T] = v
             k = kv_cache.k[layer][:, :, : start + T]  # (B, Hkv, S, D)
             v = kv_cache.v[layer][:, :, : start + T]
+        if fast and T == 1 and attention_out is None:
+            return self._decode_step_attention(q, k, v, mask)
         dropout_p = self.dropout if self.training else 0.0
         use_sdpa = self.impl == "sdpa" and attention_out is None
         if self.n_kv_heads != self.n_heads and not (use_sdpa and _SDPA_GQA):
@@ -184,7 +247,23 @@ class CausalSelfAttention(nn.Module):
             weights = F.dropout(weights, p=dropout_p, training=self.training)
             y = weights @ v  # (B, H, T, D)
         y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)
+        if fast:
+            return linear_t(y, *inference_weights(self, "out", (self.out_proj,)))
         return self.resid_dropout(self.out_proj(y))
+
+
+    def _decode_step_attention(self, q, k, v, mask):
+        """One new query per row (a decoding step): three small ops. The query heads sharing a
+        kv head are stacked as rows of one matmul, so grouped-query attention needs no copy of
+        the cached keys, and a (B, 1, 1, S) padding mask broadcasts over heads as is."""
+        B, group = q.shape[0], self.n_heads // self.n_kv_heads
+        q = q.reshape(B, self.n_kv_heads, group, self.head_dim)  # head h = kv head h // group
+        scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(self.head_dim))  # (B, Hkv, group, S)
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        y = torch.softmax(scores, dim=-1) @ v  # (B, Hkv, group, D)
+        y = y.reshape(B, 1, self.n_heads * self.head_dim)
+        return linear_t(y, *inference_weights(self, "out", (self.out_proj,)))
 
 
 # --------------------------------------------------------------------------------- feed-forward
@@ -200,6 +279,13 @@ class FeedForward(nn.Module):
         self.dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _fast_path(self):  # plain functional calls; gate and up in one matmul
+            if self.swiglu:
+                g, u = linear_t(x, *inference_weights(self, "in", (self.gate, self.up))).chunk(2, dim=-1)
+                h = F.silu(g) * u
+            else:
+                h = F.gelu(linear_t(x, *inference_weights(self, "in", (self.up,))), approximate="tanh")
+            return linear_t(h, *inference_weights(self, "down", (self.down,)))
         if self.swiglu:
             h = F.silu(self.gate(x)) * self.up(x)
         else:
@@ -228,7 +314,9 @@ class GPT(nn.Module):
         super().__init__()
         cfg = cfg.resolved()
         self.config = cfg
-        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_embed)
+        # pretrained vectors narrower/wider than d_model (e.g. 300-d FastText): a learned projection
+        self.embed_proj = nn.Linear(cfg.d_embed, cfg.d_model, bias=False) if cfg.d_embed != cfg.d_model else None
         if cfg.positions == "learned":
             self.pos_emb = nn.Embedding(cfg.context_length, cfg.d_model)
         elif cfg.positions == "sinusoidal":
@@ -274,12 +362,15 @@ class GPT(nn.Module):
         position_ids: torch.Tensor | None = None,
         loss_reduction: str = "mean",
         attention_out: list | None = None,
+        last_logits_only: bool = False,
     ):
         """idx (B, T) token ids -> (logits (B, T, V), loss or None).
 
         targets: (B, T) next-token ids, IGNORE_INDEX where nothing is predicted (padding).
         kv_cache: append this call's keys/values and attend over everything cached so far.
         position_ids: (B, T) per-row positions (left-padded batches); default start..start+T-1.
+        last_logits_only: compute logits for the last position only, (B, 1, V) (generation:
+            the output head is a large share of a prompt's compute).
         attention_out: a list to receive each layer's attention weights (B, H, T, S) (forces the
             hand-written attention path, since SDPA does not return weights).
         """
@@ -290,18 +381,24 @@ class GPT(nn.Module):
             raise ValueError(
                 f"sequence of {start + T} tokens exceeds the context length {cfg.context_length}"
             )
-        if position_ids is None:
-            position_ids = torch.arange(start, start + T, device=idx.device).expand(B, T)
+        # positions start..start+T-1 for every row (the usual case) are slices of the tables:
+        # no index tensor to build and gather from at every decoding step
+        def positions_of(table: torch.Tensor) -> torch.Tensor:  # -> (B or 1, T, ...)
+            return table[start : start + T][None] if position_ids is None else table[position_ids]
 
         x = self.tok_emb(idx)  # (B, T, C)
+        if self.embed_proj is not None:
+            x = self.embed_proj(x)  # (B, T, d_embed) -> (B, T, C)
         if cfg.positions == "learned":
-            x = x + self.pos_emb(position_ids)
+            x = x + positions_of(self.pos_emb.weight)
         elif cfg.positions == "sinusoidal":
-            x = x + self.pos_table[position_ids].to(x.dtype)
-        x = self.drop(x)
+            x = x + positions_of(self.pos_table).to(x.dtype)
+        if self.training:
+            x = self.drop(x)
         rope = None
         if cfg.positions == "rope":
-            rope = (self.rope_cos[position_ids][:, None], self.rope_sin[position_ids][:, None])  # (B, 1, T, D/2)
+            cos, sin = positions_of(self.rope_cos)[:, None], positions_of(self.rope_sin)[:, None]  # (B, 1, T, D/2)
+            rope = (cos, sin, torch.complex(cos, sin))
 
         mask = self._attention_mask(T, start, kv_cache, idx.device)
         for layer, block in enumerate(self.blocks):
@@ -311,12 +408,18 @@ class GPT(nn.Module):
                 x = block(x, rope, mask, kv_cache, layer, attention_out)
         if kv_cache is not None:
             kv_cache.length = start + T
-        logits = self.lm_head(self.norm_f(x))  # (B, T, V)
+        if last_logits_only and targets is None:  # generation needs the next-token logits only
+            x = x[:, -1:]
+        if _fast_path(self):
+            logits = linear_t(self.norm_f(x), *inference_weights(self, "head", (self.lm_head,)))
+        else:
+            logits = self.lm_head(self.norm_f(x))  # (B, T, V)
 
         loss = None
         if targets is not None:
             loss = F.cross_entropy(
-                logits.float().view(-1, logits.size(-1)),
+                # at least float32 for the loss; a float64 model keeps float64 (exactness tests)
+                logits.to(torch.promote_types(logits.dtype, torch.float32)).view(-1, logits.size(-1)),
                 targets.reshape(-1),
                 ignore_index=IGNORE_INDEX,
                 reduction=loss_reduction,
@@ -329,6 +432,8 @@ class GPT(nn.Module):
         if kv_cache is None or (kv_cache.key_mask is None and (start == 0 or T == 1)):
             return None  # causal triangle applied by the attention itself (one new query sees all keys)
         S = start + T
+        if T == 1:  # a decoding step: the new token sees every real key (its own slot is marked real)
+            return kv_cache.key_mask[:, None, None, :S]
         causal = torch.ones(T, S, dtype=torch.bool, device=device).tril(start)  # query i sees keys <= start+i
         if kv_cache.key_mask is None:
             return causal

@@ -53,6 +53,13 @@ class Tokenizer:
         raise NotImplementedError
 
     # -- shared -------------------------------------------------------------------------------
+    def decode_continuation(self, prompt_ids: list[int], new_ids: list[int]) -> str:
+        """Text that the new tokens add after the prompt (with the space a word-level tokenizer
+        puts between words, which decoding the new tokens alone would lose)."""
+        prompt_text = self.decode(prompt_ids)
+        full = self.decode(list(prompt_ids) + list(new_ids))
+        return full[len(prompt_text):] if full.startswith(prompt_text) else self.decode(new_ids)
+
     def encode_batch(self, texts: Iterable[str]) -> list[list[int]]:
         return [self.encode(t) for t in texts]
 
@@ -75,10 +82,18 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     path = Path(path)
     if not path.is_file():
         raise TinyLMError(f"tokenizer file {path} does not exist")
+    from tinylm.tokenizers.llama2c import Llama2cTokenizer, is_llama2c_file
+
+    if is_llama2c_file(path):  # a llama2.c tokenizer.bin (binary, not JSON)
+        return Llama2cTokenizer.from_file(path)
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise TinyLMError(f"tokenizer file {path} is not a tinylm JSON tokenizer ({exc})") from exc
+    if isinstance(data, dict) and "model" in data and "pre_tokenizer" in data:
+        from tinylm.tokenizers.hf_interop import import_hf  # a Hugging Face tokenizer.json
+
+        return import_hf(path)
     if not isinstance(data, dict) or data.get("format") != FORMAT_NAME:
         raise TinyLMError(f"{path} is not a tinylm tokenizer file (no \"format\": \"{FORMAT_NAME}\")")
     if data.get("version") != FORMAT_VERSION:

@@ -1,18 +1,32 @@
 """Byte-level BPE trained from scratch.
 
 Vocabulary: 4 specials, 256 byte tokens (id = 4 + byte), then one token per merge.
-Text is first split into pre-tokens by a regex (GPT-2's by default) so that merges never cross
-word boundaries. Training counts the unique pre-tokens once and then updates pair counts
-incrementally after each merge, touching only the pre-tokens that contain the merged pair.
+
+Pre-tokenisation: text is first split into pre-tokens by a regex (GPT-2's by default, "gpt4" for
+the cl100k-style split, or any pattern you give) so that merges never cross word boundaries. A
+custom pattern need not match every character: characters it skips become one-character
+pre-tokens, so encoding stays lossless whatever the pattern.
+
+Training counts the unique pre-tokens once, then keeps per-pair counts and the set of pre-tokens
+holding each pair; after a merge only those pre-tokens are rewritten and only the counts of
+pairs they hold are updated (a lazy max-heap finds the next pair).
 
 Tie-breaking (documented because reference trainers differ): among pairs with the highest
-count, the pair with the smallest (left id, right id) is merged first.
+count, the pair with the smallest (left id, right id) is merged first. Adjacent pairs are
+counted at every position (so "aaa" holds the pair (a, a) twice) and a merge replaces
+occurrences left to right without overlap.
+
+Special tokens: ``<pad> <unk> <sos> <eos>`` are recognised in text only when asked,
+``encode(text, allowed_special="all")`` or a set of their strings, as tiktoken does. A
+recognised special string is always exactly one id, never split or merged with its neighbours;
+by default special strings are ordinary text, which keeps encoding lossless on any input.
 """
 
 from __future__ import annotations
 
 import heapq
 from collections import Counter, defaultdict
+from itertools import chain, repeat
 from typing import Iterable
 
 import regex
@@ -27,6 +41,29 @@ GPT4_SPLIT = (
 SPLIT_PATTERNS = {"gpt2": GPT2_SPLIT, "gpt4": GPT4_SPLIT}
 BYTE_BASE = len(SPECIAL_TOKENS)
 FIRST_MERGE_ID = BYTE_BASE + 256
+_LONG_PIECE = 64  # bytes; longer pre-tokens are merged with a heap instead of repeated scans
+_CACHE_LIMIT = 500_000
+_NO_RANK = 1 << 62
+
+
+def total_pattern(pattern: str) -> str:
+    """The regex text actually used for ``pattern``: a named pattern as is (they match every
+    character), a custom one extended so that a character it skips is a pre-token of its own."""
+    return SPLIT_PATTERNS.get(pattern) or f"(?:{pattern})|[\\s\\S]"
+
+
+def compile_split(pattern: str) -> "regex.Pattern":
+    """The pre-tokenisation regex for a pattern name or a custom regex (made total: any
+    character the pattern does not match becomes its own pre-token)."""
+    if pattern in SPLIT_PATTERNS:
+        return regex.compile(SPLIT_PATTERNS[pattern])
+    try:
+        compiled = regex.compile(pattern)
+    except regex.error as exc:
+        raise TinyLMError(f"BPE split pattern {pattern!r} is not a valid regex ({exc})") from exc
+    if compiled.groups:
+        raise TinyLMError(f"BPE split pattern {pattern!r} has capturing groups; use (?:...) instead")
+    return regex.compile(total_pattern(pattern))
 
 
 class BPETokenizer(Tokenizer):
@@ -35,103 +72,135 @@ class BPETokenizer(Tokenizer):
 
     def __init__(self, merges: list[tuple[int, int]] | None = None, pattern: str = "gpt2"):
         self.pattern = pattern
-        self._split = regex.compile(SPLIT_PATTERNS.get(pattern, pattern))
-        self.merges = [tuple(m) for m in (merges or [])]
+        self._split = compile_split(pattern)
+        self.merges = [tuple(int(x) for x in m) for m in (merges or [])]
         self.ranks = {pair: i for i, pair in enumerate(self.merges)}
         self.token_bytes: list[bytes] = [s.encode() for s in SPECIAL_TOKENS] + [bytes([b]) for b in range(256)]
-        for a, b in self.merges:
+        for i, (a, b) in enumerate(self.merges):
+            if not (0 <= a < FIRST_MERGE_ID + i and 0 <= b < FIRST_MERGE_ID + i) or a < BYTE_BASE or b < BYTE_BASE:
+                raise TinyLMError(f"BPE merge {i} = ({a}, {b}) refers to a token that does not exist yet")
             self.token_bytes.append(self.token_bytes[a] + self.token_bytes[b])
-        self._cache: dict[str, list[int]] = {}
+        self._cache: dict[str, tuple[int, ...]] = {}
+        self._special_re: dict[frozenset, "regex.Pattern"] = {}
 
     @property
     def vocab_size(self) -> int:
         return FIRST_MERGE_ID + len(self.merges)
 
     def pretokenize(self, text: str) -> list[str]:
-        return self._split.findall(text)
+        return [p for p in self._split.findall(text) if p]
 
     # ---------------------------------------------------------------------------------- train
     def train(self, texts: Iterable[str], vocab_size: int) -> "BPETokenizer":
+        """Learn ``vocab_size - 260`` merges (fewer when no pair is left to merge)."""
         if vocab_size < FIRST_MERGE_ID:
             raise TinyLMError(
                 f"BPE vocab_size {vocab_size} is smaller than the byte alphabet plus specials "
                 f"({FIRST_MERGE_ID}); use at least {FIRST_MERGE_ID}"
             )
+        if isinstance(texts, str):
+            texts = [texts]
         counts: Counter[str] = Counter()
         for t in texts:
-            counts.update(self.pretokenize(t))
+            counts.update(self._split.findall(t))
+        counts.pop("", None)
         if not counts:
             raise TinyLMError("cannot train BPE on an empty corpus")
-        words = [[BYTE_BASE + b for b in w.encode("utf-8")] for w in counts]
+        words = [[BYTE_BASE + b for b in w.encode("utf-8", "surrogatepass")] for w in counts]
         freqs = list(counts.values())
-
-        pair_counts: dict[tuple[int, int], int] = defaultdict(int)
-        where: dict[tuple[int, int], set[int]] = defaultdict(set)
-        for wi, (w, f) in enumerate(zip(words, freqs)):
-            for pair in zip(w, w[1:]):
-                pair_counts[pair] += f
-                where[pair].add(wi)
-        heap = [(-c, p) for p, c in pair_counts.items()]
-        heapq.heapify(heap)
-
-        merges: list[tuple[int, int]] = []
-        n_merges = vocab_size - FIRST_MERGE_ID
-        while len(merges) < n_merges and heap:
-            neg, pair = heapq.heappop(heap)
-            if pair_counts.get(pair, 0) != -neg or -neg <= 0:
-                continue  # stale heap entry
-            new_id = FIRST_MERGE_ID + len(merges)
-            merges.append(pair)
-            changed: set[tuple[int, int]] = set()
-            for wi in list(where[pair]):
-                w, f = words[wi], freqs[wi]
-                for p in zip(w, w[1:]):  # remove this word's old pairs
-                    pair_counts[p] -= f
-                    changed.add(p)
-                merged = _merge(w, pair, new_id)
-                words[wi] = merged
-                for p in zip(merged, merged[1:]):
-                    pair_counts[p] += f
-                    where[p].add(wi)
-                    changed.add(p)
-            del where[pair]
-            pair_counts.pop(pair, None)
-            changed.discard(pair)
-            for p in changed:
-                c = pair_counts.get(p, 0)
-                if c > 0:
-                    heapq.heappush(heap, (-c, p))
-                else:
-                    pair_counts.pop(p, None)
+        merges = learn_merges(words, freqs, vocab_size - FIRST_MERGE_ID)
         self.__init__(merges, self.pattern)
+        # the training pre-tokens end up merged exactly as encode would merge them (same merges in
+        # the same order), so they seed the piece cache: encoding the training text starts warm
+        for piece, ids in zip(counts, words):
+            if len(self._cache) >= _CACHE_LIMIT:
+                break
+            self._cache[piece] = tuple(ids)
         return self
 
     # --------------------------------------------------------------------------------- encode
-    def _encode_piece(self, piece: str) -> list[int]:
-        ids = [BYTE_BASE + b for b in piece.encode("utf-8")]
-        ranks = self.ranks
-        while len(ids) > 1:
-            best = min(zip(ids, ids[1:]), key=lambda p: ranks.get(p, 1 << 30))
-            if best not in ranks:
+    def _encode_piece(self, piece: str) -> tuple[int, ...]:
+        """Merge the lowest-ranked adjacent pair, leftmost first, until none is a merge. Merging
+        occurrences one at a time from the left gives the same result as merging all of them at
+        once, since a merge only creates pairs of higher rank."""
+        ids = [BYTE_BASE + b for b in piece.encode("utf-8", "surrogatepass")]
+        n = len(ids)
+        if n < 2:
+            return tuple(ids)
+        if n > _LONG_PIECE:
+            return tuple(merge_by_rank(ids, self.ranks))
+        get, big = self.ranks.get, _NO_RANK
+        ranks = list(map(get, zip(ids, ids[1:]), repeat(big, n - 1)))  # rank of pair (i, i+1)
+        while True:
+            rank = min(ranks)  # min / index run in C; only the two neighbours are looked up again
+            if rank == big:
                 break
-            ids = _merge(ids, best, FIRST_MERGE_ID + ranks[best])
-        return ids
+            i = ranks.index(rank)
+            new = FIRST_MERGE_ID + rank
+            ids[i] = new
+            del ids[i + 1]
+            del ranks[i]
+            if not ranks:
+                break
+            if i > 0:
+                ranks[i - 1] = get((ids[i - 1], new), big)
+            if i < len(ranks):
+                ranks[i] = get((new, ids[i + 1]), big)
+        return tuple(ids)
 
-    def encode(self, text: str) -> list[int]:
-        out: list[int] = []
+    def _encode_ordinary(self, text: str) -> list[int]:
+        pieces = self._split.findall(text)
         cache = self._cache
-        for piece in self._split.findall(text):
-            ids = cache.get(piece)
-            if ids is None:
-                ids = self._encode_piece(piece)
-                if len(cache) < 500_000:
-                    cache[piece] = ids
-            out.extend(ids)
+        try:
+            return list(chain.from_iterable(map(cache.__getitem__, pieces)))
+        except KeyError:  # some pieces not seen yet: encode them once, then retry
+            if len(cache) > _CACHE_LIMIT:
+                cache.clear()
+            for piece in set(pieces).difference(cache):
+                cache[piece] = self._encode_piece(piece)
+            return list(chain.from_iterable(map(cache.__getitem__, pieces)))
+
+    def encode(self, text: str, allowed_special: str | Iterable[str] = ()) -> list[int]:
+        """Token ids of ``text``. ``allowed_special``: "all", or the special strings (e.g.
+        {"<eos>"}) to recognise as single tokens; by default none is (they are plain text)."""
+        if allowed_special == "all":
+            allowed = frozenset(SPECIAL_TOKENS)
+        else:
+            allowed = frozenset(allowed_special)
+            unknown = allowed.difference(SPECIAL_TOKENS)
+            if unknown:
+                raise TinyLMError(f"unknown special tokens {sorted(unknown)}; known: {', '.join(SPECIAL_TOKENS)}")
+        if not allowed:
+            return self._encode_ordinary(text)
+        splitter = self._special_re.get(allowed)
+        if splitter is None:
+            alternatives = "|".join(regex.escape(s) for s in sorted(allowed, key=len, reverse=True))
+            splitter = self._special_re[allowed] = regex.compile(f"({alternatives})")
+        out: list[int] = []
+        for i, part in enumerate(splitter.split(text)):
+            if i % 2:  # odd parts are the captured special strings
+                out.append(SPECIAL_TOKENS.index(part))
+            elif part:
+                out.extend(self._encode_ordinary(part))
         return out
 
-    def decode(self, ids: Iterable[int]) -> str:
+    def decode(self, ids: Iterable[int], skip_special: bool = True) -> str:
+        """Text of ``ids``. Special tokens are dropped, or written as their strings with
+        ``skip_special=False`` (the inverse of ``encode(..., allowed_special="all")``)."""
         tb = self.token_bytes
-        return b"".join(tb[i] for i in map(int, ids) if i >= BYTE_BASE).decode("utf-8", errors="replace")
+        n = len(tb)
+        ids = list(map(int, ids))
+        if ids and (min(ids) < 0 or max(ids) >= n):
+            bad = next(i for i in ids if not 0 <= i < n)
+            raise TinyLMError(f"token id {bad} is outside the BPE vocabulary of {n}")
+        if skip_special:
+            raw = b"".join(tb[i] for i in ids if i >= BYTE_BASE)
+        else:
+            raw = b"".join(tb[i] for i in ids)
+        try:  # lone surrogates survive a round trip; anything else invalid is replaced
+            return raw.decode("utf-8", "surrogatepass")
+        except UnicodeDecodeError:
+            return raw.decode("utf-8", errors="replace")
 
     def id_to_piece(self, i: int) -> str:
         return self.token_bytes[i].decode("utf-8", errors="replace")
@@ -141,13 +210,101 @@ class BPETokenizer(Tokenizer):
 
     @classmethod
     def _from_state(cls, state: dict) -> "BPETokenizer":
-        return cls([tuple(m) for m in state["merges"]], state.get("pattern", "gpt2"))
+        merges = state.get("merges")
+        if not isinstance(merges, list) or any(not isinstance(m, list) or len(m) != 2 for m in merges):
+            raise TinyLMError("BPE tokenizer file: \"merges\" must be a list of [left id, right id] pairs")
+        return cls([tuple(m) for m in merges], state.get("pattern", "gpt2"))
+
+
+def learn_merges(words: list[list[int]], freqs: list[int], n_merges: int) -> list[tuple[int, int]]:
+    """The merge list for pre-tokens ``words`` (token ids, rewritten in place) seen ``freqs`` times.
+
+    Pair counts are updated incrementally: a merge rewrites only the pre-tokens that hold the
+    pair, subtracting their old pairs and adding their new ones.
+    """
+    pair_counts: dict[tuple[int, int], int] = defaultdict(int)
+    where: dict[tuple[int, int], set[int]] = defaultdict(set)
+    for wi, (w, f) in enumerate(zip(words, freqs)):
+        for pair in zip(w, w[1:]):
+            pair_counts[pair] += f
+            where[pair].add(wi)
+    heap = [(-c, p) for p, c in pair_counts.items()]
+    heapq.heapify(heap)
+
+    merges: list[tuple[int, int]] = []
+    while len(merges) < n_merges and heap:
+        neg, pair = heapq.heappop(heap)
+        if pair_counts.get(pair, 0) != -neg or -neg <= 0:
+            continue  # stale heap entry: the count changed after it was pushed
+        new_id = FIRST_MERGE_ID + len(merges)
+        merges.append(pair)
+        changed: set[tuple[int, int]] = set()
+        for wi in where.pop(pair):
+            w, f = words[wi], freqs[wi]
+            for p in zip(w, w[1:]):  # remove this word's old pairs
+                pair_counts[p] -= f
+                changed.add(p)
+            merged = _merge(w, pair, new_id)
+            words[wi] = merged
+            for p in zip(merged, merged[1:]):
+                pair_counts[p] += f
+                where[p].add(wi)  # may leave stale members elsewhere; rewriting them is a no-op
+                changed.add(p)
+        pair_counts.pop(pair, None)
+        changed.discard(pair)
+        for p in changed:
+            c = pair_counts.get(p, 0)
+            if c > 0:
+                heapq.heappush(heap, (-c, p))
+            else:
+                pair_counts.pop(p, None)
+                where.pop(p, None)
+    return merges
+
+
+def merge_by_rank(ids: list[int], ranks: dict[tuple[int, int], int]) -> list[int]:
+    """Apply merges by rank (lowest first, leftmost first) in O(n log n) with a heap over a linked
+    list; the same result as repeatedly merging the lowest-ranked pair left to right, because a
+    merge only creates pairs of higher rank."""
+    n = len(ids)
+    tok = list(ids)
+    nxt = list(range(1, n + 1))
+    prv = list(range(-1, n - 1))
+    alive = [True] * n
+    heap = [(ranks[(tok[i], tok[i + 1])], i, tok[i], tok[i + 1]) for i in range(n - 1) if (tok[i], tok[i + 1]) in ranks]
+    heapq.heapify(heap)
+    while heap:
+        rank, i, a, b = heapq.heappop(heap)
+        j = nxt[i]
+        if not alive[i] or tok[i] != a or j >= n or tok[j] != b:
+            continue
+        new = FIRST_MERGE_ID + rank
+        tok[i] = new
+        alive[j] = False
+        k = nxt[i] = nxt[j]
+        if k < n:
+            prv[k] = i
+            r = ranks.get((new, tok[k]))
+            if r is not None:
+                heapq.heappush(heap, (r, i, new, tok[k]))
+        p = prv[i]
+        if p >= 0:
+            r = ranks.get((tok[p], new))
+            if r is not None:
+                heapq.heappush(heap, (r, p, tok[p], new))
+    out, i = [], 0
+    while i < n:
+        out.append(tok[i])
+        i = nxt[i]
+    return out
 
 
 def _merge(ids: list[int], pair: tuple[int, int], new_id: int) -> list[int]:
     """Replace every non-overlapping occurrence of ``pair`` (left to right) with ``new_id``."""
-    out, i, n = [], 0, len(ids)
     a, b = pair
+    if len(ids) == 2:  # the common last step of short pieces
+        return [new_id] if ids[0] == a and ids[1] == b else list(ids)
+    out, i, n = [], 0, len(ids)
     while i < n:
         if i < n - 1 and ids[i] == a and ids[i + 1] == b:
             out.append(new_id)

@@ -29,6 +29,7 @@ from tinylm.tokenizers import Tokenizer, load_tokenizer
 FORMAT_NAME = "tinylm-checkpoint"
 FORMAT_VERSION = 1
 REQUIRED_FILES = ("model.safetensors", "checkpoint.json", "tokenizer.json")
+STEP_PREFIX = "step-"  # periodic checkpoints: checkpoints/step-0000100, the last ``keep_last`` kept
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
@@ -55,6 +56,21 @@ def _fsync_dir_files(path: Path) -> None:
         if f.is_file():
             with open(f, "rb") as fh:
                 os.fsync(fh.fileno())
+    _fsync_dir(path)
+
+
+def _fsync_dir(path: Path) -> None:
+    """Make a directory's entries (new files, renames) durable; a no-op where unsupported."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def save_checkpoint(
@@ -92,14 +108,31 @@ def save_checkpoint(
             shutil.rmtree(old)
         os.replace(path, old)
     os.replace(tmp, path)
+    _fsync_dir(path.parent)
     if old.exists():
         shutil.rmtree(old)
     return path
 
 
+def prune_step_checkpoints(ckpt_root: str | Path, keep_last: int) -> list[Path]:
+    """Delete all but the newest ``keep_last`` step-N checkpoints (``best`` and ``last`` are separate)."""
+    root = Path(ckpt_root)
+    if keep_last < 1 or not root.is_dir():
+        return []
+    steps = sorted((d for d in root.iterdir() if d.is_dir() and d.name.startswith(STEP_PREFIX)
+                    and d.name[len(STEP_PREFIX):].isdigit()), key=lambda d: int(d.name[len(STEP_PREFIX):]))
+    removed = steps[:-keep_last]
+    for d in removed:
+        shutil.rmtree(d)
+    return removed
+
+
 def resolve_checkpoint_dir(path: str | Path) -> Path:
     """Accept a checkpoint directory or a run directory (then its best, else last, checkpoint)."""
     path = Path(path)
+    old = path.with_name(path.name + ".old")  # a save interrupted between its two renames
+    if not path.exists() and (old / "checkpoint.json").is_file():
+        return old
     if not path.exists():
         raise TinyLMError(f"checkpoint {path} does not exist")
     if (path / "checkpoint.json").is_file():
@@ -107,9 +140,11 @@ def resolve_checkpoint_dir(path: str | Path) -> Path:
     for sub in ("checkpoints/best", "checkpoints/last", "best", "last"):
         if (path / sub / "checkpoint.json").is_file():
             return path / sub
-    old = path.with_name(path.name + ".old")  # a save interrupted between its two renames
-    if old.is_dir() and (old / "checkpoint.json").is_file():
-        return old
+    for root in (path / "checkpoints", path):  # a run cut short before best/last: its newest step-N
+        steps = sorted((d for d in root.glob(f"{STEP_PREFIX}*") if (d / "checkpoint.json").is_file()
+                        and d.name[len(STEP_PREFIX):].isdigit()), key=lambda d: int(d.name[len(STEP_PREFIX):]))
+        if steps:
+            return steps[-1]
     raise TinyLMError(f"{path} is not a tinylm checkpoint directory (no checkpoint.json)")
 
 

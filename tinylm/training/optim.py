@@ -7,6 +7,7 @@ import math
 import torch
 
 from tinylm.config import TrainConfig
+from tinylm.errors import TinyLMError
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
@@ -24,13 +25,29 @@ def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Adam
     return torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2))
 
 
-def lr_at(step: int, cfg: TrainConfig) -> float:
-    """Linear warmup over ``warmup_steps``, then cosine (or linear) decay to ``min_lr`` at ``max_steps``."""
+def lr_at(step: int, cfg: TrainConfig, wall_fraction: float | None = None) -> float:
+    """Linear warmup over ``warmup_steps``, then cosine (or linear) decay to ``min_lr`` at ``max_steps``.
+
+    ``wall_fraction`` (elapsed / wall budget, for ``schedule_clock="wall"``) replaces the step-based
+    progress of the decay: the run reaches ``min_lr`` when its time is up, however fast it steps.
+    Warmup stays in steps."""
     if cfg.warmup_steps > 0 and step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
     if cfg.schedule == "constant":
         return cfg.lr
-    progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps))
+    if wall_fraction is not None:
+        progress = min(1.0, max(0.0, wall_fraction))
+    else:
+        progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps))
     if cfg.schedule == "linear":
         return cfg.lr + (cfg.min_lr - cfg.lr) * progress
     return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1.0 + math.cos(math.pi * progress))
+
+
+def wall_schedule_enabled(cfg: TrainConfig) -> bool:
+    """True when the decay follows the wall clock; an unusable setting is a user error."""
+    if cfg.schedule_clock not in ("steps", "wall"):
+        raise TinyLMError(f"train.schedule_clock={cfg.schedule_clock!r} is not one of steps, wall")
+    if cfg.schedule_clock == "wall" and not cfg.max_minutes:
+        raise TinyLMError("train.schedule_clock=wall needs a wall budget: set train.max_minutes")
+    return cfg.schedule_clock == "wall"

@@ -1,0 +1,80 @@
+"""Checkpoint directories: atomic replacement, interrupted saves, keep-last-K pruning."""
+import os
+
+import pytest
+import torch
+
+from tinylm.config import ModelConfig
+from tinylm.models.gpt import GPT
+from tinylm.tokenizers import new_tokenizer
+from tinylm.training import checkpoint as ckpt_mod
+from tinylm.training.checkpoint import (load_checkpoint, prune_step_checkpoints, resolve_checkpoint_dir,
+                                        save_checkpoint)
+
+
+@pytest.fixture
+def model_and_tokenizer():
+    tok = new_tokenizer("char").train(["hello world"], 40)
+    torch.manual_seed(0)
+    return GPT(ModelConfig(vocab_size=tok.vocab_size, context_length=8, d_model=16, n_layers=1, n_heads=2)), tok
+
+
+def test_kill_during_save_leaves_previous_checkpoint_loadable(model_and_tokenizer, tmp_path, monkeypatch):
+    model, tok = model_and_tokenizer
+    path = tmp_path / "best"
+    save_checkpoint(path, model, tok)
+    before = (path / "model.safetensors").read_bytes()
+    with torch.no_grad():
+        model.tok_emb.weight.add_(1.0)
+
+    def crash(*a, **k):  # the process dies while writing the new files
+        raise KeyboardInterrupt("killed")
+
+    monkeypatch.setattr(ckpt_mod, "save_file", crash)
+    with pytest.raises(KeyboardInterrupt):
+        save_checkpoint(path, model, tok)
+    monkeypatch.undo()
+    assert (path / "model.safetensors").read_bytes() == before
+    loaded, _, _ = load_checkpoint(path)
+    assert not torch.equal(loaded.tok_emb.weight, model.tok_emb.weight)
+    # the next save cleans the half-written temporary directory and replaces the checkpoint
+    save_checkpoint(path, model, tok)
+    assert not (tmp_path / "best.tmp").exists()
+    assert torch.equal(load_checkpoint(path)[0].tok_emb.weight, model.tok_emb.weight)
+
+
+def test_kill_between_the_two_renames_is_recovered(model_and_tokenizer, tmp_path, monkeypatch):
+    model, tok = model_and_tokenizer
+    path = tmp_path / "last"
+    save_checkpoint(path, model, tok)
+    real_replace = os.replace
+
+    def replace_then_die(src, dst):
+        real_replace(src, dst)
+        if str(dst).endswith("last.old"):  # old checkpoint moved aside, new one not yet in place
+            raise KeyboardInterrupt("killed")
+
+    monkeypatch.setattr(ckpt_mod.os, "replace", replace_then_die)
+    with pytest.raises(KeyboardInterrupt):
+        save_checkpoint(path, model, tok)
+    monkeypatch.undo()
+    assert not path.exists()
+    assert resolve_checkpoint_dir(path) == tmp_path / "last.old"
+    load_checkpoint(path)
+
+
+def test_prune_keeps_the_newest_k_step_checkpoints(model_and_tokenizer, tmp_path):
+    model, tok = model_and_tokenizer
+    for step in (5, 10, 15, 100):
+        save_checkpoint(tmp_path / f"step-{step:07d}", model, tok, info={"step": step})
+    save_checkpoint(tmp_path / "best", model, tok)
+    removed = prune_step_checkpoints(tmp_path, keep_last=2)
+    assert sorted(p.name for p in removed) == ["step-0000005", "step-0000010"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["best", "step-0000015", "step-0000100"]
+
+
+def test_run_directory_without_best_or_last_resolves_to_newest_step(model_and_tokenizer, tmp_path):
+    model, tok = model_and_tokenizer
+    for step in (9, 12):
+        save_checkpoint(tmp_path / "checkpoints" / f"step-{step:07d}", model, tok, info={"step": step})
+    assert resolve_checkpoint_dir(tmp_path) == tmp_path / "checkpoints/step-0000012"

@@ -1,0 +1,133 @@
+"""The experiment runner end to end on a tiny corpus the test writes: every part's file, the
+report, the cache (a re-run skips finished parts), and the config handling."""
+from __future__ import annotations
+
+import csv
+import json
+
+import pytest
+
+from conftest import make_stories
+from tinylm.cli import main
+from tinylm.errors import TinyLMError
+from tinylm.experiments import PARTS, load_experiment_config
+
+CONFIG = """
+out_dir: runs/should-be-overridden
+data: {source: tinystories, train: MISSING.txt, valid: MISSING.txt, batching: stories}
+tokenizer: {type: word, vocab_size: 300, lowercase: true}
+model: {context_length: 32, n_layers: 2, n_heads: 2, d_model: 32, d_ff: 64}
+train: {batch_size: 8, max_steps: 500, eval_interval: 10, eval_batches: 2, warmup_steps: 2, lr: 3.0e-3, threads: 1,
+        progress: false}
+sample: {prompts: ["Once upon a time", "The dog"], max_new_tokens: 12}
+experiments:
+  bleu_samples: 6
+  prompt_tokens: 5
+  max_continuation: 10
+  temperatures: [0.7, 1.2]
+  beam_widths: [2]
+  kv_new_tokens: [12]
+  kv_prompt_tokens: 4
+  kv_repeats: 1
+  accum_steps: [1, 2]
+  tradeoff_micro_batches: 2
+  attention_texts: ["Tom had a red ball.", "the dog ran fast and the cat ran fast and the dog ran fast and the cat ran fast and the dog ran fast and the cat ran fast and the dog ran fast and the cat ran fast"]
+  sample_temperatures: [0.7, 1.0]
+quick:
+  train: {max_steps: 20}
+"""
+
+
+@pytest.fixture
+def corpus(tmp_path):
+    stories = make_stories(80)
+    train, valid = tmp_path / "train.txt", tmp_path / "valid.txt"
+    train.write_text("".join(f"{s}\n<|endoftext|>\n" for s in stories[:70]), encoding="utf-8")
+    valid.write_text("".join(f"{s}\n<|endoftext|>\n" for s in ["The end.", *stories[70:]]), encoding="utf-8")
+    config = tmp_path / "exp.yaml"
+    config.write_text(CONFIG)
+    return config, [f"data.train={train}", f"data.valid={valid}"]
+
+
+def test_config_quick_section_and_overrides(corpus):
+    config, data = corpus
+    cfg, exp = load_experiment_config(config, [*data, "experiments.bleu_samples=3"], quick=True)
+    assert cfg.train.max_steps == 20 and cfg.data.train.endswith("train.txt")
+    assert exp.bleu_samples == 3 and exp.temperatures == [0.7, 1.2]
+    assert load_experiment_config(config, data)[0].train.max_steps == 500
+    with pytest.raises(TinyLMError, match="unknown config key experiments.bleu_sample"):
+        load_experiment_config(config, ["experiments.bleu_sample=3"])
+    with pytest.raises(TinyLMError, match="not a multiple of accumulation steps"):
+        load_experiment_config(config, ["experiments.accum_steps=[1,3]"])
+
+
+def test_runner_writes_every_part_and_resumes_from_cache(corpus, tmp_path, capsys):
+    config, data = corpus
+    run = tmp_path / "run"
+    assert main(["experiments", "--config", str(config), "--quick", "--out", str(run), *data]) == 0
+    manifest = json.loads((run / "experiments.json").read_text())
+    assert set(manifest["parts"]) == set(PARTS)
+    assert all(not s.startswith("failed") for s in manifest["parts"].values()), manifest["parts"]
+
+    # BLEU: one sample was too short for the 5-token prompt; its CSVs have the protocol's columns
+    bleu = json.loads((run / "bleu.json").read_text())
+    assert bleu["samples"] == 6 and bleu["skipped_too_short"] == 1
+    rows = list(csv.DictReader(open(run / "bleu_samples_T0.7.csv", encoding="utf-8")))
+    assert list(rows[0]) == ["prompt", "reference_continuation", "hypothesis_continuation", "per_sample_ppl"]
+    assert len(rows) == 6 and all(float(r["per_sample_ppl"]) > 1 for r in rows)
+    assert [s["name"] for s in bleu["settings"]] == ["T0.7", "T1.2"]
+
+    dec = json.loads((run / "decoding.json").read_text())
+    beam = dec["settings"][-1]
+    assert beam["name"] == "beam2" and ("bleu4" in beam or "missing" in beam)
+    kv = json.loads((run / "kv_cache.json").read_text())["rows"][0]
+    assert kv["new_tokens"] == 12 and kv["same_tokens"] and kv["cache_tokens_per_s"] > 0
+    acc = json.loads((run / "accumulation.json").read_text())["rows"]
+    assert [(r["accum_steps"], r["optimizer_steps"], r["micro_batches"]) for r in acc] == [(1, 2, 2), (2, 1, 2)]
+    att = json.loads((run / "attention.json").read_text())["texts"]
+    assert att[0]["max_row_sum_error"] < 1e-5 and att[0]["max_weight_above_diagonal"] == 0.0
+    assert (run / att[0]["html"]).is_file() and all((run / p).is_file() for p in att[0]["pngs"])
+    assert "longer than the model's context" in att[1]["missing"]  # the too-long sentence is reported
+    assert (run / "curves.png").is_file()
+
+    md = (run / "report.md").read_text()
+    for heading in ("## Configuration", "## Training", "## BLEU and perplexity", "## Example generations",
+                    "## Decoding comparison", "## KV cache", "## Gradient accumulation", "## Gradient checkpointing",
+                    "## Attention maps", "## Machine"):
+        assert heading in md, heading
+    assert f"{bleu['settings'][0]['bleu4']:.4f}" in md  # the report's numbers are the files' numbers
+    assert "INCOMPLETE REPORT" in md and "attention map for" in md  # the too-long text is a missing part
+    assert (run / "report.html").read_text().count("data:image/png;base64,") >= 3
+
+    # a second run finds every part cached
+    capsys.readouterr()
+    assert main(["experiments", "--config", str(config), "--quick", "--out", str(run), *data]) == 0
+    again = json.loads((run / "experiments.json").read_text())["parts"]
+    assert set(again.values()) == {"cached"}
+    # a changed protocol setting re-runs the parts that depend on it, not the baseline
+    assert main(["experiments", "--config", str(config), "--quick", "--out", str(run), *data,
+                 "experiments.bleu_samples=4", "--only", "bleu"]) == 0
+    again = json.loads((run / "experiments.json").read_text())["parts"]
+    assert again["baseline"] == "cached" and again["bleu"] == "done" and again["kv_cache"] == "stale"
+    assert json.loads((run / "bleu.json").read_text())["samples"] == 4
+
+
+def test_missing_data_file_is_a_clear_error(corpus, tmp_path, capsys):
+    config, _ = corpus
+    assert main(["experiments", "--config", str(config), "--quick", "--out", str(tmp_path / "r"),
+                 f"data.train={tmp_path / 'nope.txt'}", f"data.valid={tmp_path / 'nope.txt'}"]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_the_shipped_assignment_config_loads():
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "configs" / "tinystories-assignment.yaml"
+    cfg, exp = load_experiment_config(path, ["data.train=a.txt", "data.valid=b.txt"])
+    assert (cfg.model.n_layers, cfg.model.n_heads, cfg.model.d_model, cfg.model.context_length) == (3, 8, 300, 64)
+    assert cfg.model.d_attn == 304 and cfg.tokenizer.type == "word" and cfg.data.train == "a.txt"
+    assert (exp.bleu_samples, exp.prompt_tokens, exp.temperatures, exp.beam_widths) == (50, 5, [0.7, 1.0, 1.2], [5, 10])
+    assert exp.accum_steps == [1, 2, 4, 8] and exp.smoothing == "method1"
+    quick_cfg, quick_exp = load_experiment_config(path, [], quick=True)
+    assert quick_cfg.model.d_model < cfg.model.d_model and quick_cfg.train.max_minutes <= 2
+    assert quick_exp.bleu_samples == 50 and quick_exp.tradeoff_micro_batches % 8 == 0

@@ -1,0 +1,107 @@
+"""report.md / report.html: numbers come from the run's files, missing parts are said to be missing."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+
+from tinylm.cli import main
+from tinylm.config import RunConfig
+from tinylm.errors import TinyLMError
+from tinylm.report import build_report, write_report, write_run_report
+
+
+def write_training_run(run, metrics=True):
+    cfg = RunConfig()
+    cfg.model.vocab_size, cfg.model.d_attn, cfg.model.d_ff, cfg.model.n_kv_heads = 777, 128, 512, 4
+    (run / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict()))
+    (run / "prepare.json").write_text(json.dumps({"splits": ["train", "valid"], "documents": {"train": 90, "valid": 10},
+                                                  "tokens": {"train": 12345, "valid": 1234},
+                                                  "bytes": {"train": 54321, "valid": 5432}}))
+    (run / "eval.json").write_text(json.dumps({
+        "parameters": 424242, "steps": 60, "train_seconds": 12.5, "tokens_per_s": 3210.0, "stopped_because": "max_steps",
+        "best_val_loss": 2.3456, "final_train_loss": 2.1111,
+        "eval": {"valid": {"token_ppl": 10.4321, "bpb": 1.2345, "word_ppl": 20.9876, "tokens": 1234}}}))
+    (run / "samples.json").write_text(json.dumps([{"prompt": "Once", "continuation": " upon a time", "new_tokens": 3}]))
+    if metrics:
+        (run / "metrics.csv").write_text("step,tokens,lr,train_loss,val_loss,val_ppl,tokens_per_s,elapsed_s\n"
+                                         "30,100,1e-3,3.00000,3.10000,22.198,100,1\n60,200,1e-3,2.11110,2.34560,10.441,100,2\n")
+
+
+def test_training_run_report_reads_every_number_from_files(tmp_path):
+    write_training_run(tmp_path)
+    path = write_run_report(tmp_path)
+    md = path.read_text()
+    for expected in ("| vocabulary | 777 |", "| parameters (total) | 424,242 |", "| valid | 10 | 1,234 | 5,432 |",
+                     "10.4321", "1.2345", "20.9876", "| 60 | 2.1111 | 2.3456 | 10.44 |", "upon a time", "## Machine"):
+        assert expected in md, expected
+    assert "INCOMPLETE" not in md and "missing" not in md
+    page = (tmp_path / "report.html").read_text()
+    assert "10.4321" in page and "<table>" in page and "upon a time" in page
+
+
+def test_run_without_metrics_is_reported_incomplete(tmp_path, capsys):
+    write_training_run(tmp_path, metrics=False)
+    doc = build_report(tmp_path)
+    assert any("metrics.csv" in m for m in doc.missing)
+    assert main(["report", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "INCOMPLETE: 1 part(s) missing" in out and "metrics.csv" in out
+    assert "**INCOMPLETE REPORT: 1 part(s) missing**" in (tmp_path / "report.md").read_text()
+
+
+def test_not_a_run_directory(tmp_path, capsys):
+    with pytest.raises(TinyLMError, match="not a tinylm run directory"):
+        write_report(tmp_path)
+    assert main(["report", str(tmp_path / "nope")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_experiment_report_lists_every_missing_part(tmp_path):
+    write_training_run(tmp_path)
+    (tmp_path / "experiments.json").write_text(json.dumps({"quick": True, "command": "tinylm experiments --quick",
+                                                           "parts": {}}))
+    md = write_report(tmp_path)[0].read_text()
+    for part in ("bleu.json", "decoding.json", "kv_cache.json", "accumulation.json", "checkpointing.json",
+                 "attention.json", "curves.png"):
+        assert part in md, part
+    assert "INCOMPLETE REPORT" in md and "`tinylm experiments --quick` (quick)" in md
+
+
+def test_experiment_tables_show_the_files_numbers(tmp_path):
+    write_training_run(tmp_path)
+    (tmp_path / "experiments.json").write_text(json.dumps({"quick": False, "parts": {}}))
+    sacre = {"bleu": 3.1415, "signature": "nrefs:1|case:mixed|eff:no|tok:13a|smooth:exp|version:2.6.0"}
+    bleu_row = {"name": "T0.7", "bleu1": 0.4321, "bleu2": 0.2109, "bleu3": 0.1098, "bleu4": 0.0567, "sacrebleu": sacre,
+                "tokens_per_s": 456.0, "csv": "bleu_samples_T0.7.csv"}
+    (tmp_path / "bleu.json").write_text(json.dumps({
+        "protocol": {"prompt_tokens": 5, "max_continuation": 60, "seed": 0, "smoothing": "method1"}, "samples": 48,
+        "requested": 50, "notes": ["asked for 50 samples, only 48 usable stories exist; using them all"],
+        "reference_ppl": 17.25, "reference_tokens": 2000, "mean_per_sample_ppl": 19.5, "bleu_tokenization": "x",
+        "meaning": "BLEU: weak for stories", "settings": [bleu_row]}))
+    (tmp_path / "decoding.json").write_text(json.dumps({"samples": 48, "threads": 2, "settings": [
+        {**bleu_row, "name": "sample_T1", "speed_vs_sampling": 1.0},
+        {"name": "beam5", "beam_width": 5, "missing": "beam search is not available"}]}))
+    (tmp_path / "kv_cache.json").write_text(json.dumps({"threads": 1, "repeats": 3, "context_length": 64, "rows": [
+        {"prompt_tokens": 9, "new_tokens": 32, "cache_tokens_per_s": 812.0, "nocache_tokens_per_s": 203.0,
+         "speedup": 4.0, "same_tokens": True, "beyond_context": False}]}))
+    (tmp_path / "accumulation.json").write_text(json.dumps({"threads": 2, "rows": [
+        {"accum_steps": 4, "effective_batch": 128, "optimizer_steps": 16, "micro_batches": 64, "micro_batch": 32,
+         "final_train_loss": 4.5678, "final_val_loss": 4.6789, "seconds": 33.3, "tokens_per_s": 999.0,
+         "projected_epoch_seconds": 123.0, "peak_activation_bytes": 3 * 2**20}]}))
+    md = write_report(tmp_path)[0].read_text()
+    assert "| T0.7 | 0.4321 | 0.2109 | 0.1098 | 0.0567 | 3.14 | 456 |" in md
+    assert "tok:13a" in md and "only 48 usable" in md and "17.2500" in md
+    assert "| 9 | 32 | 812 | 203 | 4.00x | yes | no |" in md
+    assert "| 4 | 128 | 16 | 4.5678 | 4.6789 | 33.3 | 33.3 | 999 | 123 | 3.00 MiB |" in md
+    assert "decoding beam5: beam search is not available" in md  # listed in the INCOMPLETE banner
+
+
+def test_a_malformed_part_file_makes_only_its_section_missing(tmp_path):
+    write_training_run(tmp_path)
+    (tmp_path / "experiments.json").write_text(json.dumps({"parts": {}}))
+    (tmp_path / "kv_cache.json").write_text(json.dumps({"rows": [{"new_tokens": 3}]}))  # no timing keys
+    doc = build_report(tmp_path)
+    assert any(m.startswith("kv: a file has an unexpected format (KeyError") for m in doc.missing)
+    assert "10.4321" in write_report(tmp_path)[0].read_text()  # the rest of the report is there

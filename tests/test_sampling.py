@@ -1,0 +1,142 @@
+"""Decoding knobs: validation, and each processor against Hugging Face's implementation."""
+import pytest
+import torch
+
+from tinylm.config import ModelConfig
+from tinylm.generation import GenerationConfig, generate, generate_many, sample_next, select_next
+from tinylm.generation.processors import (HistoryProcessor, min_p_filter, shape_distribution, top_k_filter,
+                                          top_p_filter)
+from tinylm.models.gpt import GPT
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Token-by-token decoding is many small ops; on a shared 2-core machine one thread is both
+    faster and steadier."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+hf_lp = pytest.importorskip("transformers.generation.logits_process")
+
+
+def tiny_model(vocab=40):
+    torch.manual_seed(0)
+    return GPT(ModelConfig(vocab_size=vocab, context_length=64, d_model=32, n_layers=2, n_heads=4)).eval()
+
+
+@pytest.mark.parametrize("kwargs, name", [
+    (dict(temperature=-0.1), "temperature"), (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"),
+    (dict(top_k=0), "top_k"), (dict(beam_width=0), "beam_width"), (dict(min_p=2.0), "min_p"),
+    (dict(repetition_penalty=0.0), "repetition_penalty"), (dict(min_new_tokens=5, max_new_tokens=2), "min_new_tokens"),
+    (dict(no_repeat_ngram_size=-1), "no_repeat_ngram_size"), (dict(num_return_sequences=3, beam_width=2), "num_return_sequences"),
+])
+def test_invalid_values_raise_valueerror_naming_the_argument(kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        GenerationConfig(**kwargs).validate(vocab_size=40)
+
+
+def test_beam_width_larger_than_vocabulary_is_rejected():
+    with pytest.raises(ValueError, match="beam_width"):
+        generate(tiny_model(vocab=40), [1, 2], 5, temperature=0, beam_width=41)
+    with pytest.raises(ValueError, match="top_p"):
+        generate(tiny_model(), [1, 2], 5, top_p=0)
+
+
+def test_top_k_keeps_exactly_k_with_ties_broken_by_lowest_id():
+    logits = torch.tensor([[1.0, 3.0, 2.0, 2.0, 2.0, 0.5]])
+    kept = top_k_filter(logits, 3)
+    assert torch.isfinite(kept).sum() == 3
+    assert torch.isfinite(kept[0]).nonzero().flatten().tolist() == [1, 2, 3]
+    assert torch.equal(top_k_filter(logits, 6), logits)
+
+
+def test_filters_match_hugging_face_warpers():
+    torch.manual_seed(1)
+    logits = torch.randn(4, 500) * 3
+    for k in (1, 5, 50):
+        hf = hf_lp.TopKLogitsWarper(top_k=k)(None, logits.clone())
+        assert torch.equal(top_k_filter(logits, k), hf)
+    for p in (0.1, 0.5, 0.9, 0.99):
+        hf = hf_lp.TopPLogitsWarper(top_p=p)(None, logits.clone())
+        ours = top_p_filter(logits, p)
+        assert torch.equal(torch.isfinite(ours), torch.isfinite(hf))
+        assert torch.equal(top_p_filter(top_k_filter(logits, 50), p, candidates=50),
+                           hf_lp.TopPLogitsWarper(top_p=p)(None, hf_lp.TopKLogitsWarper(50)(None, logits.clone())))
+    for mp in (0.05, 0.3):
+        hf = hf_lp.MinPLogitsWarper(min_p=mp)(None, logits.clone())
+        assert torch.equal(torch.isfinite(min_p_filter(logits, mp)), torch.isfinite(hf))
+
+
+def test_history_processors_match_hugging_face():
+    torch.manual_seed(2)
+    V = 30
+    rows = [[1, 2, 3, 1, 2, 5, 1, 2], [7, 7, 8, 9, 7, 7]]
+    scores = torch.randn(2, V)
+    # repetition penalty: divide positive, multiply negative logits of every token seen so far
+    cfg = GenerationConfig(repetition_penalty=1.7)
+    ours = HistoryProcessor(cfg, rows, V, "cpu")(scores.clone(), 0)
+    hf = hf_lp.RepetitionPenaltyLogitsProcessor(1.7)(torch.tensor([rows[0], rows[1] + [7, 7]]), scores.clone())
+    assert torch.allclose(ours, hf)
+    # no-repeat n-grams, with tokens observed one by one
+    for n in (1, 2, 3):
+        proc = HistoryProcessor(GenerationConfig(no_repeat_ngram_size=n), [r[:4] for r in rows], V, "cpu")
+        for t in range(4, 6):
+            proc.observe(torch.tensor([rows[0][t], rows[1][t]]))
+        hf = hf_lp.NoRepeatNGramLogitsProcessor(n)(torch.tensor([rows[0][:6], rows[1][:6]]), scores.clone())
+        assert torch.equal(proc(scores.clone(), 2), hf)
+    # min_new_tokens: stop ids banned until enough tokens were generated
+    proc = HistoryProcessor(GenerationConfig(min_new_tokens=3, max_new_tokens=9, stop_ids=(4, 6)), rows, V, "cpu")
+    assert torch.isinf(proc(scores.clone(), 2)[:, [4, 6]]).all()
+    assert torch.equal(proc(scores.clone(), 3), scores)
+
+
+def test_temperature_then_topk_topp_matches_hf_order():
+    torch.manual_seed(3)
+    logits = torch.randn(2, 200)
+    cfg = GenerationConfig(temperature=0.7, top_k=20, top_p=0.8)
+    x = hf_lp.TemperatureLogitsWarper(0.7)(None, logits.clone())
+    x = hf_lp.TopKLogitsWarper(20)(None, x)
+    x = hf_lp.TopPLogitsWarper(0.8)(None, x)
+    assert torch.allclose(shape_distribution(logits, cfg), x)
+
+
+def test_greedy_is_argmax_and_sampling_is_seeded():
+    torch.manual_seed(4)
+    logits = torch.randn(3, 50)
+    assert torch.equal(select_next(logits, GenerationConfig(temperature=0)), logits.argmax(-1))
+    assert torch.equal(sample_next(logits, 1.0, top_k=1), logits.argmax(-1))
+    g1, g2 = torch.Generator().manual_seed(7), torch.Generator().manual_seed(7)
+    a = [sample_next(logits, 1.0, generator=g1) for _ in range(5)]
+    b = [sample_next(logits, 1.0, generator=g2) for _ in range(5)]
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    # the empirical distribution of 4000 draws follows softmax(logits / T) with top-p applied
+    row = torch.tensor([[2.0, 1.0, 0.5, 0.0, -5.0]])
+    g = torch.Generator().manual_seed(0)
+    draws = sample_next(row.expand(4000, -1), 0.5, top_p=0.95, generator=g)
+    probs = torch.softmax(top_p_filter(row / 0.5, 0.95), -1)[0]
+    freq = torch.bincount(draws, minlength=5).float() / 4000
+    assert torch.allclose(freq, probs, atol=0.03) and freq[3:].sum() == 0
+
+
+def test_generate_seed_reproducible_and_stop_controls():
+    model = tiny_model()
+    a = generate(model, [1, 2, 3], 20, temperature=1.0, top_k=10, seed=5)
+    assert a == generate(model, [1, 2, 3], 20, temperature=1.0, top_k=10, seed=5)
+    assert a != generate(model, [1, 2, 3], 20, temperature=1.0, top_k=10, seed=6)
+    greedy = generate(model, [1, 2, 3], 20, temperature=0)
+    stop = greedy[5]
+    cut = generate(model, [1, 2, 3], 20, temperature=0, eos_id=stop)
+    assert cut == greedy[: greedy.index(stop)]
+    longer = generate(model, [1, 2, 3], 20, temperature=0, eos_id=stop, min_new_tokens=greedy.index(stop) + 1)
+    assert len(longer) > len(cut)
+    # stop strings: decode maps ids to letters
+    decode = lambda ids: "".join(chr(97 + i % 26) for i in ids)  # noqa: E731
+    target = decode(greedy[3:5])
+    r = generate_many(model, [[1, 2, 3]], GenerationConfig(max_new_tokens=20, temperature=0, stop_strings=(target,)),
+                      decode=decode)[0]
+    assert r.finish_reason == "stop_string" and target in decode(r.tokens) and len(r.tokens) <= 5
+    with pytest.raises(ValueError, match="decode"):
+        generate_many(model, [[1]], GenerationConfig(stop_strings=("x",)))

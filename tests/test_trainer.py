@@ -1,0 +1,151 @@
+"""Trainer guard rails and options: NaN stop, early stopping, TensorBoard, precision, compile."""
+import math
+
+import pytest
+import torch
+
+from conftest import tiny_run_config
+from tinylm.data.prepare import prepare
+from tinylm.errors import TinyLMError
+from tinylm.training.checkpoint import load_checkpoint, model_state, save_checkpoint
+from tinylm.training.precision import check_precision, make_grad_scaler
+from tinylm.training.trainer import build_model, train
+
+QUIET = dict(log=lambda *a, **k: None)
+
+
+@pytest.fixture(scope="module")
+def prepared_run(tmp_path_factory):
+    from conftest import make_stories
+
+    root = tmp_path_factory.mktemp("trainer")
+    data = root / "stories.txt"
+    data.write_text("".join(f"{s}\n<|endoftext|>\n" for s in make_stories()), encoding="utf-8")
+    cfg = tiny_run_config(root / "prep", data, threads=1)
+    return cfg, prepare(cfg, root / "prep", **QUIET)
+
+
+def _cfg(base, **train):
+    import copy
+
+    cfg = copy.deepcopy(base)
+    for k, v in train.items():
+        setattr(cfg.train, k, v)
+    return cfg
+
+
+def test_nan_loss_stops_with_the_step_and_keeps_the_last_good_checkpoint(prepared_run, tmp_path):
+    base, prepared = prepared_run
+    cfg = _cfg(base, max_steps=20, save_interval=2, eval_interval=100)
+    calls = {"n": 0}
+
+    def poison(module, args, output):  # the 7th forward (step 7) produces NaN
+        calls["n"] += 1
+        return output * math.nan if calls["n"] == 7 else output
+
+    import tinylm.training.trainer as trainer_mod
+
+    real_build = trainer_mod.build_model
+
+    def build_with_hook(*a, **k):
+        model = real_build(*a, **k)
+        model.blocks[0].register_forward_hook(poison)
+        return model
+
+    trainer_mod.build_model = build_with_hook
+    try:
+        with pytest.raises(TinyLMError, match=r"training loss became nan at step 7;"):
+            train(cfg, prepared, tmp_path, **QUIET)
+    finally:
+        trainer_mod.build_model = real_build
+    names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert names == ["step-0000004", "step-0000006"]
+    model, _, meta = load_checkpoint(tmp_path / "checkpoints/step-0000006")
+    assert meta["step"] == 6
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_early_stopping_on_validation_loss(prepared_run, tmp_path):
+    base, prepared = prepared_run
+    # lr 0: the validation loss never improves after the first evaluation
+    cfg = _cfg(base, max_steps=50, eval_interval=5, early_stopping_patience=2, lr=0.0, min_lr=0.0, warmup_steps=0)
+    result = train(cfg, prepared, tmp_path, **QUIET)
+    assert result.stopped_because == "early_stopping"
+    assert result.steps == 15  # evaluations at 5 (best), 10 (no gain), 15 (no gain) -> stop
+
+
+def test_metrics_csv_and_tensorboard(prepared_run, tmp_path):
+    base, prepared = prepared_run
+    cfg = _cfg(base, max_steps=4, log_interval=1, eval_interval=2, tensorboard=True)
+    train(cfg, prepared, tmp_path, **QUIET)
+    rows = (tmp_path / "metrics.csv").read_text().strip().splitlines()
+    assert rows[0].split(",")[:4] == ["step", "tokens", "lr", "train_loss"] and len(rows) == 5
+    events = list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+    assert events and events[0].stat().st_size > 0
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(tmp_path / "tensorboard"))
+    acc.Reload()
+    assert [e.step for e in acc.Scalars("train/loss")] == [1, 2, 3, 4]
+    assert [e.step for e in acc.Scalars("valid/loss")] == [2, 4]
+
+
+def test_bf16_autocast_trains_on_cpu(prepared_run, tmp_path):
+    base, prepared = prepared_run
+    cfg = _cfg(base, max_steps=3, precision="bf16", eval_interval=3)
+    result = train(cfg, prepared, tmp_path, **QUIET)
+    assert math.isfinite(result.final_train_loss)
+    model, _, _ = load_checkpoint(tmp_path / "checkpoints/last")
+    assert model.tok_emb.weight.dtype == torch.float32  # master weights stay float32
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits, _ = model(torch.tensor([[2, 5, 6]]))
+    assert logits.dtype == torch.bfloat16  # autocast really lowers the matmuls
+
+
+def test_unsupported_precision_combinations_are_one_line_errors(prepared_run, tmp_path):
+    base, prepared = prepared_run
+    with pytest.raises(TinyLMError, match="precision=fp16 needs a CUDA device"):
+        train(_cfg(base, precision="fp16", device="cpu"), prepared, tmp_path, **QUIET)
+    with pytest.raises(TinyLMError, match="not one of fp32, bf16, fp16"):
+        check_precision(torch.device("cpu"), "fp8")
+    assert not make_grad_scaler(torch.device("cpu"), "bf16").is_enabled()
+
+
+def test_gradient_checkpointing_run_equals_plain_run(prepared_run, tmp_path):
+    base, prepared = prepared_run
+    base = _cfg(base, max_steps=3, eval_interval=3)
+    base.model.dropout = 0.1
+    plain = train(base, prepared, tmp_path / "plain", **QUIET)
+    ckpt = train(_cfg(base, grad_checkpointing=True), prepared, tmp_path / "ckpt", **QUIET)
+    assert ckpt.final_train_loss == plain.final_train_loss
+    a = load_checkpoint(tmp_path / "plain/checkpoints/last")[0].state_dict()
+    b = load_checkpoint(tmp_path / "ckpt/checkpoints/last")[0].state_dict()
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], rtol=0, atol=1e-6, msg=name)
+
+
+def test_compiled_model_checkpoints_store_plain_weight_names(prepared_run, tmp_path):
+    base, prepared = prepared_run
+    model = build_model(base, prepared.tokenizer.vocab_size)
+    compiled = torch.compile(model)  # wrapping only; nothing is compiled until called
+    assert any(k.startswith("_orig_mod.") for k in compiled.state_dict())
+    state = model_state(compiled)
+    assert not any(k.startswith("_orig_mod.") for k in state) and "tok_emb.weight" in state
+    save_checkpoint(tmp_path / "c", compiled, prepared.tokenizer, base)
+    loaded, _, _ = load_checkpoint(tmp_path / "c")
+    assert torch.equal(loaded.tok_emb.weight, model.tok_emb.weight)
+
+
+def test_cli_bad_training_inputs_are_one_line_errors(tmp_path, stories_file, capsys):
+    from tinylm.cli import main
+
+    common = ["train", "--out", str(tmp_path / "run"), "data.source=tinystories", f"data.train={stories_file}",
+              "tokenizer.vocab_size=300", "model.context_length=32", "model.d_model=32", "model.n_layers=1",
+              "model.n_heads=4", "train.progress=false", "train.max_steps=2"]
+    for extra, match in ((["train.precision=fp16", "train.device=cpu"], "fp16 needs a CUDA device"),
+                         (["train.grad_accum_steps=0"], "grad_accum_steps must be >= 1"),
+                         (["train.global_batch_size=7", "train.grad_accum_steps=2"], "not divisible by world size 1"),
+                         (["train.batch_size=100000"], "larger than the train split")):
+        assert main(common + extra) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and match in err, err

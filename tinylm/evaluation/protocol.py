@@ -1,0 +1,236 @@
+"""The TinyStories BLEU protocol: prompt with the first P tokens of N held-out stories, let the
+model continue, compare with each story's real continuation.
+
+    prompt            the first ``prompt_tokens`` tokens of the story (after ``<sos>``)
+    reference         the story's next tokens, at most ``max_continuation`` (and what fits in the
+                      context after the prompt)
+    hypothesis        the model's continuation, ``len(reference)`` new tokens at most (stops early
+                      at ``<eos>``), one seed per sample
+    per_sample_ppl    exp(mean NLL) of the *reference* continuation under the model given the
+                      prompt: how likely the model finds the real story, not its own sample
+
+Stories of at most ``prompt_tokens`` tokens have nothing to continue: they are skipped and
+counted. When fewer usable stories exist than asked for, all of them are used and the result says so.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from tinylm.evaluation.bleu import BLEU_MEANING, BLEU_TOKEN_PATTERN, corpus_bleu_n, sacrebleu_score
+from tinylm.errors import TinyLMError
+from tinylm.generation.generate import generate
+from tinylm.models.gpt import IGNORE_INDEX
+from tinylm.tokenizers.base import EOS_ID, PAD_ID, SOS_ID
+
+CSV_COLUMNS = ["prompt", "reference_continuation", "hypothesis_continuation", "per_sample_ppl"]
+
+
+@dataclass
+class BleuProtocol:
+    n_samples: int = 50
+    prompt_tokens: int = 5
+    max_continuation: int = 60
+    seed: int = 0
+    smoothing: str = "method1"  # for BLEU-1..4 (see tinylm.evaluation.bleu)
+
+
+@dataclass
+class Decoding:
+    """One decoding setting. ``beam_width`` > 1 means beam search (deterministic)."""
+
+    name: str
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float | None = None
+    beam_width: int = 1
+
+
+@dataclass
+class Sample:
+    index: int  # position of the story in the evaluated file
+    prompt_ids: list[int]
+    reference_ids: list[int]
+
+
+@dataclass
+class SampleSet:
+    samples: list[Sample]
+    requested: int
+    available: int  # stories in the file
+    skipped_too_short: int  # stories with no token after the prompt
+    notes: list[str] = field(default_factory=list)
+
+
+def select_samples(tokenizer, texts: list[str], protocol: BleuProtocol, context_length: int) -> SampleSet:
+    """The first ``n_samples`` stories long enough to have a continuation, in file order."""
+    P = protocol.prompt_tokens
+    if P < 1:
+        raise TinyLMError(f"the BLEU prompt needs at least 1 token (got prompt_tokens={P})")
+    if protocol.n_samples < 1:
+        raise TinyLMError(f"the BLEU protocol needs at least 1 sample (got n_samples={protocol.n_samples})")
+    room = context_length - 1 - P  # <sos> + prompt + continuation must fit in the context
+    if room < 1:
+        raise TinyLMError(f"a prompt of {P} tokens leaves no room for a continuation in a context of {context_length}")
+    cap = min(protocol.max_continuation, room)
+    samples, skipped = [], 0
+    for i, text in enumerate(texts):
+        if len(samples) == protocol.n_samples:
+            break
+        ids = tokenizer.encode(text)
+        if len(ids) <= P:
+            skipped += 1
+            continue
+        samples.append(Sample(i, ids[:P], ids[P : P + cap]))
+    notes = []
+    if skipped:
+        notes.append(f"skipped {skipped} stories of at most {P} tokens (prompt length >= story length)")
+    if len(samples) < protocol.n_samples:
+        notes.append(f"asked for {protocol.n_samples} samples, only {len(samples)} usable stories exist; using them all")
+    if not samples:
+        raise TinyLMError(f"no story in the evaluation text is longer than the {P}-token prompt")
+    return SampleSet(samples, protocol.n_samples, len(texts), skipped, notes)
+
+
+@torch.no_grad()
+def reference_nll(model, samples: list[Sample], batch_size: int = 32) -> list[tuple[float, int]]:
+    """(sum of NLL in nats, number of tokens) of each reference continuation given ``<sos>`` + prompt."""
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    out: list[tuple[float, int]] = []
+    for b in range(0, len(samples), batch_size):
+        chunk = samples[b : b + batch_size]
+        seqs = [[SOS_ID, *s.prompt_ids, *s.reference_ids] for s in chunk]
+        T = max(len(q) for q in seqs) - 1
+        x = torch.full((len(chunk), T), PAD_ID, dtype=torch.long)
+        y = torch.full((len(chunk), T), IGNORE_INDEX, dtype=torch.long)
+        for r, (s, q) in enumerate(zip(chunk, seqs)):
+            x[r, : len(q) - 1] = torch.as_tensor(q[:-1])
+            start = len(s.prompt_ids)  # target position of the first continuation token
+            y[r, start : len(q) - 1] = torch.as_tensor(s.reference_ids)
+        _, nll = model(x.to(device), y.to(device), loss_reduction="none")
+        nll = nll.view(len(chunk), T).cpu()
+        for r, s in enumerate(chunk):
+            out.append((float(nll[r].sum()), len(s.reference_ids)))
+    model.train(was_training)
+    return out
+
+
+def beam_search_available() -> bool:
+    """True when the generation engine of this checkout has beam search (issue 4): then
+    ``generate(..., beam_width=k)`` runs it (HF rules, length penalty 1.0, best beam returned)."""
+    try:
+        from tinylm.generation import beam  # noqa: F401
+        from tinylm.generation.processors import GenerationConfig
+    except ImportError:
+        return False
+    return "beam_width" in getattr(GenerationConfig, "__dataclass_fields__", {})
+
+
+class EngineMissing(TinyLMError):
+    """A decoding method this checkout of tinylm does not have yet (reported as missing)."""
+
+
+def continue_sample(model, sample: Sample, setting: Decoding, max_new_tokens: int, seed: int) -> list[int]:
+    prompt = [SOS_ID, *sample.prompt_ids]
+    try:
+        if setting.beam_width > 1:
+            if not beam_search_available():
+                raise EngineMissing("beam search is not available in this tinylm (tinylm.generation.beam, issue 4, is missing)")
+            return generate(model, prompt, max_new_tokens, eos_id=EOS_ID, beam_width=setting.beam_width)
+        return generate(model, prompt, max_new_tokens, setting.temperature, setting.top_k, setting.top_p,
+                        eos_id=EOS_ID, seed=seed)
+    except ValueError as exc:  # a bad knob (temperature < 0, top_p outside (0, 1], ...) names itself
+        raise TinyLMError(f"decoding setting {setting.name}: {exc}") from exc
+
+
+def decode_all(model, sample_set: SampleSet, settings: list[Decoding], seed: int):
+    """Every sample's continuation under every setting, and the wall time each setting spent.
+
+    The settings take turns sample by sample (A B C, A B C, ...), so load from other jobs on a
+    shared machine hits them alike and their tokens/s compare fairly; one short untimed
+    generation per setting first pays one-time costs. A setting whose engine is missing is
+    reported in ``missing`` (name -> reason) instead of failing the others."""
+    outs = {st.name: [] for st in settings}
+    seconds = {st.name: 0.0 for st in settings}
+    missing: dict[str, str] = {}
+    first = sample_set.samples[0]
+    for st in settings:
+        try:
+            continue_sample(model, first, st, 2, seed)
+        except EngineMissing as exc:
+            missing[st.name] = str(exc)
+    for k, s in enumerate(sample_set.samples):
+        for st in settings:
+            if st.name in missing:
+                continue
+            t0 = time.perf_counter()
+            new = continue_sample(model, s, st, len(s.reference_ids), seed + k)
+            seconds[st.name] += time.perf_counter() - t0
+            outs[st.name].append(new[: len(s.reference_ids)])
+    return outs, seconds, missing
+
+
+def run_bleu(model, tokenizer, texts: list[str], protocol: BleuProtocol, settings: list[Decoding],
+             csv_dir: str | Path | None = None, log=print) -> dict:
+    """BLEU (sacrebleu + BLEU-1..4), speed and per-sample CSVs for each decoding setting."""
+    names = [st.name for st in settings]
+    if len(set(names)) != len(names):
+        raise TinyLMError(f"decoding settings must be different (got {', '.join(names)})")
+    ctx = model.config.context_length
+    sample_set = select_samples(tokenizer, texts, protocol, ctx)
+    for note in sample_set.notes:
+        log(f"bleu: {note}")
+    nll = reference_nll(model, sample_set.samples)
+    ppls = [math.exp(s / n) for s, n in nll]
+    total_nll, total_tokens = sum(s for s, _ in nll), sum(n for _, n in nll)
+    prompts = [tokenizer.decode(s.prompt_ids) for s in sample_set.samples]
+    references = [tokenizer.decode(s.reference_ids) for s in sample_set.samples]
+    result = {
+        "protocol": asdict(protocol),
+        "samples": len(sample_set.samples), "requested": sample_set.requested,
+        "available_stories": sample_set.available, "skipped_too_short": sample_set.skipped_too_short,
+        "notes": sample_set.notes,
+        "reference_ppl": math.exp(total_nll / total_tokens), "reference_tokens": total_tokens,
+        "mean_per_sample_ppl": sum(ppls) / len(ppls),
+        "bleu_tokenization": f"lowercased, regex {BLEU_TOKEN_PATTERN}",
+        "meaning": BLEU_MEANING,
+        "settings": [],
+    }
+    csv_dir = Path(csv_dir) if csv_dir is not None else None
+    all_outs, all_seconds, missing = decode_all(model, sample_set, settings, protocol.seed)
+    for setting in settings:
+        if setting.name in missing:
+            result["settings"].append({**asdict(setting), "missing": missing[setting.name]})
+            log(f"bleu: {setting.name}: missing ({missing[setting.name]})")
+            continue
+        outs, seconds = all_outs[setting.name], all_seconds[setting.name]
+        hyps = [tokenizer.decode(o) for o in outs]
+        n_new = sum(len(o) for o in outs)
+        row = {**asdict(setting), **corpus_bleu_n(hyps, references, protocol.smoothing),
+               "sacrebleu": sacrebleu_score(hyps, references), "new_tokens": n_new,
+               "seconds": seconds, "tokens_per_s": n_new / max(seconds, 1e-9)}
+        if csv_dir is not None:
+            csv_dir.mkdir(parents=True, exist_ok=True)
+            path = csv_dir / f"bleu_samples_{setting.name}.csv"
+            write_samples_csv(path, prompts, references, hyps, ppls)
+            row["csv"] = path.name
+        result["settings"].append(row)
+        log(f"bleu: {setting.name}: BLEU-4 {row['bleu4']:.4f}, sacreBLEU {row['sacrebleu']['bleu']:.2f}, "
+            f"{row['tokens_per_s']:.0f} tokens/s")
+    return result
+
+
+def write_samples_csv(path: Path, prompts, references, hypotheses, ppls) -> None:
+    with open(path, "w", newline="", encoding="utf-8") as f:
+        w = csv.writer(f)
+        w.writerow(CSV_COLUMNS)
+        for row in zip(prompts, references, hypotheses, ppls):
+            w.writerow([row[0], row[1], row[2], f"{row[3]:.6g}"])

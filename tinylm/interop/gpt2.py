@@ -1,0 +1,105 @@
+"""Hugging Face GPT-2 <-> tinylm GPT.
+
+GPT-2 is tinylm's default architecture (pre-LN, learned positions, LayerNorm, tanh-GELU, biases,
+tied head), so the mapping is one tensor to one tensor: GPT-2's ``Conv1D`` layers store weights
+as (in, out) and are transposed, and its fused ``c_attn`` is split into q, k, v.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tinylm.config import ModelConfig
+from tinylm.errors import TinyLMError
+from tinylm.models.gpt import GPT
+
+
+def _check(cond: bool, what: str) -> None:
+    if not cond:
+        raise TinyLMError(f"GPT-2 model not supported by tinylm: {what}")
+
+
+def config_from_gpt2(hf_config) -> ModelConfig:
+    c = hf_config
+    _check(c.activation_function in ("gelu_new", "gelu_pytorch_tanh"), f"activation {c.activation_function!r} (tinylm uses tanh GELU)")
+    _check(bool(getattr(c, "scale_attn_weights", True)), "scale_attn_weights=False")
+    _check(not getattr(c, "scale_attn_by_inverse_layer_idx", False), "scale_attn_by_inverse_layer_idx=True")
+    return ModelConfig(
+        vocab_size=c.vocab_size, context_length=c.n_positions, d_model=c.n_embd, n_layers=c.n_layer,
+        n_heads=c.n_head, d_ff=c.n_inner or 4 * c.n_embd, dropout=0.0, positions="learned",
+        norm="layernorm", norm_eps=c.layer_norm_epsilon, ffn="gelu", bias=True,
+        tie_weights=bool(getattr(c, "tie_word_embeddings", True)), attention="sdpa",
+    )
+
+
+@torch.no_grad()
+def from_hf_gpt2(hf_model) -> GPT:
+    """A tinylm GPT with the weights of a ``transformers`` ``GPT2LMHeadModel``."""
+    cfg = config_from_gpt2(hf_model.config)
+    model = GPT(cfg)
+    sd = {k: v.detach().float() for k, v in hf_model.state_dict().items()}
+    C = cfg.d_model
+    new = {"tok_emb.weight": sd["transformer.wte.weight"], "pos_emb.weight": sd["transformer.wpe.weight"],
+           "norm_f.weight": sd["transformer.ln_f.weight"], "norm_f.bias": sd["transformer.ln_f.bias"],
+           "lm_head.weight": sd.get("lm_head.weight", sd["transformer.wte.weight"])}
+    for i in range(cfg.n_layers):
+        h, b = f"transformer.h.{i}.", f"blocks.{i}."
+        qkv_w, qkv_b = sd[h + "attn.c_attn.weight"].t(), sd[h + "attn.c_attn.bias"]  # (3C, C), (3C,)
+        for j, name in enumerate(("q_proj", "k_proj", "v_proj")):
+            new[b + f"attn.{name}.weight"] = qkv_w[j * C : (j + 1) * C]
+            new[b + f"attn.{name}.bias"] = qkv_b[j * C : (j + 1) * C]
+        new[b + "attn.out_proj.weight"] = sd[h + "attn.c_proj.weight"].t()
+        new[b + "attn.out_proj.bias"] = sd[h + "attn.c_proj.bias"]
+        new[b + "ffn.up.weight"] = sd[h + "mlp.c_fc.weight"].t()
+        new[b + "ffn.up.bias"] = sd[h + "mlp.c_fc.bias"]
+        new[b + "ffn.down.weight"] = sd[h + "mlp.c_proj.weight"].t()
+        new[b + "ffn.down.bias"] = sd[h + "mlp.c_proj.bias"]
+        for n in (1, 2):
+            new[b + f"norm{n}.weight"] = sd[h + f"ln_{n}.weight"]
+            new[b + f"norm{n}.bias"] = sd[h + f"ln_{n}.bias"]
+    model.load_state_dict({k: v.contiguous() for k, v in new.items()}, strict=True)
+    return model.eval()
+
+
+def is_gpt2_shape(cfg: ModelConfig) -> bool:
+    cfg = cfg.resolved()
+    return (cfg.positions == "learned" and cfg.norm == "layernorm" and cfg.ffn == "gelu" and cfg.bias
+            and cfg.n_kv_heads == cfg.n_heads and cfg.d_attn == cfg.d_model)
+
+
+@torch.no_grad()
+def to_hf_gpt2(model: GPT):
+    """A ``GPT2LMHeadModel`` with the weights of a tinylm GPT of GPT-2 shape."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = model.config
+    if not is_gpt2_shape(cfg):
+        raise TinyLMError("only a GPT-2-shaped tinylm model (learned positions, LayerNorm, GELU, biases, "
+                          "no GQA, d_attn == d_model) exports to GPT-2; Llama-shaped models export to Llama")
+    hf_cfg = GPT2Config(vocab_size=cfg.vocab_size, n_positions=cfg.context_length, n_embd=cfg.d_model,
+                        n_layer=cfg.n_layers, n_head=cfg.n_heads, n_inner=cfg.d_ff, activation_function="gelu_new",
+                        layer_norm_epsilon=cfg.norm_eps, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                        tie_word_embeddings=cfg.tie_weights, bos_token_id=2, eos_token_id=3, pad_token_id=0)
+    hf = GPT2LMHeadModel(hf_cfg)
+    sd = {k: v.detach().float() for k, v in model.state_dict().items()}
+    new = {"transformer.wte.weight": sd["tok_emb.weight"], "transformer.wpe.weight": sd["pos_emb.weight"],
+           "transformer.ln_f.weight": sd["norm_f.weight"], "transformer.ln_f.bias": sd["norm_f.bias"],
+           "lm_head.weight": sd["lm_head.weight"]}
+    for i in range(cfg.n_layers):
+        h, b = f"transformer.h.{i}.", f"blocks.{i}."
+        new[h + "attn.c_attn.weight"] = torch.cat([sd[b + f"attn.{n}.weight"] for n in ("q_proj", "k_proj", "v_proj")]).t()
+        new[h + "attn.c_attn.bias"] = torch.cat([sd[b + f"attn.{n}.bias"] for n in ("q_proj", "k_proj", "v_proj")])
+        new[h + "attn.c_proj.weight"] = sd[b + "attn.out_proj.weight"].t()
+        new[h + "attn.c_proj.bias"] = sd[b + "attn.out_proj.bias"]
+        new[h + "mlp.c_fc.weight"] = sd[b + "ffn.up.weight"].t()
+        new[h + "mlp.c_fc.bias"] = sd[b + "ffn.up.bias"]
+        new[h + "mlp.c_proj.weight"] = sd[b + "ffn.down.weight"].t()
+        new[h + "mlp.c_proj.bias"] = sd[b + "ffn.down.bias"]
+        for n in (1, 2):
+            new[h + f"ln_{n}.weight"] = sd[b + f"norm{n}.weight"]
+            new[h + f"ln_{n}.bias"] = sd[b + f"norm{n}.bias"]
+    missing, unexpected = hf.load_state_dict({k: v.contiguous() for k, v in new.items()}, strict=False)
+    missing = [k for k in missing if not k.endswith(".attn.bias") and not k.endswith("masked_bias")]
+    if missing or unexpected:
+        raise TinyLMError(f"GPT-2 export mismatch (missing {missing[:3]}, unexpected {unexpected[:3]})")
+    return hf.eval()

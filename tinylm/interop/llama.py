@@ -1,0 +1,111 @@
+"""Hugging Face Llama <-> tinylm GPT of Llama shape (RMSNorm, rotary positions, SwiGLU, no biases,
+optional grouped-query attention).
+
+Rotary layout: tinylm (like Meta's and llama2.c's code) rotates consecutive pairs (x0, x1),
+(x2, x3), ...; HF Llama rotates (x_i, x_{i + D/2}). The two agree once the rows of the q and k
+projections are permuted inside each head; ``meta_to_hf_rows`` / ``hf_to_meta_rows`` do that.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tinylm.config import ModelConfig
+from tinylm.errors import TinyLMError
+from tinylm.models.gpt import GPT
+
+
+def meta_to_hf_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Reorder the output rows of a q/k projection from pair-interleaved to half-split layout."""
+    out, inp = w.shape
+    return w.view(n_heads, out // n_heads // 2, 2, inp).transpose(1, 2).reshape(out, inp)
+
+
+def hf_to_meta_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    out, inp = w.shape
+    return w.view(n_heads, 2, out // n_heads // 2, inp).transpose(1, 2).reshape(out, inp)
+
+
+def is_llama_shape(cfg: ModelConfig) -> bool:
+    cfg = cfg.resolved()
+    return cfg.positions == "rope" and cfg.norm == "rmsnorm" and cfg.ffn == "swiglu" and not cfg.bias
+
+
+def config_from_llama(c) -> ModelConfig:
+    if getattr(c, "hidden_act", "silu") != "silu":
+        raise TinyLMError(f"Llama model not supported: activation {c.hidden_act!r}")
+    scaling = getattr(c, "rope_scaling", None)
+    if scaling and scaling.get("rope_type", scaling.get("type", "default")) != "default":
+        raise TinyLMError(f"Llama model not supported: rope scaling {scaling}")
+    if getattr(c, "attention_bias", False) or getattr(c, "mlp_bias", False):
+        raise TinyLMError("Llama model not supported: attention/MLP biases")
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    theta = getattr(c, "rope_theta", None)
+    if theta is None:
+        theta = (getattr(c, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
+    return ModelConfig(
+        vocab_size=c.vocab_size, context_length=c.max_position_embeddings, d_model=c.hidden_size,
+        n_layers=c.num_hidden_layers, n_heads=c.num_attention_heads, d_attn=head_dim * c.num_attention_heads,
+        n_kv_heads=c.num_key_value_heads or c.num_attention_heads, d_ff=c.intermediate_size, dropout=0.0,
+        positions="rope", rope_theta=float(theta), norm="rmsnorm", norm_eps=c.rms_norm_eps, ffn="swiglu",
+        bias=False, tie_weights=bool(getattr(c, "tie_word_embeddings", False)), attention="sdpa",
+    )
+
+
+@torch.no_grad()
+def from_hf_llama(hf_model) -> GPT:
+    cfg = config_from_llama(hf_model.config)
+    model = GPT(cfg)
+    r = model.config
+    sd = {k: v.detach().float() for k, v in hf_model.state_dict().items()}
+    new = {"tok_emb.weight": sd["model.embed_tokens.weight"], "norm_f.weight": sd["model.norm.weight"],
+           "lm_head.weight": sd.get("lm_head.weight", sd["model.embed_tokens.weight"])}
+    for i in range(r.n_layers):
+        h, b = f"model.layers.{i}.", f"blocks.{i}."
+        new[b + "attn.q_proj.weight"] = hf_to_meta_rows(sd[h + "self_attn.q_proj.weight"], r.n_heads)
+        new[b + "attn.k_proj.weight"] = hf_to_meta_rows(sd[h + "self_attn.k_proj.weight"], r.n_kv_heads)
+        new[b + "attn.v_proj.weight"] = sd[h + "self_attn.v_proj.weight"]
+        new[b + "attn.out_proj.weight"] = sd[h + "self_attn.o_proj.weight"]
+        new[b + "ffn.gate.weight"] = sd[h + "mlp.gate_proj.weight"]
+        new[b + "ffn.up.weight"] = sd[h + "mlp.up_proj.weight"]
+        new[b + "ffn.down.weight"] = sd[h + "mlp.down_proj.weight"]
+        new[b + "norm1.weight"] = sd[h + "input_layernorm.weight"]
+        new[b + "norm2.weight"] = sd[h + "post_attention_layernorm.weight"]
+    model.load_state_dict({k: v.contiguous() for k, v in new.items()}, strict=True)
+    return model.eval()
+
+
+@torch.no_grad()
+def to_hf_llama(model: GPT, bos_id: int = 2, eos_id: int = 3):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = model.config
+    if not is_llama_shape(cfg):
+        raise TinyLMError("only a Llama-shaped tinylm model (rope, RMSNorm, SwiGLU, no biases) exports to Llama")
+    head_dim = cfg.d_attn // cfg.n_heads
+    hf_cfg = LlamaConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.d_ff,
+                         num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads,
+                         num_key_value_heads=cfg.n_kv_heads, head_dim=head_dim, hidden_act="silu",
+                         max_position_embeddings=cfg.context_length, rms_norm_eps=cfg.norm_eps,
+                         rope_theta=cfg.rope_theta, tie_word_embeddings=cfg.tie_weights,
+                         attention_bias=False, mlp_bias=False, bos_token_id=bos_id, eos_token_id=eos_id)
+    hf = LlamaForCausalLM(hf_cfg)
+    sd = {k: v.detach().float() for k, v in model.state_dict().items()}
+    new = {"model.embed_tokens.weight": sd["tok_emb.weight"], "model.norm.weight": sd["norm_f.weight"],
+           "lm_head.weight": sd["lm_head.weight"]}
+    for i in range(cfg.n_layers):
+        h, b = f"model.layers.{i}.", f"blocks.{i}."
+        new[h + "self_attn.q_proj.weight"] = meta_to_hf_rows(sd[b + "attn.q_proj.weight"], cfg.n_heads)
+        new[h + "self_attn.k_proj.weight"] = meta_to_hf_rows(sd[b + "attn.k_proj.weight"], cfg.n_kv_heads)
+        new[h + "self_attn.v_proj.weight"] = sd[b + "attn.v_proj.weight"]
+        new[h + "self_attn.o_proj.weight"] = sd[b + "attn.out_proj.weight"]
+        new[h + "mlp.gate_proj.weight"] = sd[b + "ffn.gate.weight"]
+        new[h + "mlp.up_proj.weight"] = sd[b + "ffn.up.weight"]
+        new[h + "mlp.down_proj.weight"] = sd[b + "ffn.down.weight"]
+        new[h + "input_layernorm.weight"] = sd[b + "norm1.weight"]
+        new[h + "post_attention_layernorm.weight"] = sd[b + "norm2.weight"]
+    missing, unexpected = hf.load_state_dict({k: v.contiguous() for k, v in new.items()}, strict=False)
+    missing = [k for k in missing if "rotary_emb" not in k]
+    if missing or unexpected:
+        raise TinyLMError(f"Llama export mismatch (missing {missing[:3]}, unexpected {unexpected[:3]})")
+    return hf.eval()

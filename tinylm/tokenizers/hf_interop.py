@@ -1,0 +1,174 @@
+"""Exchange byte-level BPE tokenizers with Hugging Face ``tokenizers``.
+
+Export: a tinylm ``BPETokenizer`` becomes a ``tokenizer.json`` that ``tokenizers.Tokenizer.from_file``
+loads and that gives the same ids: the same split regex (a ``Split`` pre-tokenizer, "isolated"),
+then ``ByteLevel`` without its own regex (bytes shown as GPT-2's printable characters), a BPE model
+whose ranks are tinylm's merge order, and the four specials as special added tokens with ids 0-3.
+HF always recognises special strings in the input, so the matching tinylm call is
+``encode(text, allowed_special="all")``.
+
+Import: a HF byte-level BPE ``tokenizer.json`` becomes a tinylm ``BPETokenizer`` that splits text
+into the same pieces. Ids are renumbered into tinylm's layout (specials, 256 bytes, merges);
+``hf_id_map`` on the result maps tinylm ids to the file's ids. When two HF merges build the same
+string (HF gives both one id), tinylm keeps one id per merge and repeats later merges for every
+spelling, so segmentation is unchanged.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+from tinylm.errors import TinyLMError
+from tinylm.tokenizers.base import SPECIAL_TOKENS
+from tinylm.tokenizers.bpe import BYTE_BASE, FIRST_MERGE_ID, GPT2_SPLIT, SPLIT_PATTERNS, BPETokenizer, total_pattern
+
+_MAX_ALIAS_MERGES = 100_000  # guard against a pathological file blowing up the alias expansion
+
+
+def byte_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character table used by HF ``ByteLevel``: printable
+    Latin-1 bytes stand for themselves, the other 68 take code points 256, 257, ... in byte order."""
+    keep = set(range(ord("!"), ord("~") + 1)) | set(range(ord("¡"), ord("¬") + 1)) | set(range(ord("®"), ord("ÿ") + 1))
+    table, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            table[b] = chr(b)
+        else:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+def _visible(raw: bytes, table: dict[int, str]) -> str:
+    return "".join(table[b] for b in raw)
+
+
+# ------------------------------------------------------------------------------------- export
+def to_hf_tokenizer(tok: BPETokenizer):
+    """A ``tokenizers.Tokenizer`` equivalent to ``tok`` (needs the ``tokenizers`` package)."""
+    try:
+        from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+    except ImportError as exc:
+        raise TinyLMError("exporting to Hugging Face needs the `tokenizers` package (pip install tokenizers)") from exc
+    if not isinstance(tok, BPETokenizer):
+        raise TinyLMError(f"only BPE tokenizers can be exported to Hugging Face (got {type(tok).__name__})")
+    table = byte_to_unicode()
+    vocab: dict[str, int] = {s: i for i, s in enumerate(SPECIAL_TOKENS)}
+    for i in range(BYTE_BASE, tok.vocab_size):
+        text = _visible(tok.token_bytes[i], table)
+        if text in vocab:
+            raise TinyLMError(
+                f"token {i} ({tok.id_to_piece(i)!r}) has the same bytes as token {vocab[text]}; "
+                "a Hugging Face vocabulary cannot hold two ids for one string"
+            )
+        vocab[text] = i
+    merges = [(_visible(tok.token_bytes[a], table), _visible(tok.token_bytes[b], table)) for a, b in tok.merges]
+    hf = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
+    hf.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(total_pattern(tok.pattern)), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    hf.decoder = decoders.ByteLevel()
+    hf.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in SPECIAL_TOKENS])
+    return hf
+
+
+def export_hf(tok: BPETokenizer, path: str | Path) -> Path:
+    """Write ``tok`` as a Hugging Face ``tokenizer.json``."""
+    path = Path(path)
+    to_hf_tokenizer(tok).save(str(path))
+    return path
+
+
+# ------------------------------------------------------------------------------------- import
+def _pretokenizer_pattern(pre: dict | None, where: str) -> str:
+    """The split regex of a HF pre-tokenizer config, as a tinylm pattern (name or regex)."""
+    if pre is None:
+        raise TinyLMError(f"{where}: no pre_tokenizer; only byte-level BPE tokenizers can be imported")
+    steps = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
+    pattern, byte_level = None, False
+    for step in steps:
+        kind = step.get("type")
+        if kind == "ByteLevel":
+            byte_level = True
+            if step.get("add_prefix_space"):
+                raise TinyLMError(f"{where}: ByteLevel add_prefix_space=true is not supported by tinylm BPE")
+            if step.get("use_regex", True):
+                if pattern is not None:
+                    raise TinyLMError(f"{where}: both a Split regex and ByteLevel's own regex; not supported")
+                pattern = "gpt2"
+        elif kind == "Split":
+            regex_text = (step.get("pattern") or {}).get("Regex")
+            if regex_text is None or step.get("behavior", "").lower() != "isolated" or step.get("invert"):
+                raise TinyLMError(f"{where}: only Split pre-tokenizers with a Regex and behavior Isolated are supported")
+            if pattern is not None:
+                raise TinyLMError(f"{where}: more than one split regex; not supported")
+            named = [name for name, p in SPLIT_PATTERNS.items() if p == regex_text]
+            suffix = "|[\\s\\S]"
+            if regex_text.startswith("(?:") and regex_text.endswith(")" + suffix):
+                regex_text = regex_text[3: -len(suffix) - 1]  # a pattern tinylm itself made total
+            pattern = named[0] if named else regex_text
+        else:
+            raise TinyLMError(f"{where}: pre-tokenizer {kind!r} is not supported (ByteLevel and Split are)")
+    if not byte_level:
+        raise TinyLMError(f"{where}: not a byte-level BPE (no ByteLevel pre-tokenizer)")
+    return pattern or "gpt2"
+
+
+def import_hf(path: str | Path) -> BPETokenizer:
+    """A tinylm ``BPETokenizer`` from a HF byte-level BPE ``tokenizer.json`` (same segmentation)."""
+    path = Path(path)
+    if not path.is_file():
+        raise TinyLMError(f"Hugging Face tokenizer file {path} does not exist")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise TinyLMError(f"{path} is not a Hugging Face tokenizer.json ({exc})") from exc
+    model = data.get("model") if isinstance(data, dict) else None
+    if not isinstance(model, dict) or "vocab" not in model:
+        raise TinyLMError(f"{path} is not a Hugging Face tokenizer.json (no model.vocab)")
+    if model.get("type", "BPE") != "BPE":
+        raise TinyLMError(f"{path}: model type {model.get('type')!r}; only BPE can be imported")
+    if data.get("normalizer"):
+        raise TinyLMError(f"{path}: has a normalizer ({data['normalizer'].get('type')}); tinylm BPE has none")
+    pattern = _pretokenizer_pattern(data.get("pre_tokenizer"), str(path))
+
+    from_char = {c: b for b, c in byte_to_unicode().items()}
+    hf_vocab: dict[str, int] = model["vocab"]
+    # every spelling (tinylm ids) of each HF token string; bytes first
+    spellings: dict[str, list[int]] = {c: [BYTE_BASE + b] for c, b in from_char.items()}
+    merges: list[tuple[int, int]] = []
+    for n, m in enumerate(model.get("merges", [])):
+        left, right = m.split(" ", 1) if isinstance(m, str) else m
+        if left not in spellings or right not in spellings:
+            raise TinyLMError(f"{path}: merge {n} ({left!r}, {right!r}) uses a token no earlier merge builds")
+        ids = spellings.setdefault(left + right, [])
+        for a in spellings[left]:
+            for b in spellings[right]:
+                ids.append(FIRST_MERGE_ID + len(merges))
+                merges.append((a, b))
+        if len(merges) > _MAX_ALIAS_MERGES + len(model["merges"]):
+            raise TinyLMError(f"{path}: too many duplicate spellings to import")
+    tok = BPETokenizer(merges, pattern)
+
+    unreachable = [s for s in hf_vocab if s not in spellings and s not in SPECIAL_TOKENS]
+    added = {t.get("content") for t in data.get("added_tokens", [])}
+    lost = [s for s in unreachable if s not in added]
+    if lost:
+        warnings.warn(f"{path}: {len(lost)} vocabulary entries are neither bytes nor merge results and were "
+                      f"dropped (e.g. {lost[:3]})", stacklevel=2)
+    extra_specials = sorted(added - set(SPECIAL_TOKENS))
+    if extra_specials:
+        warnings.warn(f"{path}: added tokens {extra_specials[:5]} have no tinylm id; they are encoded as text",
+                      stacklevel=2)
+    # tinylm id -> HF id (None where HF has no such entry)
+    table = byte_to_unicode()
+    tok.hf_id_map = [hf_vocab.get(s, None) for s in SPECIAL_TOKENS] + [
+        hf_vocab.get(_visible(tok.token_bytes[i], table)) for i in range(BYTE_BASE, tok.vocab_size)
+    ]
+    return tok
+
+
+__all__ = ["byte_to_unicode", "to_hf_tokenizer", "export_hf", "import_hf", "GPT2_SPLIT"]

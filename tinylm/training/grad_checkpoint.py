@@ -1,0 +1,95 @@
+"""Gradient checkpointing written by hand: keep each block's input, recompute its insides in backward.
+
+``CheckpointedBlock`` is a ``torch.autograd.Function``. Its forward runs the block under
+``torch.no_grad()``, so autograd saves nothing inside the block; only the block input is kept.
+Its backward re-runs the block with gradients enabled and differentiates that recomputation.
+
+Two things must match between the first forward and the recomputation:
+- the random numbers (dropout masks): the CPU and CUDA generator states are captured before the
+  forward and restored, inside a ``fork_rng`` so the training run's RNG stream is left where the
+  first forward put it;
+- the autocast state (bf16 / fp16), since backward runs outside the caller's ``autocast`` block.
+
+The block's parameters are passed to the Function as inputs and their gradients are returned from
+backward, so they flow through the ordinary autograd graph (DistributedDataParallel's gradient
+hooks fire as usual; ``torch.autograd.grad`` works too).
+
+``make_checkpoint_fn("torch")`` gives ``torch.utils.checkpoint`` as a reference implementation.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn as nn
+
+from tinylm.errors import TinyLMError
+
+
+def _autocast_state(device_type: str) -> tuple[bool, torch.dtype]:
+    return torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type)
+
+
+class CheckpointedBlock(torch.autograd.Function):
+    """out = block(x, rope, mask), storing only ``x`` (plus RNG and autocast state) for backward."""
+
+    @staticmethod
+    def forward(ctx, block: nn.Module, rope, mask, x: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
+        ctx.block, ctx.rope, ctx.mask = block, rope, mask
+        ctx.device_type = x.device.type
+        ctx.autocast = _autocast_state(ctx.device_type)
+        ctx.cpu_rng = torch.get_rng_state()
+        ctx.cuda_devices = [x.device] if x.device.type == "cuda" else []
+        ctx.cuda_rng = [torch.cuda.get_rng_state(d) for d in ctx.cuda_devices]
+        ctx.save_for_backward(x)
+        with torch.no_grad():
+            return block(x, rope, mask)
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        (x,) = ctx.saved_tensors
+        params = [p for p in ctx.block.parameters()]
+        x = x.detach().requires_grad_(True)
+        # fork_rng restores the generators afterwards: recomputing must not advance the run's RNG
+        with torch.random.fork_rng(devices=ctx.cuda_devices, enabled=True, device_type="cuda"):
+            torch.set_rng_state(ctx.cpu_rng)
+            for device, state in zip(ctx.cuda_devices, ctx.cuda_rng):
+                torch.cuda.set_rng_state(state, device)
+            enabled, dtype = ctx.autocast
+            with torch.enable_grad(), torch.autocast(ctx.device_type, dtype=dtype, enabled=enabled):
+                out = ctx.block(x, ctx.rope, ctx.mask)
+        wanted = [x] + [p for p in params if p.requires_grad]
+        grads = torch.autograd.grad(out, wanted, grad_out, allow_unused=True)
+        grad_x, grad_params = grads[0], iter(grads[1:])
+        param_grads = tuple(next(grad_params) if p.requires_grad else None for p in params)
+        return (None, None, None, grad_x, *param_grads)
+
+
+def tinylm_checkpoint(block: nn.Module, x: torch.Tensor, rope=None, mask=None) -> torch.Tensor:
+    """The ``GPT.checkpoint_fn`` hook with our autograd Function."""
+    return CheckpointedBlock.apply(block, rope, mask, x, *block.parameters())
+
+
+def torch_checkpoint(block: nn.Module, x: torch.Tensor, rope=None, mask=None) -> torch.Tensor:
+    """The reference: PyTorch's non-reentrant checkpoint (also restores RNG state)."""
+    from torch.utils.checkpoint import checkpoint
+
+    return checkpoint(block, x, rope, mask, use_reentrant=False, preserve_rng_state=True)
+
+
+def make_checkpoint_fn(impl: str) -> Callable:
+    if impl == "tinylm":
+        return tinylm_checkpoint
+    if impl == "torch":
+        return torch_checkpoint
+    raise TinyLMError(f"train.checkpoint_impl={impl!r} is not one of tinylm, torch")
+
+
+def enable_grad_checkpointing(model: nn.Module, impl: str = "tinylm") -> None:
+    """Make every transformer block of a GPT recompute its activations in backward."""
+    model.checkpoint_fn = make_checkpoint_fn(impl)
+
+
+def disable_grad_checkpointing(model: nn.Module) -> None:
+    model.checkpoint_fn = None

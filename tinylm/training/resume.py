@@ -1,0 +1,240 @@
+"""Everything needed to continue a run exactly where a checkpoint left it, stored without pickle.
+
+A resumable checkpoint directory adds three files to the model checkpoint:
+
+    optimizer.safetensors   AdamW moments and step counts, one tensor per (parameter index, name)
+    rng.safetensors         every RNG state as a uint8 / int64 tensor (torch CPU and CUDA per rank,
+                            NumPy's Mersenne Twister key)
+    training_state.json     step (= data position: batches are a function of the step), tokens
+                            seen, best validation loss, early-stopping counter, world size,
+                            optimizer param groups, gradient-scaler state, Python's RNG state
+
+The learning-rate schedule is a pure function of the step, so the step is its whole state.
+
+``resume_run_config`` decides the configuration of a resumed run: the checkpoint's own config,
+changed only by the keys the user asks for; keys that would change the training computation are
+refused, and keys in ``FORCE_ALLOWED`` need ``--force``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+import re
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import load_file
+
+from tinylm.config import RunConfig, build_config, config_from_dict, diff_configs, load_config_file, parse_overrides
+from tinylm.errors import TinyLMError
+from tinylm.training.checkpoint import REQUIRED_FILES, STEP_PREFIX
+
+STATE_FILES = ("training_state.json", "optimizer.safetensors", "rng.safetensors")
+STATE_VERSION = 1
+
+# Keys a resumed run may change with --force: they steer how long to train, what to log or where
+# to run, not the arithmetic of an update. (max_steps also stretches the cosine schedule.)
+FORCE_ALLOWED = (
+    "train.max_steps", "train.max_minutes", "train.eval_interval", "train.eval_batches",
+    "train.log_interval", "train.save_interval", "train.keep_last", "train.early_stopping_patience",
+    "train.tensorboard", "train.progress", "train.threads", "train.device", "train.grad_checkpointing",
+    "train.checkpoint_impl", "sample.",
+)
+IGNORED_KEYS = ("out_dir",)
+
+
+# ------------------------------------------------------------------------------------- RNG state
+def capture_rng() -> dict:
+    """This process's RNG states: torch CPU and CUDA as uint8 tensors, Python and NumPy."""
+    np_state = np.random.get_state()
+    return {
+        "torch_cpu": torch.get_rng_state(),
+        "torch_cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        "python": random.getstate(),
+        "numpy": (np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), int(np_state[2]),
+                  int(np_state[3]), float(np_state[4])),
+    }
+
+
+def restore_rng(state: dict) -> None:
+    torch.set_rng_state(state["torch_cpu"])
+    if torch.cuda.is_available() and state["torch_cuda"]:
+        for i, s in enumerate(state["torch_cuda"][: torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(s, i)
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    name, key, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, key.numpy().astype(np.uint32), pos, has_gauss, cached))
+
+
+# -------------------------------------------------------------------------------- save / load
+def _optimizer_files(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict]:
+    sd = optimizer.state_dict()
+    tensors, scalars = {}, {}
+    for idx, entry in sd["state"].items():
+        for name, value in entry.items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"{idx}.{name}"] = value
+            else:
+                scalars[f"{idx}.{name}"] = value
+    groups = [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items()} for g in sd["param_groups"]]
+    return tensors, {"param_groups": groups, "scalars": scalars}
+
+
+def state_payload(optimizer, scaler, rng_per_rank: list[dict], counters: dict) -> tuple[dict, dict]:
+    """(extra_tensors, extra_files) for ``save_checkpoint``: the resumable part of a checkpoint."""
+    opt_tensors, opt_json = _optimizer_files(optimizer)
+    rng_tensors, rng_json = {}, []
+    for rank, rng in enumerate(rng_per_rank):
+        rng_tensors[f"rank{rank}.torch_cpu"] = rng["torch_cpu"]
+        for dev, s in enumerate(rng["torch_cuda"]):
+            rng_tensors[f"rank{rank}.torch_cuda.{dev}"] = s
+        name, key, pos, has_gauss, cached = rng["numpy"]
+        rng_tensors[f"rank{rank}.numpy_key"] = key
+        version, internal, gauss = rng["python"]
+        rng_json.append({"python": [version, list(internal), gauss], "numpy": [name, pos, has_gauss, cached],
+                         "cuda_devices": len(rng["torch_cuda"])})
+    state = {"version": STATE_VERSION, **counters, "optimizer": opt_json,
+             "scaler": scaler.state_dict() if scaler is not None else {}, "rng": rng_json}
+    files = {"training_state.json": json.dumps(state, indent=1).encode()}
+    return {"optimizer.safetensors": opt_tensors, "rng.safetensors": rng_tensors}, files
+
+
+@dataclasses.dataclass
+class ResumeState:
+    path: Path
+    step: int
+    counters: dict
+    optimizer_state: dict
+    scaler_state: dict
+    rng_per_rank: list[dict]
+    run_config: dict
+
+
+def is_resumable(path: Path) -> bool:
+    return all((path / f).is_file() for f in (*REQUIRED_FILES, *STATE_FILES))
+
+
+def find_resume_checkpoint(path: str | Path) -> Path:
+    """A resumable checkpoint directory, or the newest one inside a run directory."""
+    path = Path(path)
+    if not path.exists():
+        raise TinyLMError(f"resume: {path} does not exist")
+    if is_resumable(path):
+        return path
+    root = path / "checkpoints" if (path / "checkpoints").is_dir() else path
+    candidates = []
+    for d in root.iterdir():
+        if d.is_dir() and not d.name.endswith((".tmp", ".old")) and is_resumable(d):
+            meta = json.loads((d / "training_state.json").read_text())
+            # newest step first; for one step prefer step-N, then last, then best
+            rank = 2 if d.name.startswith(STEP_PREFIX) else 1 if d.name == "last" else 0
+            candidates.append((meta.get("step", -1), rank, d))
+    if not candidates:
+        raise TinyLMError(f"resume: {path} holds no complete resumable checkpoint "
+                          f"(a directory with {', '.join(REQUIRED_FILES + STATE_FILES)})")
+    return max(candidates, key=lambda c: (c[0], c[1]))[2]
+
+
+def run_dir_of(ckpt: Path) -> Path:
+    """checkpoints/step-N -> the run directory holding metrics.csv."""
+    return ckpt.parent.parent if ckpt.parent.name == "checkpoints" else ckpt.parent
+
+
+def load_resume_state(path: str | Path) -> ResumeState:
+    ckpt = find_resume_checkpoint(path)
+    try:
+        state = json.loads((ckpt / "training_state.json").read_text())
+        opt_tensors = load_file(str(ckpt / "optimizer.safetensors"))
+        rng_tensors = load_file(str(ckpt / "rng.safetensors"))
+    except Exception as exc:
+        raise TinyLMError(f"resume: the training state in {ckpt} is unreadable ({exc})") from exc
+    if state.get("version") != STATE_VERSION:
+        raise TinyLMError(f"resume: {ckpt} has training-state version {state.get('version')}, expected {STATE_VERSION}")
+    opt_json = state["optimizer"]
+    entries: dict[int, dict] = {}
+    for key, value in [*opt_tensors.items(), *opt_json["scalars"].items()]:
+        idx, name = key.split(".", 1)
+        entries.setdefault(int(idx), {})[name] = value
+    groups = [{k: (tuple(v) if k == "betas" else v) for k, v in g.items()} for g in opt_json["param_groups"]]
+    rng_per_rank = []
+    for rank, info in enumerate(state["rng"]):
+        version, internal, gauss = info["python"]
+        name, pos, has_gauss, cached = info["numpy"]
+        rng_per_rank.append({
+            "torch_cpu": rng_tensors[f"rank{rank}.torch_cpu"],
+            "torch_cuda": [rng_tensors[f"rank{rank}.torch_cuda.{d}"] for d in range(info["cuda_devices"])],
+            "python": (version, internal, gauss),
+            "numpy": (name, rng_tensors[f"rank{rank}.numpy_key"], pos, has_gauss, cached),
+        })
+    counters = {k: state[k] for k in ("step", "tokens_seen", "best_val", "bad_evals", "world_size", "data_position")}
+    run_config = load_config_file(ckpt / "config.yaml") if (ckpt / "config.yaml").is_file() else {}
+    return ResumeState(ckpt, int(state["step"]), counters, {"state": entries, "param_groups": groups},
+                       state.get("scaler", {}), rng_per_rank, run_config)
+
+
+# --------------------------------------------------------------------------------- config check
+def _allowed(key: str) -> bool:
+    return any(key == a or (a.endswith(".") and key.startswith(a)) for a in FORCE_ALLOWED)
+
+
+def check_resume_config(saved: dict, requested: dict, force: bool) -> list[str]:
+    """Keys that differ (and are allowed with --force); raise for any other difference."""
+    differ = [k for k in diff_configs(saved, requested) if k not in IGNORED_KEYS]
+    refused = [k for k in differ if not _allowed(k)]
+    if refused:
+        raise TinyLMError(
+            f"resume: the requested config differs from the checkpoint's in {', '.join(refused)}; "
+            f"these change the training itself and cannot be overridden (start a new run instead)")
+    if differ and not force:
+        raise TinyLMError(f"resume: the requested config differs from the checkpoint's in {', '.join(differ)}; "
+                          "pass --force to resume with the new values")
+    return differ
+
+
+def _normalise(cfg: RunConfig, saved_model: dict) -> dict:
+    """Fill a requested model config's derived fields the way the saved (resolved) one was."""
+    model = cfg.model
+    if not model.vocab_size and saved_model.get("vocab_size"):
+        model = dataclasses.replace(model, vocab_size=saved_model["vocab_size"])
+    try:
+        model = model.resolved()
+    except TinyLMError:
+        pass  # the diff will name the key
+    return dataclasses.asdict(dataclasses.replace(cfg, model=model))
+
+
+def resume_run_config(resume: str | Path, config_path: str | None, overrides: list[str] | None,
+                      force: bool = False) -> tuple[RunConfig, Path, list[str]]:
+    """(config to run, checkpoint to resume from, keys changed with --force).
+
+    Without ``--config`` the checkpoint's config is the base and ``overrides`` change it; with a
+    config file that file (plus overrides) must describe the same training.
+    """
+    state_dir = find_resume_checkpoint(resume)
+    if not (state_dir / "config.yaml").is_file():
+        raise TinyLMError(f"resume: {state_dir} has no config.yaml")
+    saved = load_config_file(state_dir / "config.yaml")
+    if config_path is not None:
+        requested = build_config(config_path, overrides)
+    else:
+        requested = config_from_dict(saved)
+        if overrides:
+            from tinylm.config import _apply
+
+            _apply(requested, parse_overrides(overrides))
+    changed = check_resume_config(saved, _normalise(requested, saved.get("model", {})), force)
+    requested.out_dir = str(run_dir_of(state_dir))
+    return requested, state_dir, changed
+
+
+def step_dir_name(step: int) -> str:
+    return f"{STEP_PREFIX}{step:07d}"
+
+
+def step_of(name: str) -> int | None:
+    m = re.fullmatch(rf"{STEP_PREFIX}(\d+)", name)
+    return int(m.group(1)) if m else None
