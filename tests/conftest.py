@@ -31,6 +31,16 @@ def _seed():
 
 
 @pytest.fixture
+def one_thread():
+    """Token-by-token decoding is many small ops; on a shared 2-core machine one thread is both
+    faster and steadier (decoding tests opt in with pytestmark)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture
 def stories_file(tmp_path):
     """A TinyStories-format text file (stories separated by <|endoftext|> lines)."""
     path = tmp_path / "stories.txt"

@@ -12,15 +12,7 @@ from tinylm.tokenizers import CharTokenizer
 from tinylm.training.checkpoint import save_checkpoint
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Token-by-token decoding is many small ops; on a shared 2-core machine one thread is both
-    faster and steadier."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
+pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.one_thread
 
 TEXT = "the cat sat on the mat. a dog ran far away! é ü"
 

@@ -14,15 +14,7 @@ from tinylm.interop.llama import from_hf_llama  # noqa: E402
 from tinylm.models.gpt import GPT  # noqa: E402
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Token-by-token decoding is many small ops; on a shared 2-core machine one thread is both
-    faster and steadier."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
+pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.one_thread
 
 transformers.logging.set_verbosity_error()
 V = 50

@@ -17,15 +17,7 @@ from tinylm.interop.llama2c import load_llama2c, save_llama2c  # noqa: E402
 from tinylm.tokenizers.llama2c import Llama2cTokenizer  # noqa: E402
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Token-by-token decoding is many small ops; on a shared 2-core machine one thread is both
-    faster and steadier."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
+pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.one_thread
 
 transformers.logging.set_verbosity_error()
 

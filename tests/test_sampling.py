@@ -9,15 +9,7 @@ from tinylm.generation.processors import (HistoryProcessor, min_p_filter, shape_
 from tinylm.models.gpt import GPT
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Token-by-token decoding is many small ops; on a shared 2-core machine one thread is both
-    faster and steadier."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
+pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.one_thread
 
 hf_lp = pytest.importorskip("transformers.generation.logits_process")
 

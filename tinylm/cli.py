@@ -46,7 +46,7 @@ def _builtin_demo(quick: bool) -> dict:
         "data": {"source": "shakespeare", "split_by": "chunk", "valid_fraction": 0.05, "test_fraction": 0.05},
         "tokenizer": {"type": "bpe", "vocab_size": 1024},
         "model": {"context_length": 128, "d_model": 192, "n_layers": 4, "n_heads": 6, "dropout": 0.0},
-        "train": {"batch_size": 16, "max_steps": 1400, "max_minutes": 3.0, "lr": 2e-3, "min_lr": 2e-4,
+        "train": {"batch_size": 16, "max_steps": 1000, "max_minutes": 3.0, "lr": 2e-3, "min_lr": 2e-4,
                   "warmup_steps": 50, "eval_interval": 200, "eval_batches": 20, "threads": 2},
         "sample": {"prompts": ["ROMEO:", "To be, or not to be", "KING HENRY.\nOnce more"], "max_new_tokens": 80},
     }
@@ -95,18 +95,6 @@ def cmd_prepare(args) -> int:
     cfg = _load_config(args)
     prepare(cfg, cfg.out_dir)
     return 0
-
-
-def _read_prompts(args) -> list[str]:
-    prompts = list(args.prompt or [])
-    if args.prompts_file:
-        p = Path(args.prompts_file)
-        if not p.is_file():
-            raise TinyLMError(f"prompts file {p} does not exist")
-        prompts += [line.rstrip("\n") for line in p.read_text(encoding="utf-8").splitlines() if line.strip()]
-    if not prompts:
-        raise TinyLMError("give at least one --prompt or a --prompts-file")
-    return prompts
 
 
 def cmd_generate(args) -> int:

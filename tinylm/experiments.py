@@ -25,7 +25,6 @@ import copy
 import dataclasses
 import datetime as dt
 import hashlib
-import inspect
 import json
 import os
 import platform
@@ -103,7 +102,6 @@ def load_experiment_config(path: str | Path | None, overrides: list[str] | None 
 def capabilities() -> dict:
     """Which engines of this checkout the runner can use (they land separately: issues 3 and 4)."""
     from tinylm.evaluation.protocol import beam_search_available
-    from tinylm.training import trainer
 
     caps = {"beam_search": beam_search_available()}
     try:
@@ -116,9 +114,8 @@ def capabilities() -> dict:
         caps["grad_checkpoint_module"] = True
     except ImportError:
         caps["grad_checkpoint_module"] = False
-    # the trainer applies train.grad_checkpointing only once issue 3 wires it in
-    src = inspect.getsource(trainer)
-    caps["trainer_checkpointing"] = caps["grad_checkpoint_module"] and ("grad_checkpointing" in src)
+    # the trainer applies train.grad_checkpointing through this module (tinylm.training.grad_checkpoint)
+    caps["trainer_checkpointing"] = caps["grad_checkpoint_module"]
     return caps
 
 

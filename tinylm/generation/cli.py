@@ -96,6 +96,8 @@ def run_generate(args) -> int:
     def render(prompt: str, ids: list[int], new: list[int]) -> str:
         if info.get("decode_with_prompt"):
             return tokenizer.decode(ids + new)
+        if hasattr(tokenizer, "decode_continuation"):  # keeps a word-level tokenizer's space
+            return prompt + tokenizer.decode_continuation(ids, new)
         return prompt + tokenizer.decode(new)
 
     try:
@@ -109,7 +111,9 @@ def run_generate(args) -> int:
                 # with decode_with_prompt the continuation's first piece may need the prompt to
                 # decode right (e.g. sentencepiece spaces), so pieces are diffs of the full text
                 decode = (lambda new, ids=ids, head=head: tokenizer.decode(ids + new)[len(head):]) \
-                    if info.get("decode_with_prompt") else tokenizer.decode
+                    if info.get("decode_with_prompt") else (
+                        (lambda new, ids=ids: tokenizer.decode_continuation(ids, new))
+                        if hasattr(tokenizer, "decode_continuation") else tokenizer.decode)
                 for piece in TextStream(model, decode, ids, _config(args, info["stop_ids"], args.seed + i)):
                     sys.stdout.write(piece)
                     sys.stdout.flush()
