@@ -177,16 +177,3 @@ def test_bad_decoding_settings_are_clear_errors(model_and_tokenizer):
         run_bleu(model, tok, stories, proto, [Decoding("bad", temperature=-1.0)], log=lambda *_: None)
     with pytest.raises(TinyLMError, match="must be different"):
         run_bleu(model, tok, stories, proto, [Decoding("T1"), Decoding("T1")], log=lambda *_: None)
-
-
-def test_a_missing_engine_is_reported_not_faked(model_and_tokenizer, monkeypatch):
-    import tinylm.evaluation.protocol as protocol
-
-    model, tok, stories = model_and_tokenizer
-    monkeypatch.setattr(protocol, "beam_search_available", lambda: False)
-    out = run_bleu(model, tok, stories, BleuProtocol(n_samples=2, prompt_tokens=5, max_continuation=4),
-                   [Decoding("greedy", temperature=0.0), Decoding("beam5", beam_width=5)], log=lambda *_: None)
-    greedy, beam = out["settings"]
-    assert "bleu4" in greedy and greedy["tokens_per_s"] > 0
-    assert set(beam) == {"name", "temperature", "top_k", "top_p", "beam_width", "missing"}
-    assert "beam search is not available" in beam["missing"]

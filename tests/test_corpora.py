@@ -3,7 +3,6 @@ from unittest import mock
 
 import pytest
 
-from tinylm.data import corpora
 from tinylm.data.corpora import (load_shakespeare, load_text_file, load_tinystories, read_tinystories_json,
                                  read_tinystories_text, strip_gutenberg)
 from tinylm.errors import TinyLMError

@@ -5,7 +5,7 @@ Times are the trainer's own (the metrics row of the last step, written before th
 validation and checkpoint saves); every variant runs ``tradeoff_repeats`` times in alternated
 rounds after one untimed warm-up step, and the tables give medians plus each run. Activation
 memory is measured with the training engine's meter (bytes autograd saves for backward in one
-micro-batch step); where an engine is missing from the checkout, the part says so.
+micro-batch step).
 """
 
 from __future__ import annotations
@@ -39,10 +39,8 @@ def _tradeoff_config(ctx: Context, accum: int, checkpointing: bool) -> RunConfig
     return cfg
 
 
-def _activation_bytes(ctx: Context, cfg: RunConfig, checkpointing: bool) -> int | None:
+def _activation_bytes(ctx: Context, cfg: RunConfig, checkpointing: bool) -> int:
     """Peak bytes autograd saves in one forward + backward of one micro-batch (issue 3's meter)."""
-    if not ctx.caps.get("activation_memory") or (checkpointing and not ctx.caps.get("grad_checkpoint_module")):
-        return None
     from tinylm.data.tokens import Batches
     from tinylm.training.memory import measure_step_activation_bytes
     from tinylm.training.trainer import build_model
@@ -120,25 +118,13 @@ def _alternated_runs(ctx: Context, variants: list[tuple[str, int, bool]]) -> lis
 def part_accumulation(ctx: Context) -> dict:
     torch.set_num_threads(ctx.threads)
     rows = _alternated_runs(ctx, [(f"accum_{k}", k, False) for k in ctx.exp.accum_steps])
-    out = {"threads": ctx.threads, "repeats": ctx.exp.tradeoff_repeats, "rows": rows}
-    if not ctx.caps.get("activation_memory"):
-        out["missing"] = "activation-memory measurement (tinylm.training.memory, issue 3) is not in this checkout"
-    return out
+    return {"threads": ctx.threads, "repeats": ctx.exp.tradeoff_repeats, "rows": rows}
 
 
 def part_checkpointing(ctx: Context) -> dict:
     torch.set_num_threads(ctx.threads)
     out: dict = {"threads": ctx.threads, "impl": ctx.cfg.train.checkpoint_impl, "repeats": ctx.exp.tradeoff_repeats,
                  "rows": []}
-    if not ctx.caps.get("trainer_checkpointing"):
-        out["missing"] = ("gradient checkpointing (issue 3) is not applied by the trainer in this checkout; "
-                          "no timing can be measured")
-        out["rows"].append({"name": "plain", "grad_checkpointing": False, "peak_activation_bytes":
-                            _activation_bytes(ctx, _tradeoff_config(ctx, 1, False), False)})
-        if ctx.caps.get("grad_checkpoint_module"):
-            out["rows"].append({"name": "checkpointing", "grad_checkpointing": True, "peak_activation_bytes":
-                                _activation_bytes(ctx, _tradeoff_config(ctx, 1, True), True)})
-        return out
     out["rows"] = _alternated_runs(ctx, [("plain", 1, False), ("checkpointing", 1, True)])
     plain = out["rows"][0]
     for row in out["rows"]:

@@ -1,10 +1,9 @@
 """`tinylm experiments`: every table and figure of the TinyStories assignment in one run directory.
 
 Each part is a function that writes its own file into the run directory and returns its results;
-the runner stores them as ``<part>.json`` with a key (a hash of the settings the part depends on
-and of the engine capabilities it used). A re-run skips every part whose file holds the same key,
-so an interrupted run resumes, and a part that was "missing" an engine (beam search, gradient
-checkpointing) is re-run once that engine exists. The report (tinylm.report) only reads files.
+the runner stores them as ``<part>.json`` with a key (a hash of the settings the part depends
+on). A re-run skips every part whose file holds the same key, so an interrupted run resumes. The
+report (tinylm.report) only reads files.
 
     baseline        prepare + train + evaluate + sample (tinylm.pipeline)   eval.json, metrics.csv, ...
     bleu            BLEU protocol at each sampling temperature               bleu.json, bleu_samples_T*.csv
@@ -98,27 +97,6 @@ def load_experiment_config(path: str | Path | None, overrides: list[str] | None 
     return cfg, exp
 
 
-# ---------------------------------------------------------------------------------- capabilities
-def capabilities() -> dict:
-    """Which engines of this checkout the runner can use (they land separately: issues 3 and 4)."""
-    from tinylm.evaluation.protocol import beam_search_available
-
-    caps = {"beam_search": beam_search_available()}
-    try:
-        from tinylm.training.memory import measure_step_activation_bytes  # noqa: F401
-        caps["activation_memory"] = True
-    except ImportError:
-        caps["activation_memory"] = False
-    try:
-        from tinylm.training.grad_checkpoint import enable_grad_checkpointing  # noqa: F401
-        caps["grad_checkpoint_module"] = True
-    except ImportError:
-        caps["grad_checkpoint_module"] = False
-    # the trainer applies train.grad_checkpointing through this module (tinylm.training.grad_checkpoint)
-    caps["trainer_checkpointing"] = caps["grad_checkpoint_module"]
-    return caps
-
-
 # ------------------------------------------------------------------------------------- context
 @dataclass
 class Context:
@@ -127,7 +105,6 @@ class Context:
     run_dir: Path
     quick: bool
     log: Callable = print
-    caps: dict = field(default_factory=dict)
     _model: tuple | None = None
     _prepared: object = None
     _valid_texts: list[str] | None = None
@@ -330,9 +307,6 @@ PARTS: dict[str, Callable[[Context], dict]] = {
     "kv_cache": part_kv_cache, "accumulation": part_accumulation, "checkpointing": part_checkpointing,
     "attention": part_attention, "curves": part_curves, "machine": part_machine,
 }
-# the engine capabilities each part's result depends on (a change re-runs the part)
-PART_CAPS = {"decoding": ("beam_search",), "accumulation": ("activation_memory",),
-             "checkpointing": ("activation_memory", "grad_checkpoint_module", "trainer_checkpointing")}
 
 
 def _hash(obj) -> str:
@@ -344,7 +318,6 @@ def part_key(ctx: Context, name: str, baseline_stamp: str | None, finished: dict
     if name != "baseline":
         payload["experiments"] = dataclasses.asdict(ctx.exp)
         payload["baseline"] = baseline_stamp
-        payload["caps"] = {c: ctx.caps.get(c) for c in PART_CAPS.get(name, ())}
     if name == "machine":
         payload["finished"] = finished  # re-described whenever any other part ran again
     return _hash(payload)
@@ -368,9 +341,9 @@ def run_experiments(cfg: RunConfig, exp: ExperimentsConfig, run_dir: str | Path,
     unknown = [p for p in (only or []) if p not in PARTS]
     if unknown:
         raise TinyLMError(f"unknown experiment part(s) {', '.join(unknown)}; parts are {', '.join(PARTS)}")
-    ctx = Context(cfg, exp, run_dir, quick, log, capabilities())
+    ctx = Context(cfg, exp, run_dir, quick, log)
     t_start = time.perf_counter()
-    manifest = {"quick": quick, "command": command, "capabilities": ctx.caps, "parts": {},
+    manifest = {"quick": quick, "command": command, "parts": {},
                 "experiments": dataclasses.asdict(exp)}
     stamp, finished = None, {}
     for name, fn in PARTS.items():

@@ -14,7 +14,7 @@ from tinylm.data.corpora import HUB_TINYSTORIES, load_shakespeare, load_text_fil
 from tinylm.data.splits import split_chunks, split_documents
 from tinylm.data.tokens import TokenSplit, encode_split, load_split
 from tinylm.errors import TinyLMError
-from tinylm.tokenizers import Tokenizer, load_tokenizer, new_tokenizer
+from tinylm.tokenizers import Tokenizer, load_tokenizer
 
 SPLITS = ("train", "valid", "test")
 

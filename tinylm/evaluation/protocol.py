@@ -123,27 +123,10 @@ def reference_nll(model, samples: list[Sample], batch_size: int = 32) -> list[tu
     return out
 
 
-def beam_search_available() -> bool:
-    """True when the generation engine of this checkout has beam search (issue 4): then
-    ``generate(..., beam_width=k)`` runs it (HF rules, length penalty 1.0, best beam returned)."""
-    try:
-        from tinylm.generation import beam  # noqa: F401
-        from tinylm.generation.processors import GenerationConfig
-    except ImportError:
-        return False
-    return "beam_width" in getattr(GenerationConfig, "__dataclass_fields__", {})
-
-
-class EngineMissing(TinyLMError):
-    """A decoding method this checkout of tinylm does not have yet (reported as missing)."""
-
-
 def continue_sample(model, sample: Sample, setting: Decoding, max_new_tokens: int, seed: int) -> list[int]:
     prompt = [SOS_ID, *sample.prompt_ids]
     try:
         if setting.beam_width > 1:
-            if not beam_search_available():
-                raise EngineMissing("beam search is not available in this tinylm (tinylm.generation.beam, issue 4, is missing)")
             return generate(model, prompt, max_new_tokens, eos_id=EOS_ID, beam_width=setting.beam_width)
         return generate(model, prompt, max_new_tokens, setting.temperature, setting.top_k, setting.top_p,
                         eos_id=EOS_ID, seed=seed)
@@ -156,26 +139,19 @@ def decode_all(model, sample_set: SampleSet, settings: list[Decoding], seed: int
 
     The settings take turns sample by sample (A B C, A B C, ...), so load from other jobs on a
     shared machine hits them alike and their tokens/s compare fairly; one short untimed
-    generation per setting first pays one-time costs. A setting whose engine is missing is
-    reported in ``missing`` (name -> reason) instead of failing the others."""
+    generation per setting first pays one-time costs."""
     outs = {st.name: [] for st in settings}
     seconds = {st.name: 0.0 for st in settings}
-    missing: dict[str, str] = {}
     first = sample_set.samples[0]
     for st in settings:
-        try:
-            continue_sample(model, first, st, 2, seed)
-        except EngineMissing as exc:
-            missing[st.name] = str(exc)
+        continue_sample(model, first, st, 2, seed)
     for k, s in enumerate(sample_set.samples):
         for st in settings:
-            if st.name in missing:
-                continue
             t0 = time.perf_counter()
             new = continue_sample(model, s, st, len(s.reference_ids), seed + k)
             seconds[st.name] += time.perf_counter() - t0
             outs[st.name].append(new[: len(s.reference_ids)])
-    return outs, seconds, missing
+    return outs, seconds
 
 
 def run_bleu(model, tokenizer, texts: list[str], protocol: BleuProtocol, settings: list[Decoding],
@@ -205,12 +181,8 @@ def run_bleu(model, tokenizer, texts: list[str], protocol: BleuProtocol, setting
         "settings": [],
     }
     csv_dir = Path(csv_dir) if csv_dir is not None else None
-    all_outs, all_seconds, missing = decode_all(model, sample_set, settings, protocol.seed)
+    all_outs, all_seconds = decode_all(model, sample_set, settings, protocol.seed)
     for setting in settings:
-        if setting.name in missing:
-            result["settings"].append({**asdict(setting), "missing": missing[setting.name]})
-            log(f"bleu: {setting.name}: missing ({missing[setting.name]})")
-            continue
         outs, seconds = all_outs[setting.name], all_seconds[setting.name]
         hyps = [tokenizer.decode(o) for o in outs]
         n_new = sum(len(o) for o in outs)

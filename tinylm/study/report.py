@@ -85,7 +85,7 @@ def write_markdown(cfg, state: dict, out: Path) -> None:
                   "| embedding | weight decay | best valid loss | steps | stopped by |", "|---|---|---|---|---|"]
         for s in state["bigram_sweep"]:
             lines.append(f"| {s['d_embed']} | {s['weight_decay']} | {s['best_val_loss']:.4f} | {s['steps']} | {s['stopped']} |")
-        lines += ["", f"The best setting (first row) is used for every tokenizer."]
+        lines += ["", "The best setting (first row) is used for every tokenizer."]
     lines += ["", "Smoothings: laplace = add-1; add_0.1 = add-k with k = 0.1 (seed 004's); interpolated = "
               "Jelinek-Mercer with EM weights fitted on the validation split; kneser_ney = interpolated modified "
               "Kneser-Ney (D1, D2, D3+ per order, as KenLM). Learning curves: learning_curves.png; samples: samples.md.", ""]

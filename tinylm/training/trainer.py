@@ -65,12 +65,6 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def autocast_context(device: torch.device, precision: str):
-    """Checked autocast for bf16/fp16 (kept for callers of the first trainer)."""
-    check_precision(device, precision)
-    return autocast(device, precision)
-
-
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
