@@ -32,6 +32,27 @@ def config_from_gpt2(hf_config) -> ModelConfig:
     )
 
 
+# (HF GPT-2 name, tinylm name, transposed?) of the per-layer weights besides the fused c_attn;
+# HF's Conv1D stores weights as (in, out), nn.Linear as (out, in)
+LAYER_WEIGHTS = [
+    ("attn.c_proj.weight", "attn.out_proj.weight", True), ("attn.c_proj.bias", "attn.out_proj.bias", False),
+    ("mlp.c_fc.weight", "ffn.up.weight", True), ("mlp.c_fc.bias", "ffn.up.bias", False),
+    ("mlp.c_proj.weight", "ffn.down.weight", True), ("mlp.c_proj.bias", "ffn.down.bias", False),
+    ("ln_1.weight", "norm1.weight", False), ("ln_1.bias", "norm1.bias", False),
+    ("ln_2.weight", "norm2.weight", False), ("ln_2.bias", "norm2.bias", False),
+]
+
+
+def _rename_layer(sd: dict, i: int, to_tinylm: bool) -> dict:
+    out = {}
+    for hf_name, our_name, transposed in LAYER_WEIGHTS:
+        src, dst = f"transformer.h.{i}.{hf_name}", f"blocks.{i}.{our_name}"
+        if not to_tinylm:
+            src, dst = dst, src
+        out[dst] = sd[src].t() if transposed else sd[src]
+    return out
+
+
 @torch.no_grad()
 def from_hf_gpt2(hf_model) -> GPT:
     """A tinylm GPT with the weights of a ``transformers`` ``GPT2LMHeadModel``."""
@@ -48,15 +69,7 @@ def from_hf_gpt2(hf_model) -> GPT:
         for j, name in enumerate(("q_proj", "k_proj", "v_proj")):
             new[b + f"attn.{name}.weight"] = qkv_w[j * C : (j + 1) * C]
             new[b + f"attn.{name}.bias"] = qkv_b[j * C : (j + 1) * C]
-        new[b + "attn.out_proj.weight"] = sd[h + "attn.c_proj.weight"].t()
-        new[b + "attn.out_proj.bias"] = sd[h + "attn.c_proj.bias"]
-        new[b + "ffn.up.weight"] = sd[h + "mlp.c_fc.weight"].t()
-        new[b + "ffn.up.bias"] = sd[h + "mlp.c_fc.bias"]
-        new[b + "ffn.down.weight"] = sd[h + "mlp.c_proj.weight"].t()
-        new[b + "ffn.down.bias"] = sd[h + "mlp.c_proj.bias"]
-        for n in (1, 2):
-            new[b + f"norm{n}.weight"] = sd[h + f"ln_{n}.weight"]
-            new[b + f"norm{n}.bias"] = sd[h + f"ln_{n}.bias"]
+        new.update(_rename_layer(sd, i, to_tinylm=True))
     model.load_state_dict({k: v.contiguous() for k, v in new.items()}, strict=True)
     return model.eval()
 
@@ -89,15 +102,7 @@ def to_hf_gpt2(model: GPT):
         h, b = f"transformer.h.{i}.", f"blocks.{i}."
         new[h + "attn.c_attn.weight"] = torch.cat([sd[b + f"attn.{n}.weight"] for n in ("q_proj", "k_proj", "v_proj")]).t()
         new[h + "attn.c_attn.bias"] = torch.cat([sd[b + f"attn.{n}.bias"] for n in ("q_proj", "k_proj", "v_proj")])
-        new[h + "attn.c_proj.weight"] = sd[b + "attn.out_proj.weight"].t()
-        new[h + "attn.c_proj.bias"] = sd[b + "attn.out_proj.bias"]
-        new[h + "mlp.c_fc.weight"] = sd[b + "ffn.up.weight"].t()
-        new[h + "mlp.c_fc.bias"] = sd[b + "ffn.up.bias"]
-        new[h + "mlp.c_proj.weight"] = sd[b + "ffn.down.weight"].t()
-        new[h + "mlp.c_proj.bias"] = sd[b + "ffn.down.bias"]
-        for n in (1, 2):
-            new[h + f"ln_{n}.weight"] = sd[b + f"norm{n}.weight"]
-            new[h + f"ln_{n}.bias"] = sd[b + f"norm{n}.bias"]
+        new.update(_rename_layer(sd, i, to_tinylm=False))
     missing, unexpected = hf.load_state_dict({k: v.contiguous() for k, v in new.items()}, strict=False)
     missing = [k for k in missing if not k.endswith(".attn.bias") and not k.endswith("masked_bias")]
     if missing or unexpected:

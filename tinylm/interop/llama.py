@@ -26,6 +26,33 @@ def hf_to_meta_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.view(n_heads, 2, out // n_heads // 2, inp).transpose(1, 2).reshape(out, inp)
 
 
+# (HF Llama name, tinylm name) of every per-layer weight; q and k also need their rows permuted
+LAYER_WEIGHTS = [
+    ("self_attn.q_proj.weight", "attn.q_proj.weight"), ("self_attn.k_proj.weight", "attn.k_proj.weight"),
+    ("self_attn.v_proj.weight", "attn.v_proj.weight"), ("self_attn.o_proj.weight", "attn.out_proj.weight"),
+    ("mlp.gate_proj.weight", "ffn.gate.weight"), ("mlp.up_proj.weight", "ffn.up.weight"),
+    ("mlp.down_proj.weight", "ffn.down.weight"), ("input_layernorm.weight", "norm1.weight"),
+    ("post_attention_layernorm.weight", "norm2.weight"),
+]
+
+
+def _rename_layers(sd: dict, n_layers: int, to_tinylm: bool, permute_rows, n_heads: int, n_kv_heads: int) -> dict:
+    """Per-layer weights of ``sd`` under the other side's names, q/k rows permuted by ``permute_rows``."""
+    out = {}
+    for i in range(n_layers):
+        for hf_name, our_name in LAYER_WEIGHTS:
+            src, dst = (f"model.layers.{i}.{hf_name}", f"blocks.{i}.{our_name}")
+            if not to_tinylm:
+                src, dst = dst, src
+            w = sd[src]
+            if hf_name.startswith("self_attn.q_proj"):
+                w = permute_rows(w, n_heads)
+            elif hf_name.startswith("self_attn.k_proj"):
+                w = permute_rows(w, n_kv_heads)
+            out[dst] = w
+    return out
+
+
 def is_llama_shape(cfg: ModelConfig) -> bool:
     cfg = cfg.resolved()
     return cfg.positions == "rope" and cfg.norm == "rmsnorm" and cfg.ffn == "swiglu" and not cfg.bias
@@ -60,17 +87,7 @@ def from_hf_llama(hf_model) -> GPT:
     sd = {k: v.detach().float() for k, v in hf_model.state_dict().items()}
     new = {"tok_emb.weight": sd["model.embed_tokens.weight"], "norm_f.weight": sd["model.norm.weight"],
            "lm_head.weight": sd.get("lm_head.weight", sd["model.embed_tokens.weight"])}
-    for i in range(r.n_layers):
-        h, b = f"model.layers.{i}.", f"blocks.{i}."
-        new[b + "attn.q_proj.weight"] = hf_to_meta_rows(sd[h + "self_attn.q_proj.weight"], r.n_heads)
-        new[b + "attn.k_proj.weight"] = hf_to_meta_rows(sd[h + "self_attn.k_proj.weight"], r.n_kv_heads)
-        new[b + "attn.v_proj.weight"] = sd[h + "self_attn.v_proj.weight"]
-        new[b + "attn.out_proj.weight"] = sd[h + "self_attn.o_proj.weight"]
-        new[b + "ffn.gate.weight"] = sd[h + "mlp.gate_proj.weight"]
-        new[b + "ffn.up.weight"] = sd[h + "mlp.up_proj.weight"]
-        new[b + "ffn.down.weight"] = sd[h + "mlp.down_proj.weight"]
-        new[b + "norm1.weight"] = sd[h + "input_layernorm.weight"]
-        new[b + "norm2.weight"] = sd[h + "post_attention_layernorm.weight"]
+    new.update(_rename_layers(sd, r.n_layers, True, hf_to_meta_rows, r.n_heads, r.n_kv_heads))
     model.load_state_dict({k: v.contiguous() for k, v in new.items()}, strict=True)
     return model.eval()
 
@@ -93,17 +110,7 @@ def to_hf_llama(model: GPT, bos_id: int = 2, eos_id: int = 3):
     sd = {k: v.detach().float() for k, v in model.state_dict().items()}
     new = {"model.embed_tokens.weight": sd["tok_emb.weight"], "model.norm.weight": sd["norm_f.weight"],
            "lm_head.weight": sd["lm_head.weight"]}
-    for i in range(cfg.n_layers):
-        h, b = f"model.layers.{i}.", f"blocks.{i}."
-        new[h + "self_attn.q_proj.weight"] = meta_to_hf_rows(sd[b + "attn.q_proj.weight"], cfg.n_heads)
-        new[h + "self_attn.k_proj.weight"] = meta_to_hf_rows(sd[b + "attn.k_proj.weight"], cfg.n_kv_heads)
-        new[h + "self_attn.v_proj.weight"] = sd[b + "attn.v_proj.weight"]
-        new[h + "self_attn.o_proj.weight"] = sd[b + "attn.out_proj.weight"]
-        new[h + "mlp.gate_proj.weight"] = sd[b + "ffn.gate.weight"]
-        new[h + "mlp.up_proj.weight"] = sd[b + "ffn.up.weight"]
-        new[h + "mlp.down_proj.weight"] = sd[b + "ffn.down.weight"]
-        new[h + "input_layernorm.weight"] = sd[b + "norm1.weight"]
-        new[h + "post_attention_layernorm.weight"] = sd[b + "norm2.weight"]
+    new.update(_rename_layers(sd, cfg.n_layers, False, meta_to_hf_rows, cfg.n_heads, cfg.n_kv_heads))
     missing, unexpected = hf.load_state_dict({k: v.contiguous() for k, v in new.items()}, strict=False)
     missing = [k for k in missing if "rotary_emb" not in k]
     if missing or unexpected:
