@@ -100,13 +100,14 @@ def model_and_tokenizer():
     return model.eval(), tok, stories
 
 
-def test_per_sample_ppl_equals_hand_computation(model_and_tokenizer):
+@pytest.mark.parametrize("bos_id", [SOS_ID, 1, None])  # tinylm <sos>, llama2.c BOS, no start token
+def test_per_sample_ppl_equals_hand_computation(model_and_tokenizer, bos_id):
     model, tok, stories = model_and_tokenizer
     sset = select_samples(tok, stories[:3], BleuProtocol(n_samples=3, prompt_tokens=5, max_continuation=12), 32)
-    got = reference_nll(model, sset.samples, batch_size=2)  # batched with padding
+    got = reference_nll(model, sset.samples, batch_size=2, bos_id=bos_id)  # batched with padding
     for s, (nll_sum, n) in zip(sset.samples, got):
         # by hand: one prefix at a time, the log-probability of the next reference token
-        prefix, nlls = [SOS_ID, *s.prompt_ids], []
+        prefix, nlls = [*([] if bos_id is None else [bos_id]), *s.prompt_ids], []
         for t in s.reference_ids:
             with torch.no_grad():
                 logits, _ = model(torch.tensor([prefix]))
@@ -177,3 +178,20 @@ def test_bad_decoding_settings_are_clear_errors(model_and_tokenizer):
         run_bleu(model, tok, stories, proto, [Decoding("bad", temperature=-1.0)], log=lambda *_: None)
     with pytest.raises(TinyLMError, match="must be different"):
         run_bleu(model, tok, stories, proto, [Decoding("T1"), Decoding("T1")], log=lambda *_: None)
+
+
+def test_continuation_starts_from_and_stops_at_the_models_own_ids(model_and_tokenizer):
+    """a llama2.c model is prompted after BOS=1 and stops at its ids, not tinylm's <sos>/<eos>."""
+    from tinylm.evaluation.protocol import continue_sample
+    from tinylm.generation.generate import generate
+
+    model, tok, stories = model_and_tokenizer
+    sample = select_samples(tok, stories[:1], BleuProtocol(n_samples=1, prompt_tokens=5), 32).samples[0]
+    greedy = Decoding("greedy", temperature=0.0)
+    free = generate(model, [1, *sample.prompt_ids], 12, 0.0)  # no stop id at all
+    assert continue_sample(model, sample, greedy, 12, 0, bos_id=1, stop_ids=()) == free
+    stop_at = free[3]
+    cut = continue_sample(model, sample, greedy, 12, 0, bos_id=1, stop_ids=(stop_at,))
+    assert cut == free[: free.index(stop_at)]  # the stop id itself is not returned
+    assert continue_sample(model, sample, greedy, 12, 0) == generate(model, [SOS_ID, *sample.prompt_ids], 12, 0.0,
+                                                                     eos_id=3)

@@ -100,6 +100,8 @@ def test_bad_inputs_are_one_line_errors(trained_run, tmp_path, capsys):
     _bad(capsys, "train", "--out", out, "data.source=text", f"data.train={small}", f"data.valid={small}",
          "tokenizer.type=char", "model.context_length=64", match="fewer than one context window")
     _bad(capsys, "train", "--out", out, "model.nope=1", match="unknown config key model.nope")
+    # overrides on both sides of an option are all applied (argparse alone rejects the second group)
+    _bad(capsys, "train", "data.source=text", "--out", out, "model.nope=1", match="unknown config key model.nope")
     _bad(capsys, "train", "--out", out, "train.max_steps=many", match="expects an integer")
     _bad(capsys, "train", "--out", out, "data.source=tinystories", f"data.train={data}", "tokenizer.type=foo",
          match="unknown tokenizer type 'foo'")

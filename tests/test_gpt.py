@@ -119,3 +119,26 @@ def test_kv_cache_prefill_then_steps_equals_full_forward():
     first, _ = model(x[:, :12], kv_cache=cache)
     steps = [model(x[:, t : t + 1], kv_cache=cache)[0] for t in range(12, 20)]
     assert torch.allclose(torch.cat([first, *steps], 1), full, atol=1e-5)
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "manual"])
+def test_attn_dropout_zero_leaves_the_attention_weights_alone(attention):
+    """dropout on the residual branches, none on the attention weights (HF GPT-2's attn_pdrop)."""
+    from tinylm.models.gpt import CausalSelfAttention
+
+    torch.manual_seed(0)
+    kw = dict(vocab_size=16, context_length=8, d_model=16, n_layers=1, n_heads=2, attention=attention)
+    x = torch.randn(2, 8, 16)
+    split = CausalSelfAttention(ModelConfig(dropout=0.5, attn_dropout=0.0, **kw).resolved())
+    split.resid_dropout = torch.nn.Identity()  # leave only the dropout on the weights in play
+    split.train()
+    train_out = split(x)
+    split.eval()
+    assert torch.allclose(train_out, split(x), atol=1e-6)
+    both = CausalSelfAttention(ModelConfig(dropout=0.5, **kw).resolved())  # attn_dropout defaults to dropout
+    both.load_state_dict(split.state_dict())
+    both.resid_dropout = torch.nn.Identity()
+    both.train()
+    assert not torch.allclose(both(x), train_out, atol=1e-3)  # the negative control: weights were dropped
+    with pytest.raises(Exception, match="model.attn_dropout"):
+        ModelConfig(attn_dropout=1.0, **kw).resolved()

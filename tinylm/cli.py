@@ -123,7 +123,7 @@ def cmd_evaluate(args) -> int:
     if getattr(args, "bleu", False):  # issue 7: the BLEU protocol (tinylm/evaluation/bleu_cli.py)
         from tinylm.evaluation.bleu_cli import run_bleu_cli
 
-        bleu = run_bleu_cli(args, model, tokenizer, docs)
+        bleu = run_bleu_cli(args, model, tokenizer, docs, info)
     if args.json:
         print(json.dumps({**{k: m[k] for k in keys}, **({"bleu": bleu} if bleu else {})}))
     else:
@@ -208,7 +208,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    # `tinylm train --out DIR model.d_model=96` puts overrides after an option; argparse's plain
+    # parse_args stops collecting the positional list there, so pick the stragglers up by hand.
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        if hasattr(args, "overrides") and all("=" in item and not item.startswith("-") for item in extra):
+            args.overrides = list(args.overrides or []) + extra
+        else:
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return args.func(args)
     except TinyLMError as exc:

@@ -68,7 +68,10 @@ class ModelConfig:
     d_attn: int | None = None  # attention width; None means d_model (300 with 8 heads needs 304)
     n_kv_heads: int | None = None  # grouped-query attention; None means n_heads
     d_ff: int | None = None  # None means 4 * d_model
-    dropout: float = 0.0
+    dropout: float = 0.0  # on the embeddings and on each block's residual branches
+    # on the attention weights; None means `dropout`. On CPU any attention dropout takes SDPA off its
+    # fused kernel (the T x T weights are materialised and masked), so 0 here trains much faster.
+    attn_dropout: float | None = None
     positions: str = "learned"  # learned | sinusoidal | rope | none
     rope_theta: float = 10000.0
     norm: str = "layernorm"  # layernorm | rmsnorm
@@ -90,6 +93,8 @@ class ModelConfig:
             cfg.d_ff = 4 * cfg.d_model
         if cfg.d_embed is None:
             cfg.d_embed = cfg.d_model
+        if cfg.attn_dropout is None:
+            cfg.attn_dropout = cfg.dropout
         if cfg.d_embed != cfg.d_model and cfg.tie_weights:
             raise TinyLMError(
                 f"model.tie_weights=true needs the embedding width (d_embed={cfg.d_embed}) to equal "
@@ -111,8 +116,9 @@ class ModelConfig:
             )
         if cfg.positions == "rope" and (cfg.d_attn // cfg.n_heads) % 2:
             raise TinyLMError("rotary positions need an even head width (d_attn / n_heads)")
-        if not 0.0 <= cfg.dropout < 1.0:
-            raise TinyLMError(f"model.dropout must be in [0, 1) (got {cfg.dropout})")
+        for name in ("dropout", "attn_dropout"):
+            if not 0.0 <= getattr(cfg, name) < 1.0:
+                raise TinyLMError(f"model.{name} must be in [0, 1) (got {getattr(cfg, name)})")
         _check_choice("model.positions", cfg.positions, ("learned", "sinusoidal", "rope", "none"))
         _check_choice("model.norm", cfg.norm, ("layernorm", "rmsnorm"))
         _check_choice("model.ffn", cfg.ffn, ("gelu", "swiglu"))

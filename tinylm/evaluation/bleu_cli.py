@@ -27,7 +27,8 @@ def add_bleu_args(p: argparse.ArgumentParser) -> None:
                         "which slow down with more threads on a busy CPU)")
 
 
-def run_bleu_cli(args, model, tokenizer, docs: list[str]) -> dict:
+def run_bleu_cli(args, model, tokenizer, docs: list[str], info: dict | None = None) -> dict:
+    """``info`` is what `tinylm.interop.load_any_checkpoint` reports: the model's start and stop ids."""
     import torch
 
     from tinylm.evaluation.protocol import BleuProtocol, Decoding, run_bleu
@@ -39,7 +40,8 @@ def run_bleu_cli(args, model, tokenizer, docs: list[str]) -> dict:
     settings = [Decoding("greedy" if t == 0 else f"T{t:g}", temperature=t, top_k=args.top_k) for t in temps]
     settings += [Decoding(f"beam{k}", beam_width=k) for k in args.beam_width]
     # quiet: the notes and every number are printed once, in the table of print_bleu
-    return run_bleu(model, tokenizer, docs, protocol, settings, csv_dir=Path(args.csv_dir), log=lambda *_: None)
+    ids = {"bos_id": info["bos_id"], "stop_ids": tuple(info["stop_ids"])} if info else {}
+    return run_bleu(model, tokenizer, docs, protocol, settings, csv_dir=Path(args.csv_dir), log=lambda *_: None, **ids)
 
 
 def print_bleu(result: dict) -> None:

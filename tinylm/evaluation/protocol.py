@@ -99,21 +99,22 @@ def select_samples(tokenizer, texts: list[str], protocol: BleuProtocol, context_
 
 
 @torch.no_grad()
-def reference_nll(model, samples: list[Sample], batch_size: int = 32) -> list[tuple[float, int]]:
-    """(sum of NLL in nats, number of tokens) of each reference continuation given ``<sos>`` + prompt."""
+def reference_nll(model, samples: list[Sample], batch_size: int = 32, bos_id: int | None = SOS_ID) -> list[tuple[float, int]]:
+    """(sum of NLL in nats, number of tokens) of each reference continuation given the start token + prompt."""
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
     out: list[tuple[float, int]] = []
     for b in range(0, len(samples), batch_size):
         chunk = samples[b : b + batch_size]
-        seqs = [[SOS_ID, *s.prompt_ids, *s.reference_ids] for s in chunk]
+        start_ids = [] if bos_id is None else [bos_id]
+        seqs = [[*start_ids, *s.prompt_ids, *s.reference_ids] for s in chunk]
         T = max(len(q) for q in seqs) - 1
         x = torch.full((len(chunk), T), PAD_ID, dtype=torch.long)
         y = torch.full((len(chunk), T), IGNORE_INDEX, dtype=torch.long)
         for r, (s, q) in enumerate(zip(chunk, seqs)):
             x[r, : len(q) - 1] = torch.as_tensor(q[:-1])
-            start = len(s.prompt_ids)  # target position of the first continuation token
+            start = len(start_ids) + len(s.prompt_ids) - 1  # target position of the first continuation token
             y[r, start : len(q) - 1] = torch.as_tensor(s.reference_ids)
         _, nll = model(x.to(device), y.to(device), loss_reduction="none")
         nll = nll.view(len(chunk), T).cpu()
@@ -123,18 +124,20 @@ def reference_nll(model, samples: list[Sample], batch_size: int = 32) -> list[tu
     return out
 
 
-def continue_sample(model, sample: Sample, setting: Decoding, max_new_tokens: int, seed: int) -> list[int]:
-    prompt = [SOS_ID, *sample.prompt_ids]
+def continue_sample(model, sample: Sample, setting: Decoding, max_new_tokens: int, seed: int,
+                    bos_id: int | None = SOS_ID, stop_ids: tuple[int, ...] = (EOS_ID,)) -> list[int]:
+    prompt = ([] if bos_id is None else [bos_id]) + sample.prompt_ids
+    stop = {"stop_ids": tuple(stop_ids)}
     try:
         if setting.beam_width > 1:
-            return generate(model, prompt, max_new_tokens, eos_id=EOS_ID, beam_width=setting.beam_width)
+            return generate(model, prompt, max_new_tokens, beam_width=setting.beam_width, **stop)
         return generate(model, prompt, max_new_tokens, setting.temperature, setting.top_k, setting.top_p,
-                        eos_id=EOS_ID, seed=seed)
+                        seed=seed, **stop)
     except ValueError as exc:  # a bad knob (temperature < 0, top_p outside (0, 1], ...) names itself
         raise TinyLMError(f"decoding setting {setting.name}: {exc}") from exc
 
 
-def decode_all(model, sample_set: SampleSet, settings: list[Decoding], seed: int):
+def decode_all(model, sample_set: SampleSet, settings: list[Decoding], seed: int, **ids):
     """Every sample's continuation under every setting, and the wall time each setting spent.
 
     The settings take turns sample by sample (A B C, A B C, ...), so load from other jobs on a
@@ -144,19 +147,23 @@ def decode_all(model, sample_set: SampleSet, settings: list[Decoding], seed: int
     seconds = {st.name: 0.0 for st in settings}
     first = sample_set.samples[0]
     for st in settings:
-        continue_sample(model, first, st, 2, seed)
+        continue_sample(model, first, st, 2, seed, **ids)
     for k, s in enumerate(sample_set.samples):
         for st in settings:
             t0 = time.perf_counter()
-            new = continue_sample(model, s, st, len(s.reference_ids), seed + k)
+            new = continue_sample(model, s, st, len(s.reference_ids), seed + k, **ids)
             seconds[st.name] += time.perf_counter() - t0
             outs[st.name].append(new[: len(s.reference_ids)])
     return outs, seconds
 
 
 def run_bleu(model, tokenizer, texts: list[str], protocol: BleuProtocol, settings: list[Decoding],
-             csv_dir: str | Path | None = None, log=print) -> dict:
-    """BLEU (sacrebleu + BLEU-1..4), speed and per-sample CSVs for each decoding setting."""
+             csv_dir: str | Path | None = None, log=print, bos_id: int | None = SOS_ID,
+             stop_ids: tuple[int, ...] = (EOS_ID,)) -> dict:
+    """BLEU (sacrebleu + BLEU-1..4), speed and per-sample CSVs for each decoding setting.
+
+    ``bos_id`` / ``stop_ids``: the model's own start and stop ids (tinylm: <sos>, <eos>; a llama2.c
+    checkpoint: BOS=1, stops at 1 and 2), as `tinylm.interop.load_any_checkpoint` reports them."""
     names = [st.name for st in settings]
     if len(set(names)) != len(names):
         raise TinyLMError(f"decoding settings must be different (got {', '.join(names)})")
@@ -164,7 +171,7 @@ def run_bleu(model, tokenizer, texts: list[str], protocol: BleuProtocol, setting
     sample_set = select_samples(tokenizer, texts, protocol, ctx)
     for note in sample_set.notes:
         log(f"bleu: {note}")
-    nll = reference_nll(model, sample_set.samples)
+    nll = reference_nll(model, sample_set.samples, bos_id=bos_id)
     ppls = [math.exp(s / n) for s, n in nll]
     total_nll, total_tokens = sum(s for s, _ in nll), sum(n for _, n in nll)
     prompts = [tokenizer.decode(s.prompt_ids) for s in sample_set.samples]
@@ -181,7 +188,7 @@ def run_bleu(model, tokenizer, texts: list[str], protocol: BleuProtocol, setting
         "settings": [],
     }
     csv_dir = Path(csv_dir) if csv_dir is not None else None
-    all_outs, all_seconds = decode_all(model, sample_set, settings, protocol.seed)
+    all_outs, all_seconds = decode_all(model, sample_set, settings, protocol.seed, bos_id=bos_id, stop_ids=stop_ids)
     for setting in settings:
         outs, seconds = all_outs[setting.name], all_seconds[setting.name]
         hyps = [tokenizer.decode(o) for o in outs]

@@ -181,7 +181,7 @@ class CausalSelfAttention(nn.Module):
         self.n_heads, self.n_kv_heads = cfg.n_heads, cfg.n_kv_heads
         self.head_dim = cfg.d_attn // cfg.n_heads
         self.impl = cfg.attention
-        self.dropout = cfg.dropout
+        self.dropout = cfg.dropout if cfg.attn_dropout is None else cfg.attn_dropout  # on the weights
         self.q_proj = nn.Linear(cfg.d_model, cfg.n_heads * self.head_dim, bias=cfg.bias)
         self.k_proj = nn.Linear(cfg.d_model, cfg.n_kv_heads * self.head_dim, bias=cfg.bias)
         self.v_proj = nn.Linear(cfg.d_model, cfg.n_kv_heads * self.head_dim, bias=cfg.bias)
