@@ -105,9 +105,9 @@ def reference_nll(model, samples: list[Sample], batch_size: int = 32, bos_id: in
     was_training = model.training
     model.eval()
     out: list[tuple[float, int]] = []
+    start_ids = [] if bos_id is None else [bos_id]
     for b in range(0, len(samples), batch_size):
         chunk = samples[b : b + batch_size]
-        start_ids = [] if bos_id is None else [bos_id]
         seqs = [[*start_ids, *s.prompt_ids, *s.reference_ids] for s in chunk]
         T = max(len(q) for q in seqs) - 1
         x = torch.full((len(chunk), T), PAD_ID, dtype=torch.long)
@@ -127,12 +127,11 @@ def reference_nll(model, samples: list[Sample], batch_size: int = 32, bos_id: in
 def continue_sample(model, sample: Sample, setting: Decoding, max_new_tokens: int, seed: int,
                     bos_id: int | None = SOS_ID, stop_ids: tuple[int, ...] = (EOS_ID,)) -> list[int]:
     prompt = ([] if bos_id is None else [bos_id]) + sample.prompt_ids
-    stop = {"stop_ids": tuple(stop_ids)}
     try:
         if setting.beam_width > 1:
-            return generate(model, prompt, max_new_tokens, beam_width=setting.beam_width, **stop)
+            return generate(model, prompt, max_new_tokens, beam_width=setting.beam_width, stop_ids=stop_ids)
         return generate(model, prompt, max_new_tokens, setting.temperature, setting.top_k, setting.top_p,
-                        seed=seed, **stop)
+                        seed=seed, stop_ids=stop_ids)
     except ValueError as exc:  # a bad knob (temperature < 0, top_p outside (0, 1], ...) names itself
         raise TinyLMError(f"decoding setting {setting.name}: {exc}") from exc
 
