@@ -136,12 +136,12 @@ def llama2c_rows(args) -> list[dict]:
     if not ckpt.is_file() or not tok_path.is_file():
         print(f"  (skipped: {ckpt} or {tok_path} not found; pass --llama2c-dir)")
         return []
-    model, tok, info = load_any_checkpoint(ckpt, tok_path)
+    model, tok, _ = load_any_checkpoint(ckpt, tok_path)
     prompt = "Once upon a time"
     ids = [1] + tok.encode(prompt)
     steps = 256  # run.c's -n counts every position, prompt included
     new = steps - len(ids)
-    cfg = GenerationConfig(max_new_tokens=new, temperature=0, stop_ids=tuple(info["stop_ids"]))
+    cfg = GenerationConfig(max_new_tokens=new, temperature=0, stop_ids=tuple(tok.stop_ids))
     generate_many(model, [ids], GenerationConfig(max_new_tokens=8, temperature=0))  # warm-up
     times, text = [], None
     for _ in range(args.repeats):

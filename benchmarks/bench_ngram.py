@@ -40,7 +40,8 @@ from tinylm.data.splits import split_chunks  # noqa: E402
 from tinylm.errors import TinyLMError  # noqa: E402
 from tinylm.models.ngram import NGramLM  # noqa: E402
 from tinylm.tokenizers import new_tokenizer  # noqa: E402
-from tinylm.tokenizers.base import EOS_ID, SOS_ID  # noqa: E402
+from tinylm.tokenizers.base import SOS_ID  # noqa: E402
+from tinylm.constants import EOS_ID
 
 LMPLZ = HERE / ".kenlm" / "bin" / "lmplz"
 

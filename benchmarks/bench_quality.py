@@ -4,7 +4,7 @@
 
 MODEL is a tinylm checkpoint (or run) directory, or a llama2.c ``.bin`` with its tokenizer
 written ``model.bin::tokenizer.bin``. Every model, and the reference stories260K, is scored with
-the same protocol (tinylm.interop.score_texts): each story of the file on its own from the model's
+the same protocol (tinylm.evaluation.perplexity.evaluate_texts): each story of the file on its own from the model's
 start token (<sos> for tinylm, BOS=1 for llama2.c), a sliding window when a story is longer than
 the context, bits per byte over the story's UTF-8 bytes. The reference row is measured in the
 same run, through tinylm's own llama2.c importer and evaluator, from ``../shared/anchors/llama2c``
@@ -65,11 +65,12 @@ def train_minutes(checkpoint: Path, info: dict) -> float | None:
 
 
 def evaluate_model(name: str, checkpoint: str, tokenizer: str | None, texts: list[str], batch_size: int) -> dict:
-    from tinylm.interop import load_any_checkpoint, score_texts
+    from tinylm.evaluation.perplexity import evaluate_texts
+    from tinylm.interop import load_any_checkpoint
 
     t0 = time.perf_counter()
     model, tok, info = load_any_checkpoint(checkpoint, tokenizer)
-    m = score_texts(model, tok, texts, info, batch_size=batch_size)
+    m = evaluate_texts(model, tok, texts, batch_size=batch_size)
     minutes = train_minutes(Path(checkpoint), info) if info["format"] == "tinylm" else None
     return {"model": name, "params": model.num_parameters(), "bpb": m["bpb"], "token_ppl": m["token_ppl"],
             "word_ppl": m["word_ppl"], "train_minutes": minutes, "format": info["format"],

@@ -11,7 +11,8 @@ from tinylm.config import ModelConfig
 from tinylm.data.prepare import prepare
 from tinylm.data.tokens import Batches, encode_split
 from tinylm.errors import TinyLMError
-from tinylm.models.gpt import GPT, IGNORE_INDEX
+from tinylm.models.gpt import GPT
+from tinylm.constants import IGNORE_INDEX
 from tinylm.tokenizers import new_tokenizer
 from tinylm.training.optim import make_optimizer
 from tinylm.training.trainer import accumulate_gradients, micro_batches, per_rank_batch_size, train
@@ -82,11 +83,11 @@ def test_trainer_with_accumulation_matches_big_batch(tmp_path, stories_file):
     """End to end through train(): 1 step of 2 x 4 equals 1 step of 8 x 1 (float32)."""
     cfg = tiny_run_config(tmp_path / "prep", stories_file, max_steps=1, eval_interval=1, threads=1)
     cfg.data.batching = "stories"
-    prepared = prepare(cfg, tmp_path / "prep", log=lambda *a: None)
+    prepared = prepare(cfg, tmp_path / "prep")
     states = []
     for batch, accum in ((8, 1), (2, 4)):
         run_cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, batch_size=batch, grad_accum_steps=accum))
-        train(run_cfg, prepared, tmp_path / f"run{accum}", log=lambda *a: None)
+        train(run_cfg, prepared, tmp_path / f"run{accum}")
         from safetensors.torch import load_file
 
         states.append(load_file(str(tmp_path / f"run{accum}" / "checkpoints/last/model.safetensors")))
@@ -105,10 +106,10 @@ def test_bad_accumulation_and_batch_inputs(tmp_path, stories_file):
     with pytest.raises(TinyLMError, match=r"global_batch_size=10 is not divisible by world size 4 x train.grad_accum_steps 2"):
         per_rank_batch_size(cfg.train, 4)
     assert per_rank_batch_size(cfg.train, 5) == 1
-    prepared = prepare(cfg, tmp_path, log=lambda *a: None)
+    prepared = prepare(cfg, tmp_path)
     big = tiny_run_config(tmp_path, stories_file, batch_size=10_000)
     with pytest.raises(TinyLMError, match="larger than the train split"):
-        train(big, prepared, tmp_path / "big", log=lambda *a: None)
+        train(big, prepared, tmp_path / "big")
     big.data.batching = "stories"
     with pytest.raises(TinyLMError, match="larger than the train split's .* documents"):
-        train(big, prepared, tmp_path / "big", log=lambda *a: None)
+        train(big, prepared, tmp_path / "big")

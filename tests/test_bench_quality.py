@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from tinylm.config import ModelConfig
-from tinylm.interop import load_any_checkpoint, score_texts
+from tinylm.evaluation.perplexity import evaluate_texts
+from tinylm.interop import load_any_checkpoint
 from tinylm.interop.llama2c import save_llama2c
 from tinylm.models.gpt import GPT
 
@@ -72,8 +73,8 @@ def test_quick_table_and_json_match_the_evaluator(files, capsys):
         assert set(bench.COLUMNS) <= set(r)
         assert r["train_minutes"] is None and r["stories"] == len(STORIES)
     # the same numbers as the evaluator's own adapter, computed here directly
-    model, tok, info = load_any_checkpoint(files["model"], files["tok"])
-    direct = score_texts(model, tok, STORIES, info)
+    model, tok, _ = load_any_checkpoint(files["model"], files["tok"])
+    direct = evaluate_texts(model, tok, STORIES)
     assert rows[1]["bpb"] == pytest.approx(direct["bpb"], rel=1e-6)
     assert rows[1]["token_ppl"] == pytest.approx(direct["token_ppl"], rel=1e-6)
     assert rows[1]["params"] == model.num_parameters()

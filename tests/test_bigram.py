@@ -11,7 +11,7 @@ from tinylm.errors import TinyLMError
 from tinylm.models.bigram import (BigramConfig, NeuralBigramLM, pair_nll, stream_pairs, sweep_bigram,
                                   train_bigram)
 from tinylm.models.ngram import NGramLM
-from tinylm.tokenizers.base import EOS_ID, SOS_ID
+from tinylm.constants import EOS_ID, SOS_ID
 
 V = 12
 

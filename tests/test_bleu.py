@@ -21,7 +21,7 @@ from tinylm.evaluation.protocol import (CSV_COLUMNS, BleuProtocol, Decoding, ref
                                         select_samples)
 from tinylm.models.gpt import GPT
 from tinylm.tokenizers import WordTokenizer
-from tinylm.tokenizers.base import SOS_ID
+from tinylm.constants import SOS_ID
 
 HYPS = [
     "the cat sat on the mat and looked at the dog .",
@@ -104,7 +104,7 @@ def model_and_tokenizer():
 def test_per_sample_ppl_equals_hand_computation(model_and_tokenizer, bos_id):
     model, tok, stories = model_and_tokenizer
     sset = select_samples(tok, stories[:3], BleuProtocol(n_samples=3, prompt_tokens=5, max_continuation=12), 32)
-    got = reference_nll(model, sset.samples, batch_size=2, bos_id=bos_id)  # batched with padding
+    got = reference_nll(model, sset.samples, bos_id, batch_size=2)  # batched with padding
     for s, (nll_sum, n) in zip(sset.samples, got):
         # by hand: one prefix at a time, the log-probability of the next reference token
         prefix, nlls = [*([] if bos_id is None else [bos_id]), *s.prompt_ids], []
@@ -134,8 +134,8 @@ def test_run_bleu_writes_csv_and_is_seeded(model_and_tokenizer, tmp_path):
     model, tok, stories = model_and_tokenizer
     proto = BleuProtocol(n_samples=6, prompt_tokens=5, max_continuation=10, seed=3)
     settings = [Decoding("T0.7", temperature=0.7), Decoding("greedy", temperature=0.0)]
-    a = run_bleu(model, tok, stories, proto, settings, csv_dir=tmp_path / "a", log=lambda *_: None)
-    b = run_bleu(model, tok, stories, proto, settings, csv_dir=tmp_path / "b", log=lambda *_: None)
+    a = run_bleu(model, tok, stories, proto, settings, csv_dir=tmp_path / "a")
+    b = run_bleu(model, tok, stories, proto, settings, csv_dir=tmp_path / "b")
     assert a["samples"] == 6 and a["requested"] == 6
     assert [s["bleu4"] for s in a["settings"]] == [s["bleu4"] for s in b["settings"]]
     rows = list(csv.DictReader(open(tmp_path / "a" / "bleu_samples_T0.7.csv", encoding="utf-8")))
@@ -151,7 +151,7 @@ def test_run_bleu_writes_csv_and_is_seeded(model_and_tokenizer, tmp_path):
 
 def test_evaluate_cli_with_bleu(model_and_tokenizer, tmp_path, capsys):
     from tinylm.cli import main
-    from tinylm.training.checkpoint import save_checkpoint
+    from tinylm.models.checkpoint import save_checkpoint
 
     model, tok, stories = model_and_tokenizer
     ckpt = save_checkpoint(tmp_path / "ckpt", model, tok)
@@ -175,9 +175,9 @@ def test_bad_decoding_settings_are_clear_errors(model_and_tokenizer):
     model, tok, stories = model_and_tokenizer
     proto = BleuProtocol(n_samples=2, prompt_tokens=5, max_continuation=4)
     with pytest.raises(TinyLMError, match="decoding setting bad: temperature"):
-        run_bleu(model, tok, stories, proto, [Decoding("bad", temperature=-1.0)], log=lambda *_: None)
+        run_bleu(model, tok, stories, proto, [Decoding("bad", temperature=-1.0)])
     with pytest.raises(TinyLMError, match="must be different"):
-        run_bleu(model, tok, stories, proto, [Decoding("T1"), Decoding("T1")], log=lambda *_: None)
+        run_bleu(model, tok, stories, proto, [Decoding("T1"), Decoding("T1")])
 
 
 def test_continuation_starts_from_and_stops_at_the_models_own_ids(model_and_tokenizer):
@@ -193,5 +193,5 @@ def test_continuation_starts_from_and_stops_at_the_models_own_ids(model_and_toke
     stop_at = free[3]
     cut = continue_sample(model, sample, greedy, 12, 0, bos_id=1, stop_ids=(stop_at,))
     assert cut == free[: free.index(stop_at)]  # the stop id itself is not returned
-    assert continue_sample(model, sample, greedy, 12, 0) == generate(model, [SOS_ID, *sample.prompt_ids], 12, 0.0,
+    assert continue_sample(model, sample, greedy, 12, 0, SOS_ID, (3,)) == generate(model, [SOS_ID, *sample.prompt_ids], 12, 0.0,
                                                                      eos_id=3)

@@ -7,8 +7,8 @@ import torch
 from tinylm.config import ModelConfig
 from tinylm.models.gpt import GPT
 from tinylm.tokenizers import new_tokenizer
-from tinylm.training import checkpoint as ckpt_mod
-from tinylm.training.checkpoint import (load_checkpoint, prune_step_checkpoints, resolve_checkpoint_dir,
+from tinylm.models import checkpoint as ckpt_mod
+from tinylm.models.checkpoint import (load_checkpoint, prune_step_checkpoints, resolve_checkpoint_dir,
                                         save_checkpoint)
 
 

@@ -45,7 +45,7 @@ def test_heads_must_divide_attention_width():
 
 
 def test_seed_baseline_preset_loads():
-    cfg = build_config("configs/tinystories.yaml")
+    cfg = build_config("tinystories")
     m = cfg.model
     assert (m.context_length, m.n_layers, m.n_heads, m.d_model, m.d_attn) == (64, 3, 8, 300, 304)
     m.vocab_size = 100

@@ -31,7 +31,7 @@ def test_shard_rows_layout():
 @pytest.mark.parametrize("mode", ["packed", "stories"])
 def test_rank_shards_tile_the_global_batch(tmp_path, stories_file, mode):
     cfg = tiny_run_config(tmp_path, stories_file)
-    prepared = prepare(cfg, tmp_path, log=lambda *a: None)
+    prepared = prepare(cfg, tmp_path)
     batches = Batches(prepared.splits["train"], 32, mode, seed=7)
     world, accum, B = 2, 3, 2
     (big_x, big_y), = micro_batches(batches, step=5, batch_size=world * accum * B, accum=1, ctx=DistContext())
@@ -68,7 +68,7 @@ WORKER = textwrap.dedent("""
     from tinylm.training.trainer import accumulate_gradients, build_model, micro_batches, train
 
     cfg = config_from_dict(load_config_file(sys.argv[1]))
-    prepared = prepare(cfg, sys.argv[2], log=lambda *a: None)  # reuses the cache the test wrote
+    prepared = prepare(cfg, sys.argv[2])  # reuses the cache the test wrote
     ctx = distributed.setup_distributed("cpu")
     # 1) the synchronised gradient of one step (2 micro-batches per rank), saved by rank 0
     torch.manual_seed(0)
@@ -94,7 +94,7 @@ WORKER = textwrap.dedent("""
         save_file({**grads, "loss": torch.tensor([loss], dtype=torch.float64),
                    "syncs": torch.tensor([syncs_two_micro, syncs_one_micro])}, sys.argv[3] + ".grads")
     # 2) a whole training run through train()
-    train(cfg, prepared, sys.argv[3], log=lambda *a: None)
+    train(cfg, prepared, sys.argv[3])
     distributed.cleanup(ctx)
 """)
 
@@ -102,7 +102,7 @@ def test_two_gloo_processes_equal_one_process_with_doubled_batch(tmp_path, stori
     cfg = tiny_run_config(tmp_path / "prep", stories_file, max_steps=3, eval_interval=3, threads=1,
                           global_batch_size=8, lr=3e-3)
     cfg.data.batching = "stories"  # rows with different token counts: the global token weighting matters
-    prepared = prepare(cfg, tmp_path / "prep", log=lambda *a: None)
+    prepared = prepare(cfg, tmp_path / "prep")
     cfg_path = tmp_path / "cfg.yaml"
     cfg.save(cfg_path)
     (tmp_path / "worker.py").write_text(WORKER)
@@ -115,7 +115,7 @@ def test_two_gloo_processes_equal_one_process_with_doubled_batch(tmp_path, stori
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
 
-    train(cfg, prepared, tmp_path / "single", log=lambda *a: None)  # one process, global batch 8
+    train(cfg, prepared, tmp_path / "single")  # one process, global batch 8
     # the gradient: 2 ranks x 2 micro-batches of 2 == 1 process, 1 micro-batch of 8
     torch.manual_seed(0)
     model = build_model(cfg, prepared.tokenizer.vocab_size)

@@ -2,13 +2,15 @@
 matrix (pad zero, specials noise, OOV subword or noise), freeze and projection, trainer hook."""
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import pytest
 import torch
 from conftest import make_stories
 
 from tinylm.config import EmbeddingsConfig, ModelConfig
-from tinylm.embeddings import (
+from tinylm.models.embeddings import (
     apply_pretrained_embeddings, build_embedding_matrix, load_vectors, read_fasttext_bin, read_gensim, read_vec,
     token_sentences, train_fasttext, write_vec,
 )
@@ -160,14 +162,14 @@ def _model(vocab_size, d_model=16, **kw):
     return GPT(ModelConfig(vocab_size=vocab_size, context_length=16, d_model=d_model, n_layers=1, n_heads=2, **kw))
 
 
-def test_apply_frozen_with_projection(tmp_path, vec_file, word_tok):
+def test_apply_frozen_with_projection(tmp_path, vec_file, word_tok, caplog):
     path, truth = vec_file
     model = _model(word_tok.vocab_size, d_model=16, d_embed=DIM, tie_weights=False)
     assert model.embed_proj is not None and model.tok_emb.weight.shape == (word_tok.vocab_size, DIM)
     cfg = EmbeddingsConfig(kind="vec", path=str(path), freeze=True)
-    lines = []
-    report = apply_pretrained_embeddings(model, word_tok, cfg, out_dir=tmp_path, log=lines.append)
-    assert report.found == 20 and "20/" in lines[0] and (tmp_path / "embeddings.json").is_file()
+    with caplog.at_level(logging.INFO, logger="tinylm.models.embeddings"):
+        report = apply_pretrained_embeddings(model, word_tok, cfg, out_dir=tmp_path)
+    assert report.found == 20 and "20/" in caplog.records[0].getMessage() and (tmp_path / "embeddings.json").is_file()
     w = word_tok.words[0]
     np.testing.assert_allclose(model.tok_emb.weight[word_tok._word_to_id[w]].detach().numpy(), truth[w], atol=1e-5)
     before = model.tok_emb.weight.detach().clone()
@@ -184,18 +186,16 @@ def test_width_and_tying_errors(vec_file, word_tok):
     path, _ = vec_file
     with pytest.raises(TinyLMError, match=r"vectors are 8-dimensional .* set model.d_embed=8"):
         apply_pretrained_embeddings(_model(word_tok.vocab_size, d_model=16), word_tok,
-                                    EmbeddingsConfig(kind="vec", path=str(path)), log=lambda *_: None)
+                                    EmbeddingsConfig(kind="vec", path=str(path)))
     with pytest.raises(TinyLMError, match="tie_weights=true needs the embedding width"):
         _model(word_tok.vocab_size, d_model=16, d_embed=DIM)
     tied = _model(word_tok.vocab_size, d_model=DIM)
     with pytest.raises(TinyLMError, match="freeze the output layer too"):
-        apply_pretrained_embeddings(tied, word_tok, EmbeddingsConfig(kind="vec", path=str(path), freeze=True),
-                                    log=lambda *_: None)
+        apply_pretrained_embeddings(tied, word_tok, EmbeddingsConfig(kind="vec", path=str(path), freeze=True))
     with pytest.raises(TinyLMError, match="needs embeddings.path"):
-        apply_pretrained_embeddings(tied, word_tok, EmbeddingsConfig(kind="vec"), log=lambda *_: None)
+        apply_pretrained_embeddings(tied, word_tok, EmbeddingsConfig(kind="vec"))
     with pytest.raises(TinyLMError, match="embeddings.oov"):
-        apply_pretrained_embeddings(tied, word_tok, EmbeddingsConfig(kind="vec", path=str(path), oov="zero"),
-                                    log=lambda *_: None)
+        apply_pretrained_embeddings(tied, word_tok, EmbeddingsConfig(kind="vec", path=str(path), oov="zero"))
 
 
 def test_trainer_hook_trains_fasttext_and_keeps_frozen_rows(tmp_path, stories_file):
@@ -208,11 +208,11 @@ def test_trainer_hook_trains_fasttext_and_keeps_frozen_rows(tmp_path, stories_fi
     cfg.tokenizer.type, cfg.tokenizer.vocab_size, cfg.tokenizer.lowercase = "word", 80, True
     cfg.model.d_embed, cfg.model.tie_weights = 12, False
     cfg.embeddings = EmbeddingsConfig(kind="train", freeze=True, train_epochs=1)
-    prepared = prepare(cfg, tmp_path / "run", log=lambda *_: None)
-    result = train(cfg, prepared, tmp_path / "run", log=lambda *_: None)
+    prepared = prepare(cfg, tmp_path / "run")
+    result = train(cfg, prepared, tmp_path / "run")
     report = (tmp_path / "run" / "embeddings.json").read_text()
     assert '"found": 76' in report and '"freeze": true' in report
-    from tinylm.training.checkpoint import load_checkpoint
+    from tinylm.models.checkpoint import load_checkpoint
 
     model = load_checkpoint(tmp_path / "run" / "checkpoints" / "last")[0]
     rows = model.tok_emb.weight.detach().numpy()

@@ -10,7 +10,7 @@ import pytest
 from conftest import make_stories
 from tinylm.cli import main
 from tinylm.errors import TinyLMError
-from tinylm.experiments import PARTS, load_experiment_config
+from tinylm.studies.tinystories import PARTS, load_experiment_config
 
 CONFIG = """
 out_dir: runs/should-be-overridden
@@ -122,7 +122,7 @@ def test_missing_data_file_is_a_clear_error(corpus, tmp_path, capsys):
 def test_the_shipped_assignment_config_loads():
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "configs" / "tinystories-assignment.yaml"
+    path = "tinystories-assignment"
     cfg, exp = load_experiment_config(path, ["data.train=a.txt", "data.valid=b.txt"])
     assert (cfg.model.n_layers, cfg.model.n_heads, cfg.model.d_model, cfg.model.context_length) == (3, 8, 300, 64)
     assert cfg.model.d_attn == 304 and cfg.tokenizer.type == "word" and cfg.data.train == "a.txt"

@@ -9,7 +9,7 @@ from tinylm.config import ModelConfig
 from tinylm.generation import GenerationConfig, TextStream, TokenStream, generate, generate_many
 from tinylm.models.gpt import GPT
 from tinylm.tokenizers import CharTokenizer
-from tinylm.training.checkpoint import save_checkpoint
+from tinylm.models.checkpoint import save_checkpoint
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.one_thread

@@ -111,8 +111,8 @@ def test_hf_directory_as_checkpoint(tmp_path):
     torch.manual_seed(0)
     model = GPT(ModelConfig(vocab_size=tok.vocab_size, context_length=32, d_model=32, n_layers=1, n_heads=4)).eval()
     export_hf(model, tmp_path / "hf", tokenizer=tok)
-    loaded, tokenizer, info = load_any_checkpoint(tmp_path / "hf")
-    assert info["format"] == "hf" and info["bos_id"] == 2 and tokenizer.encode("abc") == tok.encode("abc")
+    loaded, tokenizer, source = load_any_checkpoint(tmp_path / "hf")
+    assert source["format"] == "hf" and tokenizer.bos_id == 2 and tokenizer.encode("abc") == tok.encode("abc")
     x = torch.tensor([[2, 5, 6, 7]])
     with torch.no_grad():
         assert torch.allclose(loaded(x)[0], model(x)[0], atol=1e-6)
@@ -124,7 +124,7 @@ def test_cli_export_hf_from_tinylm_and_llama2c_checkpoints(tmp_path, capsys):
     from tinylm.cli import main
     from tinylm.interop.llama2c import save_llama2c
     from tinylm.tokenizers import CharTokenizer
-    from tinylm.training.checkpoint import save_checkpoint
+    from tinylm.models.checkpoint import save_checkpoint
 
     tok = CharTokenizer().train(["abcdefgh ijk"])
     torch.manual_seed(0)

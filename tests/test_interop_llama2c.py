@@ -12,7 +12,8 @@ from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 from tinylm.cli import main  # noqa: E402
 from tinylm.errors import TinyLMError  # noqa: E402
 from tinylm.generation import GenerationConfig, generate_many  # noqa: E402
-from tinylm.interop import load_any_checkpoint, score_texts  # noqa: E402
+from tinylm.evaluation.perplexity import evaluate_texts  # noqa: E402
+from tinylm.interop import load_any_checkpoint  # noqa: E402
 from tinylm.interop.llama2c import load_llama2c, save_llama2c  # noqa: E402
 from tinylm.tokenizers.llama2c import Llama2cTokenizer  # noqa: E402
 
@@ -109,8 +110,8 @@ def test_cli_generate_llama2c_prints_decoded_prompt_and_greedy_continuation(tmp_
     write_llama2c(hf, tmp_path / "m.bin")
     tok = toy_tokenizer()
     tok.save(tmp_path / "tok.bin")
-    model, tokenizer, info = load_any_checkpoint(tmp_path / "m.bin", tmp_path / "tok.bin")
-    assert info["bos_id"] == 1 and info["stop_ids"] == [1, 2]
+    model, tokenizer, _ = load_any_checkpoint(tmp_path / "m.bin", tmp_path / "tok.bin")
+    assert tokenizer.bos_id == 1 and tokenizer.stop_ids == (1, 2)
     prompt = "hi the cat"
     ids = [1] + tokenizer.encode(prompt)
     with torch.no_grad():
@@ -134,9 +135,9 @@ def test_evaluation_adapter_scores_from_bos(tmp_path):
     hf = hf_llama(tie=True, seed=4)
     write_llama2c(hf, tmp_path / "m.bin")
     toy_tokenizer().save(tmp_path / "tok.bin")
-    model, tokenizer, info = load_any_checkpoint(tmp_path / "m.bin", tmp_path / "tok.bin")
+    model, tokenizer, _ = load_any_checkpoint(tmp_path / "m.bin", tmp_path / "tok.bin")
     texts = ["hi the cat and the hat", "in the end"]
-    m = score_texts(model, tokenizer, texts, info)
+    m = evaluate_texts(model, tokenizer, texts)
     nll = 0.0
     for t in texts:
         ids = torch.tensor([[1] + tokenizer.encode(t)])

@@ -10,7 +10,7 @@ from nltk.lm import KneserNeyInterpolated, Laplace, Lidstone, Vocabulary
 
 from tinylm.errors import TinyLMError
 from tinylm.models.ngram import NGramLM, _ok_windows, chen_goodman_discounts
-from tinylm.tokenizers.base import EOS_ID, SOS_ID
+from tinylm.constants import EOS_ID, SOS_ID
 
 V = 14
 WORDS = np.arange(4, V)

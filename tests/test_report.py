@@ -9,7 +9,7 @@ import yaml
 from tinylm.cli import main
 from tinylm.config import RunConfig
 from tinylm.errors import TinyLMError
-from tinylm.report import build_report, write_report, write_run_report
+from tinylm.evaluation.report import build_report, write_report
 
 
 def write_training_run(run, metrics=True):
@@ -31,7 +31,7 @@ def write_training_run(run, metrics=True):
 
 def test_training_run_report_reads_every_number_from_files(tmp_path):
     write_training_run(tmp_path)
-    path = write_run_report(tmp_path)
+    path = write_report(tmp_path)[0]
     md = path.read_text()
     for expected in ("| vocabulary | 777 |", "| parameters (total) | 424,242 |", "| valid | 10 | 1,234 | 5,432 |",
                      "10.4321", "1.2345", "20.9876", "| 60 | 2.1111 | 2.3456 | 10.44 |", "upon a time", "## Machine"):

@@ -77,7 +77,7 @@ def test_sigkill_then_resume_reproduces_the_loss_curve_bit_for_bit(killed_and_re
     assert "last" not in killed_state, "the run finished before it was killed; nothing was tested"
     assert killed_rows < MAX_STEPS
     assert resumed.returncode == 0, resumed.stderr[-2000:]
-    assert "resuming from" in resumed.stdout
+    assert "resuming from" in resumed.stderr
     full, again = _losses(root / "full"), _losses(root / "killed")
     assert len(full) == MAX_STEPS
     assert again == full  # the loss strings are repr() of the floats: bit for bit

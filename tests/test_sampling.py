@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from tinylm.config import ModelConfig
-from tinylm.generation import GenerationConfig, generate, generate_many, sample_next, select_next
+from tinylm.generation import GenerationConfig, generate, generate_many, select_next
 from tinylm.generation.processors import (HistoryProcessor, min_p_filter, shape_distribution, top_k_filter,
                                           top_p_filter)
 from tinylm.models.gpt import GPT
@@ -99,15 +99,15 @@ def test_greedy_is_argmax_and_sampling_is_seeded():
     torch.manual_seed(4)
     logits = torch.randn(3, 50)
     assert torch.equal(select_next(logits, GenerationConfig(temperature=0)), logits.argmax(-1))
-    assert torch.equal(sample_next(logits, 1.0, top_k=1), logits.argmax(-1))
+    assert torch.equal(select_next(logits, GenerationConfig(top_k=1)), logits.argmax(-1))
     g1, g2 = torch.Generator().manual_seed(7), torch.Generator().manual_seed(7)
-    a = [sample_next(logits, 1.0, generator=g1) for _ in range(5)]
-    b = [sample_next(logits, 1.0, generator=g2) for _ in range(5)]
+    a = [select_next(logits, GenerationConfig(), g1) for _ in range(5)]
+    b = [select_next(logits, GenerationConfig(), g2) for _ in range(5)]
     assert all(torch.equal(x, y) for x, y in zip(a, b))
     # the empirical distribution of 4000 draws follows softmax(logits / T) with top-p applied
     row = torch.tensor([[2.0, 1.0, 0.5, 0.0, -5.0]])
     g = torch.Generator().manual_seed(0)
-    draws = sample_next(row.expand(4000, -1), 0.5, top_p=0.95, generator=g)
+    draws = select_next(row.expand(4000, -1), GenerationConfig(temperature=0.5, top_p=0.95), g)
     probs = torch.softmax(top_p_filter(row / 0.5, 0.95), -1)[0]
     freq = torch.bincount(draws, minlength=5).float() / 4000
     assert torch.allclose(freq, probs, atol=0.03) and freq[3:].sum() == 0

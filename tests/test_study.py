@@ -11,7 +11,7 @@ import pytest
 
 from tinylm.cli import build_parser, main
 from tinylm.errors import TinyLMError
-from tinylm.study import StudyConfig, quick_config, run_study
+from tinylm.studies.shakespeare import StudyConfig, load_study_config, run_study
 
 LINES = ["ROMEO. But soft, what light through yonder window breaks?", "JULIET. O Romeo, Romeo, wherefore art thou Romeo?",
          "HAMLET. To be, or not to be, that is the question.", "KING. Once more unto the breach, dear friends, once more.",
@@ -39,7 +39,7 @@ def tiny_config(out_dir, corpus, **kw) -> StudyConfig:
 
 def test_study_writes_one_table_for_every_model_and_tokenizer(tmp_path, corpus):
     cfg = tiny_config(tmp_path / "study", corpus)
-    run_study(cfg, log=lambda m: None)
+    run_study(cfg)
     out = tmp_path / "study"
     rows = list(csv.DictReader(open(out / "results.csv")))
     per_tokenizer = len(cfg.orders) * len(cfg.smoothings) + 2  # n-grams + neural bigram + GPT
@@ -68,13 +68,13 @@ def test_study_writes_one_table_for_every_model_and_tokenizer(tmp_path, corpus):
 def test_a_split_shorter_than_the_context_is_an_error_not_infinity(tmp_path, corpus):
     cfg = tiny_config(tmp_path / "study", corpus, context_length=100_000, char=False, word=False)
     with pytest.raises(TinyLMError, match="fewer than one context window"):
-        run_study(cfg, log=lambda m: None)
+        run_study(cfg)
 
 
 def test_cli_registers_the_study_and_reports_errors_on_one_line(tmp_path, capsys):
     args = build_parser().parse_args(["study", "shakespeare", "--quick", "--out", str(tmp_path / "q")])
     assert args.quick and args.out == str(tmp_path / "q") and args.corpus == "shakespeare"
-    assert quick_config().gpt_minutes * 60 * 5 < 60  # five quick GPTs stay within a minute of training
+    assert load_study_config(quick=True).gpt_minutes * 60 * 5 < 60  # five quick GPTs stay within a minute of training
     with pytest.raises(SystemExit):
         build_parser().parse_args(["study", "tinystories"])
     capsys.readouterr()

@@ -6,7 +6,7 @@ from hypothesis import strategies as st
 
 from tinylm.errors import TinyLMError
 from tinylm.tokenizers import BPETokenizer, CharTokenizer, WordTokenizer, load_tokenizer, new_tokenizer
-from tinylm.tokenizers.base import UNK_ID
+from tinylm.constants import UNK_ID
 
 CORPUS = ["The cat sat on the mat. The dog sat on the log.", "Ünïcödé ✓ and emoji 🙂 too", "a b c " * 20]
 

@@ -4,9 +4,9 @@ import torch
 
 from tinylm.data.tokens import Batches, encode_split, load_split
 from tinylm.errors import TinyLMError
-from tinylm.models.gpt import IGNORE_INDEX
+from tinylm.constants import IGNORE_INDEX
 from tinylm.tokenizers import CharTokenizer
-from tinylm.tokenizers.base import EOS_ID, PAD_ID, SOS_ID
+from tinylm.constants import EOS_ID, PAD_ID, SOS_ID
 
 
 @pytest.fixture

@@ -7,11 +7,10 @@ import torch
 from conftest import tiny_run_config
 from tinylm.data.prepare import prepare
 from tinylm.errors import TinyLMError
-from tinylm.training.checkpoint import load_checkpoint, model_state, save_checkpoint
+from tinylm.models.checkpoint import load_checkpoint, model_state, save_checkpoint
 from tinylm.training.precision import check_precision, make_grad_scaler
 from tinylm.training.trainer import build_model, train
 
-QUIET = dict(log=lambda *a, **k: None)
 
 
 @pytest.fixture(scope="module")
@@ -22,7 +21,7 @@ def prepared_run(tmp_path_factory):
     data = root / "stories.txt"
     data.write_text("".join(f"{s}\n<|endoftext|>\n" for s in make_stories()), encoding="utf-8")
     cfg = tiny_run_config(root / "prep", data, threads=1)
-    return cfg, prepare(cfg, root / "prep", **QUIET)
+    return cfg, prepare(cfg, root / "prep")
 
 
 def _cfg(base, **train):
@@ -55,7 +54,7 @@ def test_nan_loss_stops_with_the_step_and_keeps_the_last_good_checkpoint(prepare
     trainer_mod.build_model = build_with_hook
     try:
         with pytest.raises(TinyLMError, match=r"training loss became nan at step 7;"):
-            train(cfg, prepared, tmp_path, **QUIET)
+            train(cfg, prepared, tmp_path)
     finally:
         trainer_mod.build_model = real_build
     names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
@@ -69,7 +68,7 @@ def test_early_stopping_on_validation_loss(prepared_run, tmp_path):
     base, prepared = prepared_run
     # lr 0: the validation loss never improves after the first evaluation
     cfg = _cfg(base, max_steps=50, eval_interval=5, early_stopping_patience=2, lr=0.0, min_lr=0.0, warmup_steps=0)
-    result = train(cfg, prepared, tmp_path, **QUIET)
+    result = train(cfg, prepared, tmp_path)
     assert result.stopped_because == "early_stopping"
     assert result.steps == 15  # evaluations at 5 (best), 10 (no gain), 15 (no gain) -> stop
 
@@ -77,7 +76,7 @@ def test_early_stopping_on_validation_loss(prepared_run, tmp_path):
 def test_metrics_csv_and_tensorboard(prepared_run, tmp_path):
     base, prepared = prepared_run
     cfg = _cfg(base, max_steps=4, log_interval=1, eval_interval=2, tensorboard=True)
-    train(cfg, prepared, tmp_path, **QUIET)
+    train(cfg, prepared, tmp_path)
     rows = (tmp_path / "metrics.csv").read_text().strip().splitlines()
     assert rows[0].split(",")[:4] == ["step", "tokens", "lr", "train_loss"] and len(rows) == 5
     events = list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
@@ -93,7 +92,7 @@ def test_metrics_csv_and_tensorboard(prepared_run, tmp_path):
 def test_bf16_autocast_trains_on_cpu(prepared_run, tmp_path):
     base, prepared = prepared_run
     cfg = _cfg(base, max_steps=3, precision="bf16", eval_interval=3)
-    result = train(cfg, prepared, tmp_path, **QUIET)
+    result = train(cfg, prepared, tmp_path)
     assert math.isfinite(result.final_train_loss)
     model, _, _ = load_checkpoint(tmp_path / "checkpoints/last")
     assert model.tok_emb.weight.dtype == torch.float32  # master weights stay float32
@@ -105,7 +104,7 @@ def test_bf16_autocast_trains_on_cpu(prepared_run, tmp_path):
 def test_unsupported_precision_combinations_are_one_line_errors(prepared_run, tmp_path):
     base, prepared = prepared_run
     with pytest.raises(TinyLMError, match="precision=fp16 needs a CUDA device"):
-        train(_cfg(base, precision="fp16", device="cpu"), prepared, tmp_path, **QUIET)
+        train(_cfg(base, precision="fp16", device="cpu"), prepared, tmp_path)
     with pytest.raises(TinyLMError, match="not one of fp32, bf16, fp16"):
         check_precision(torch.device("cpu"), "fp8")
     assert not make_grad_scaler(torch.device("cpu"), "bf16").is_enabled()
@@ -115,8 +114,8 @@ def test_gradient_checkpointing_run_equals_plain_run(prepared_run, tmp_path):
     base, prepared = prepared_run
     base = _cfg(base, max_steps=3, eval_interval=3)
     base.model.dropout = 0.1
-    plain = train(base, prepared, tmp_path / "plain", **QUIET)
-    ckpt = train(_cfg(base, grad_checkpointing=True), prepared, tmp_path / "ckpt", **QUIET)
+    plain = train(base, prepared, tmp_path / "plain")
+    ckpt = train(_cfg(base, grad_checkpointing=True), prepared, tmp_path / "ckpt")
     assert ckpt.final_train_loss == plain.final_train_loss
     a = load_checkpoint(tmp_path / "plain/checkpoints/last")[0].state_dict()
     b = load_checkpoint(tmp_path / "ckpt/checkpoints/last")[0].state_dict()
@@ -147,5 +146,6 @@ def test_cli_bad_training_inputs_are_one_line_errors(tmp_path, stories_file, cap
                          (["train.global_batch_size=7", "train.grad_accum_steps=2"], "not divisible by world size 1"),
                          (["train.batch_size=100000"], "larger than the train split")):
         assert main(common + extra) == 2
-        err = capsys.readouterr().err.strip()
-        assert len(err.splitlines()) == 1 and match in err, err
+        err = capsys.readouterr().err
+        errors = [line for line in err.splitlines() if ": error: " in line]  # after the prepare lines
+        assert len(errors) == 1 and match in errors[0] and "Traceback" not in err, err

@@ -14,8 +14,8 @@ from tinylm.config import ModelConfig
 from tinylm.errors import TinyLMError
 from tinylm.models.gpt import GPT
 from tinylm.tokenizers import WordTokenizer
-from tinylm.training.checkpoint import save_checkpoint
-from tinylm.viz import attention_html, attention_maps, plot_curves, read_metrics, save_attention_pngs
+from tinylm.models.checkpoint import save_checkpoint
+from tinylm.evaluation.plots import attention_html, attention_maps, plot_curves, read_metrics, save_attention_pngs
 
 TEXT = "Tom had a red ball. He threw the ball to his dog."
 

@@ -7,7 +7,8 @@ from collections import Counter
 import pytest
 
 from tinylm.errors import TinyLMError
-from tinylm.tokenizers import UNK_ID, WordTokenizer, load_tokenizer
+from tinylm.tokenizers import WordTokenizer, load_tokenizer
+from tinylm.constants import UNK_ID
 
 TEXTS = [
     "The cat sat. The cat ran! A dog, a DOG, and the Cat.",

@@ -1,229 +1,569 @@
-"""`tinylm` command line: one function per subcommand, all the work done by the library.
+"""`tinylm`: every subcommand in one place, each a typed function over a dataclass of options.
 
-A ``TinyLMError`` (bad file, config, checkpoint, prompt) prints one line and exits with code 2.
+A subcommand's options are the fields of the dataclass its function takes; the parser is built
+from those fields (type, default, help), so what `--help` shows is what the function receives.
+Run configuration goes through tinylm.config: `--config` (a preset name or a YAML file),
+`--quick` (the preset's quick section) and `section.key=value` overrides, checked key by key.
+
+A ``TinyLMError`` (bad file, config, checkpoint, prompt) or a bad option prints one line and
+exits with code 2; anything else is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import logging
+import math
 import sys
+import typing
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Callable
 
+import torch
+
+from tinylm import __version__
+from tinylm.config import build_config, preset_names
+from tinylm.data.corpora import load_text_file
+from tinylm.data.prepare import prepare as prepare_data
 from tinylm.errors import TinyLMError
+from tinylm.evaluation.perplexity import evaluate_texts
+from tinylm.evaluation.plots import attention_html, attention_maps, save_attention_pngs
+from tinylm.evaluation.protocol import SAMPLING_TEMPERATURES, BleuProtocol, Decoding, format_bleu, run_bleu
+from tinylm.evaluation.report import write_report
+from tinylm.generation.generate import TextStream, complete, encode_prompt, prompt_head
+from tinylm.generation.processors import GenerationConfig
+from tinylm.interop.loading import export_hf, load_any_checkpoint
+from tinylm.models.checkpoint import load_checkpoint
+from tinylm.pipeline import run_pipeline
+from tinylm.studies.shakespeare import load_study_config, run_study
+from tinylm.studies.tinystories import PARTS, load_experiment_config, run_experiments
+from tinylm.tokenizers.io import load_tokenizer
+from tinylm.tokenizers.stats import collect, format_table, train_spec
+from tinylm.training.resume import resume_run_config
 
-CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
+log = logging.getLogger("tinylm")
 
 
-def _add_config_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", help="YAML/TOML file whose keys are RunConfig fields")
-    p.add_argument("--out", help="run directory (overrides out_dir)")
-    p.add_argument("overrides", nargs="*", metavar="section.key=value", help="e.g. model.d_model=128 train.max_steps=200")
+# --------------------------------------------------------------------------- options -> argparse
+def opt(help: str, default: Any = None, *, flag: str | None = None, choices=None, positional: bool = False,
+        nargs: str | None = None, metavar: str | None = None, required: bool = False, minimum: float | None = None,
+        group: str | None = None):
+    """A dataclass field that is also a command-line option (or positional argument)."""
+    meta = {"help": help, "flag": flag, "choices": choices, "positional": positional, "nargs": nargs,
+            "metavar": metavar, "required": required, "minimum": minimum, "group": group}
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata=meta)
+    return field(default=default, metadata=meta)
 
 
-def _load_config(args, base: dict | None = None):
-    from tinylm.config import build_config
+def _converter(kind: type, name: str, minimum: float | None) -> Callable[[str], Any]:
+    def convert(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} expects {'an integer' if kind is int else 'a number'}, "
+                                             f"got {text!r}") from None
+        if kind is float and not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"{name} must be a finite number, got {text!r}")
+        if minimum is not None and value < minimum:
+            raise argparse.ArgumentTypeError(f"{name} must be >= {minimum:g}, got {text!r}")
+        return value
+    return convert
 
-    cfg = build_config(args.config, args.overrides, base=base)
-    if args.out:
-        cfg.out_dir = args.out
+
+def add_options(parser: argparse.ArgumentParser, options: type) -> None:
+    """One argument per field of the ``options`` dataclass."""
+    hints = typing.get_type_hints(options)
+    groups: dict[str, Any] = {}
+    for f in dataclasses.fields(options):
+        meta, kind = f.metadata, hints[f.name]
+        target = parser
+        if meta.get("group"):
+            target = groups.setdefault(meta["group"], parser.add_argument_group(meta["group"]))
+        args = typing.get_args(kind)
+        if typing.get_origin(kind) in (typing.Union, getattr(__import__("types"), "UnionType")):
+            kind = next(a for a in args if a is not type(None))
+        is_list = typing.get_origin(kind) is list
+        item = typing.get_args(kind)[0] if is_list else kind
+        flag = meta.get("flag") or "--" + f.name.replace("_", "-")
+        shown = f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
+        suffix = f" (default: {shown})" if shown not in (None, False, [], "") and not meta["positional"] else ""
+        kw: dict[str, Any] = {"help": meta["help"] + suffix, "choices": meta.get("choices")}
+        if meta.get("metavar"):
+            kw["metavar"] = meta["metavar"]
+        if item in (int, float):
+            kw["type"] = _converter(item, flag if not meta["positional"] else f.name, meta.get("minimum"))
+        if meta["positional"]:
+            target.add_argument(f.name, nargs=meta.get("nargs"), **kw)
+            continue
+        kw["dest"] = f.name
+        if item is bool:
+            kw.pop("choices")
+            target.add_argument(flag, action="store_true", **kw)
+        elif is_list and meta.get("nargs"):
+            target.add_argument(flag, nargs=meta["nargs"], default=None, **kw)
+        elif is_list:
+            target.add_argument(flag, action="append", default=None, **kw)
+        else:
+            target.add_argument(flag, default=f.default, required=meta.get("required", False), **kw)
+    parser.set_defaults(_options=options)
+
+
+def options_from(ns: argparse.Namespace, options: type):
+    values = {}
+    for f in dataclasses.fields(options):
+        value = getattr(ns, f.name)
+        if value is None and f.default_factory is not dataclasses.MISSING:
+            value = f.default_factory()
+        values[f.name] = value
+    return options(**values)
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with one-line errors: `tinylm generate: error: ... (see --help)`, exit code 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+COMMANDS: dict[str, Callable[[Any], int]] = {}
+
+
+def command(name: str):
+    """Register a subcommand; its options are the dataclass its one parameter is annotated with."""
+    def register(fn):
+        COMMANDS[name] = fn
+        return fn
+    return register
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = Parser(prog="tinylm", description="Build, train, evaluate and run small language models.")
+    parser.add_argument("--version", action="version", version=f"tinylm {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
+    for name, fn in COMMANDS.items():
+        doc = (fn.__doc__ or "").strip()
+        p = sub.add_parser(name, help=doc.splitlines()[0], description=doc)
+        add_options(p, typing.get_type_hints(fn)["a"])
+        p.set_defaults(_run=fn)
+    return parser
+
+
+class _Stderr(logging.StreamHandler):
+    """Progress goes to stderr, so stdout holds only results (`--json` output stays parseable);
+    it writes to whatever sys.stderr is at the time (tests swap it), not the one seen at start."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _):
+        pass
+
+
+def _setup_logging() -> None:
+    if not any(isinstance(h, _Stderr) for h in log.handlers):
+        handler = _Stderr()
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+        log.propagate = False
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    # `tinylm train --out DIR model.d_model=96` puts overrides after an option; argparse stops
+    # collecting a positional list at the first option, so the stragglers are picked up here
+    try:
+        ns, extra = parser.parse_known_args(argv)
+        if extra:
+            if hasattr(ns, "overrides") and all("=" in item and not item.startswith("-") for item in extra):
+                ns.overrides = list(ns.overrides or []) + extra
+            else:
+                parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    except SystemExit as exc:  # --help (0) or a bad option (2, already printed on one line)
+        return int(exc.code or 0)
+    _setup_logging()
+    try:
+        return ns._run(options_from(ns, ns._options))
+    except TinyLMError as exc:
+        print(f"tinylm {ns.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+# ---------------------------------------------------------------------------------- run commands
+@dataclass
+class RunOptions:
+    config: str | None = opt(f"preset ({', '.join(preset_names())}) or YAML/TOML file of RunConfig fields")
+    out: str | None = opt("run directory (overrides out_dir)")
+    quick: bool = opt("apply the preset's quick section: a smaller model and a short run")
+    overrides: list[str] = opt("e.g. model.d_model=128 train.max_steps=200", [], positional=True, nargs="*",
+                               metavar="section.key=value")
+
+
+def _run_config(a: RunOptions):
+    cfg = build_config(a.config, a.overrides, quick=a.quick)
+    if a.out:
+        cfg.out_dir = a.out
     return cfg
 
 
-def _demo_preset(quick: bool) -> dict:
-    from tinylm.config import load_config_file
-
-    name = "demo-quick.yaml" if quick else "demo.yaml"
-    path = CONFIGS_DIR / name
-    if path.is_file():
-        return load_config_file(path)
-    return _builtin_demo(quick)  # installed without the repo's configs/ folder
+@dataclass
+class DemoOptions(RunOptions):
+    config: str | None = opt("preset or YAML file (default: the demo preset)", "demo")
 
 
-def _builtin_demo(quick: bool) -> dict:
-    base = {
-        "out_dir": "runs/demo",
-        "data": {"source": "shakespeare", "split_by": "chunk", "valid_fraction": 0.05, "test_fraction": 0.05},
-        "tokenizer": {"type": "bpe", "vocab_size": 1024},
-        "model": {"context_length": 128, "d_model": 192, "n_layers": 4, "n_heads": 6, "dropout": 0.0},
-        "train": {"batch_size": 16, "max_steps": 1000, "max_minutes": 3.0, "lr": 2e-3, "min_lr": 2e-4,
-                  "warmup_steps": 50, "eval_interval": 200, "eval_batches": 20, "threads": 2},
-        "sample": {"prompts": ["ROMEO:", "To be, or not to be", "KING HENRY.\nOnce more"], "max_new_tokens": 80},
-    }
-    if quick:
-        base["data"]["max_documents"] = 6
-        base["tokenizer"]["vocab_size"] = 512
-        base["model"].update(context_length=64, d_model=64, n_layers=2, n_heads=4)
-        base["train"].update(max_steps=60, max_minutes=0.5, warmup_steps=10, eval_interval=30, eval_batches=5)
-        base["sample"]["max_new_tokens"] = 30
-    return base
-
-
-def cmd_demo(args) -> int:
-    from tinylm.pipeline import run_pipeline
-
-    cfg = _load_config(args, base=_demo_preset(args.quick))
-    if args.quick and not args.out and cfg.out_dir == "runs/demo":
-        cfg.out_dir = "runs/demo-quick"
+@command("demo")
+def demo(a: DemoOptions) -> int:
+    """Shakespeare end to end: corpus, tokenizer, GPT, perplexity, samples, report."""
+    cfg = _run_config(a)
     summary = run_pipeline(cfg, cfg.out_dir)
     print(f"\ndemo finished in {summary['total_seconds']:.0f} s; everything is in {cfg.out_dir}/ "
           f"(report.md, metrics.csv, samples.txt, checkpoints/)")
     return 0
 
 
-def cmd_train(args) -> int:
-    from tinylm.pipeline import run_pipeline
+@command("prepare")
+def prepare(a: RunOptions) -> int:
+    """Corpus, cleaning, splits, tokenizer and token cache, written into the run directory."""
+    cfg = _run_config(a)
+    prepare_data(cfg, cfg.out_dir)
+    return 0
 
-    if args.resume:
-        from tinylm.training.resume import resume_run_config
 
-        cfg, ckpt, _ = resume_run_config(args.resume, args.config, args.overrides, force=args.force)
-        if args.out:
-            cfg.out_dir = args.out
-        run_pipeline(cfg, cfg.out_dir, resume=ckpt, force=args.force)
+@dataclass
+class TrainOptions(RunOptions):
+    resume: str | None = opt("continue from a checkpoint (or the newest one in a run directory)", metavar="DIR")
+    force: bool = opt("with --resume: accept changed keys such as train.max_steps")
+
+
+@command("train")
+def train(a: TrainOptions) -> int:
+    """Prepare (cached), train, evaluate, sample and report."""
+    if a.resume:
+        cfg, ckpt, _ = resume_run_config(a.resume, a.config, a.overrides, force=a.force, quick=a.quick)
+        if a.out:
+            cfg.out_dir = a.out
+        run_pipeline(cfg, cfg.out_dir, resume=ckpt, force=a.force)
         return 0
-    if args.force:
+    if a.force:
         raise TinyLMError("--force only applies together with --resume DIR")
-    cfg = _load_config(args)
+    cfg = _run_config(a)
     run_pipeline(cfg, cfg.out_dir)
     return 0
 
 
-def cmd_prepare(args) -> int:
-    from tinylm.data.prepare import prepare
-
-    cfg = _load_config(args)
-    prepare(cfg, cfg.out_dir)
-    return 0
-
-
-def cmd_generate(args) -> int:
-    from tinylm.generation.cli import run_generate
-
-    return run_generate(args)
-
-
-def load_eval_documents(path: str) -> list[str]:
-    from tinylm.data.corpora import load_text_file
-
-    return load_text_file(path)
-
-
-def cmd_evaluate(args) -> int:
-    # tinylm dirs, llama2.c .bin (+ --tokenizer) and HF dirs: each story scored from the model's own start token
-    from tinylm.interop import load_any_checkpoint, score_texts
-
-    model, tokenizer, info = load_any_checkpoint(args.checkpoint, getattr(args, "tokenizer", None))
-    docs = load_eval_documents(args.data)
-    if args.max_docs:
-        docs = docs[: args.max_docs]
-    m = score_texts(model, tokenizer, docs, info, batch_size=args.batch_size)
-    keys = ("token_ppl", "bpb", "word_ppl", "tokens", "bytes", "words")
-    bleu = None
-    if getattr(args, "bleu", False):  # issue 7: the BLEU protocol (tinylm/evaluation/bleu_cli.py)
-        from tinylm.evaluation.bleu_cli import run_bleu_cli
-
-        bleu = run_bleu_cli(args, model, tokenizer, docs, info)
-    if args.json:
-        print(json.dumps({**{k: m[k] for k in keys}, **({"bleu": bleu} if bleu else {})}))
-    else:
-        print(f"documents        {len(docs):,}")
-        print(f"token perplexity {m['token_ppl']:.4f}   (exp of mean NLL over {m['tokens']:,} tokens)")
-        print(f"bits per byte    {m['bpb']:.4f}   (over {m['bytes']:,} UTF-8 bytes)")
-        print(f"word perplexity  {m['word_ppl']:.4f}   (over {m['words']:,} whitespace-separated words)")
-        if bleu:
-            from tinylm.evaluation.bleu_cli import print_bleu
-
-            print_bleu(bleu)
-    return 0
+# ---------------------------------------------------------------------------------- generate
+@dataclass
+class GenerateOptions:
+    checkpoint: str = opt("tinylm checkpoint/run directory, llama2.c .bin, or Hugging Face model directory",
+                          required=True)
+    tokenizer: str | None = opt("tokenizer file (llama2.c tokenizer.bin, or a tinylm tokenizer.json)")
+    prompt: list[str] = opt("prompt text (repeatable)", [])
+    prompts_file: str | None = opt("one prompt per line")
+    max_new_tokens: int = opt("new tokens at most", 100, minimum=0)
+    min_new_tokens: int = opt("stop tokens are banned until this many were generated", 0, minimum=0)
+    temperature: float = opt("0 for greedy", 0.8, minimum=0)
+    top_k: int | None = opt("keep the k most likely tokens", minimum=1)
+    top_p: float | None = opt("keep the smallest set of tokens whose probability reaches p")
+    min_p: float | None = opt("drop tokens less likely than min_p x the most likely one")
+    repetition_penalty: float = opt("divide the logits of seen tokens (CTRL / Hugging Face)", 1.0)
+    no_repeat_ngram_size: int = opt("ban tokens that would repeat an n-gram (0: off)", 0, minimum=0)
+    stop: list[str] = opt("stop string (repeatable)", [], metavar="TEXT")
+    seed: int = opt("prompt i samples with seed + i", 0)
+    beam_width: int = opt("beam search with this many beams (1: sampling or greedy)", 1, minimum=1)
+    length_penalty: float = opt("beam score / length**alpha (0: none)", 1.0)
+    num_return_sequences: int = opt("beam search: hypotheses printed per prompt", 1, minimum=1)
+    batch_size: int = opt("prompts generated together (left-padded)", 1, minimum=1)
+    no_cache: bool = opt("recompute the whole context every step")
+    stream: bool = opt("print text as tokens arrive")
+    json: bool = opt("one JSON object per result (text, tokens, tokens_per_s)")
+    threads: int | None = opt("torch threads (default: torch's choice)", minimum=1)
 
 
-def cmd_report(args) -> int:
-    from tinylm.commands import cmd_report as write_and_describe
-
-    return write_and_describe(args)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tinylm", description="Build, train, evaluate and run small language models.")
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    p = sub.add_parser("demo", help="Shakespeare end to end: corpus, tokenizer, GPT, perplexity, samples, report")
-    p.add_argument("--quick", action="store_true", help="tiny model and few steps (under a minute)")
-    _add_config_args(p)
-    p.set_defaults(func=cmd_demo)
-
-    p = sub.add_parser("prepare", help="corpus + cleaning + splits + tokenizer + token cache")
-    _add_config_args(p)
-    p.set_defaults(func=cmd_prepare)
-
-    p = sub.add_parser("train", help="prepare (cached), train, evaluate, sample and report")
-    _add_config_args(p)
-    p.add_argument("--resume", metavar="DIR", help="continue from a checkpoint (or the newest one in a run directory)")
-    p.add_argument("--force", action="store_true", help="with --resume: accept changed keys such as train.max_steps")
-    p.set_defaults(func=cmd_train)
-
-    p = sub.add_parser("generate", help="continue prompts (tinylm, llama2.c .bin or Hugging Face checkpoints)")
-    from tinylm.generation.cli import add_generate_args
-
-    add_generate_args(p)
-    p.set_defaults(func=cmd_generate)
-
-    p = sub.add_parser("export-hf", help="write a GPT-2- or Llama-shaped checkpoint as a Hugging Face model directory")
-    from tinylm.interop.cli import add_export_args, run_export
-
-    add_export_args(p)
-    p.set_defaults(func=run_export)
-
-    p = sub.add_parser("evaluate", help="token perplexity, bits per byte and word perplexity on a file")
-    p.add_argument("--checkpoint", required=True, help="tinylm checkpoint/run dir, llama2.c .bin or Hugging Face dir")
-    p.add_argument("--tokenizer", default=None, help="tokenizer file (required for a llama2.c .bin, e.g. tok512.bin)")
-    p.add_argument("--data", required=True, help="text file (TinyStories format: each story scored alone), or .jsonl")
-    p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--max-docs", type=int, default=None)
-    p.add_argument("--json", action="store_true", help="print one JSON object")
-    from tinylm.evaluation.bleu_cli import add_bleu_args
-
-    add_bleu_args(p)
-    p.set_defaults(func=cmd_evaluate)
-
-    p = sub.add_parser("report", help="(re)write report.md and report.html for a run directory")
-    p.add_argument("run_dir")
-    p.set_defaults(func=cmd_report)
-
-    from tinylm.commands import add_attention_parser, add_experiments_parser
-
-    add_attention_parser(sub)
-    add_experiments_parser(sub)
-
-    from tinylm.study import add_study_parser  # `tinylm study shakespeare` (issue 6)
-
-    add_study_parser(sub)
-
-    from tinylm.tokenizers.stats import add_parser as add_tokenizer_stats_parser  # issue 5
-
-    add_tokenizer_stats_parser(sub)
-    return parser
+def _read_prompts(a: GenerateOptions) -> list[str]:
+    prompts = list(a.prompt)
+    if a.prompts_file:
+        path = Path(a.prompts_file)
+        if not path.is_file():
+            raise TinyLMError(f"prompts file {path} does not exist")
+        try:
+            lines = path.read_text(encoding="utf-8").splitlines()
+        except UnicodeDecodeError as exc:
+            raise TinyLMError(f"prompts file {path} is not UTF-8 text ({exc.reason} at byte {exc.start})") from exc
+        prompts += [line for line in lines if line.strip()]
+    if not prompts:
+        raise TinyLMError("give at least one --prompt or a --prompts-file")
+    return prompts
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    # `tinylm train --out DIR model.d_model=96` puts overrides after an option; argparse's plain
-    # parse_args stops collecting the positional list there, so pick the stragglers up by hand.
-    args, extra = parser.parse_known_args(argv)
-    if extra:
-        if hasattr(args, "overrides") and all("=" in item and not item.startswith("-") for item in extra):
-            args.overrides = list(args.overrides or []) + extra
-        else:
-            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+@command("generate")
+def generate(a: GenerateOptions) -> int:
+    """Continue prompts with a tinylm, llama2.c .bin or Hugging Face checkpoint."""
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    model, tokenizer, _ = load_any_checkpoint(a.checkpoint, a.tokenizer)
+    prompts = _read_prompts(a)
+    shared = {f.name for f in dataclasses.fields(GenerationConfig)} & {f.name for f in dataclasses.fields(a)}
     try:
-        return args.func(args)
-    except TinyLMError as exc:
-        print(f"tinylm {args.command}: error: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
+        cfg = GenerationConfig(**{k: getattr(a, k) for k in shared}, stop_ids=tuple(tokenizer.stop_ids),
+                               stop_strings=tuple(a.stop), use_cache=not a.no_cache).validate(model.config.vocab_size)
+        if a.stream and not a.json:
+            if a.beam_width > 1:
+                raise TinyLMError("--stream works with sampling/greedy only, not with --beam-width > 1")
+            for i, prompt in enumerate(prompts):
+                ids = encode_prompt(tokenizer, prompt)
+                sys.stdout.write(prompt_head(tokenizer, prompt, ids))
+                sys.stdout.flush()
+                stream = TextStream(model, lambda new, ids=ids: tokenizer.decode_continuation(ids, new), ids,
+                                    dataclasses.replace(cfg, seed=a.seed + i, seed_per_row=True))
+                for piece in stream:
+                    sys.stdout.write(piece)
+                    sys.stdout.flush()
+                sys.stdout.write("\n\n")
+            return 0
+        for c in complete(model, tokenizer, prompts, cfg, batch_size=a.batch_size):
+            for i, r in enumerate(c.results):
+                if a.json:
+                    print(json.dumps({"prompt": c.prompt, "text": c.text(tokenizer, i), "tokens": len(r.tokens),
+                                      "token_ids": r.tokens, "tokens_per_s": round(c.tokens_per_s, 1),
+                                      "finish_reason": r.finish_reason}, ensure_ascii=False))
+                else:
+                    print(c.text(tokenizer, i))
+                    print()
+    except ValueError as exc:  # GenerationConfig.validate names the bad knob
+        raise TinyLMError(str(exc)) from exc
+    return 0
+
+
+# ---------------------------------------------------------------------------------- evaluate
+@dataclass
+class EvaluateOptions:
+    checkpoint: str = opt("tinylm checkpoint/run dir, llama2.c .bin or Hugging Face dir", required=True)
+    tokenizer: str | None = opt("tokenizer file (required for a llama2.c .bin, e.g. tok512.bin)")
+    data: str = opt("text file (TinyStories format: each story scored alone), or .jsonl", required=True)
+    batch_size: int = opt("documents scored together", 32, minimum=1)
+    max_docs: int | None = opt("score only the first N documents", minimum=1)
+    json: bool = opt("print one JSON object")
+    bleu: bool = opt("prompt with the first tokens of each story, continue, score BLEU", group="BLEU protocol")
+    samples: int = opt("stories to use", BleuProtocol.n_samples, minimum=1, group="BLEU protocol")
+    prompt_tokens: int = opt("prompt = the story's first N tokens", BleuProtocol.prompt_tokens, minimum=1,
+                             group="BLEU protocol")
+    max_continuation: int = opt("cap on continuation tokens", BleuProtocol.max_continuation, minimum=1,
+                                group="BLEU protocol")
+    temperature: list[float] = opt("sampling temperature, repeatable (default "
+                                   f"{', '.join(map(str, SAMPLING_TEMPERATURES))}); 0 is greedy", [], minimum=0,
+                                   group="BLEU protocol")
+    top_k: int | None = opt("sample from the k most likely tokens", minimum=1, group="BLEU protocol")
+    beam_width: list[int] = opt("also decode with beam search of this width (repeatable)", [], minimum=1,
+                                group="BLEU protocol")
+    smoothing: str = opt("for BLEU-1..4", BleuProtocol.smoothing, choices=["method1", "exp", "none"],
+                         group="BLEU protocol")
+    seed: int = opt("sample k uses seed + k", BleuProtocol.seed, group="BLEU protocol")
+    csv_dir: str = opt("where bleu_samples_<setting>.csv go", ".", group="BLEU protocol")
+    decode_threads: int = opt("torch threads while decoding (token-by-token decoding is many small ops, which "
+                              "slow down with more threads on a busy CPU)", 1, minimum=1, group="BLEU protocol")
+
+
+METRICS = ("token_ppl", "bpb", "word_ppl", "tokens", "bytes", "words")
+
+
+def _finite_or_reason(m: dict) -> tuple[dict, dict]:
+    """JSON has no infinity: an overflowing perplexity becomes null, with the reason beside it."""
+    values, reasons = {}, {}
+    for k in METRICS:
+        v = m[k]
+        if isinstance(v, float) and not math.isfinite(v):
+            values[k] = None
+            reasons[k] = (f"{v} (the mean NLL per unit is too large for exp(); the model finds this text "
+                          "extremely unlikely)" if v == math.inf else f"{v} (nothing to average over)")
+        else:
+            values[k] = v
+    return values, reasons
+
+
+@command("evaluate")
+def evaluate(a: EvaluateOptions) -> int:
+    """Token perplexity, bits per byte and word perplexity on a file (and the BLEU protocol)."""
+    model, tokenizer, _ = load_any_checkpoint(a.checkpoint, a.tokenizer)
+    docs = load_text_file(a.data)[: a.max_docs]
+    if not docs:
+        raise TinyLMError(f"{a.data} holds no document to score")
+    m = evaluate_texts(model, tokenizer, docs, batch_size=a.batch_size)
+    bleu = None
+    if a.bleu:
+        torch.set_num_threads(a.decode_threads)
+        protocol = BleuProtocol(a.samples, a.prompt_tokens, a.max_continuation, a.seed, a.smoothing)
+        settings = [Decoding("greedy" if t == 0 else f"T{t:g}", temperature=t, top_k=a.top_k)
+                    for t in (a.temperature or SAMPLING_TEMPERATURES)]
+        settings += [Decoding(f"beam{k}", beam_width=k) for k in a.beam_width]
+        bleu = run_bleu(model, tokenizer, docs, protocol, settings, csv_dir=Path(a.csv_dir))
+    if a.json:
+        values, reasons = _finite_or_reason(m)
+        print(json.dumps({**values, **({"not_finite": reasons} if reasons else {}), **({"bleu": bleu} if bleu else {})}))
+        return 0
+    print(f"documents        {len(docs):,}")
+    print(f"token perplexity {m['token_ppl']:.4f}   (exp of mean NLL over {m['tokens']:,} tokens)")
+    print(f"bits per byte    {m['bpb']:.4f}   (over {m['bytes']:,} UTF-8 bytes)")
+    print(f"word perplexity  {m['word_ppl']:.4f}   (over {m['words']:,} whitespace-separated words)")
+    if bleu:
+        print()
+        print(format_bleu(bleu))
+    return 0
+
+
+# ---------------------------------------------------------------------------- models and reports
+@dataclass
+class ExportOptions:
+    checkpoint: str = opt("tinylm checkpoint/run directory, or a llama2.c .bin", required=True)
+    tokenizer: str | None = opt("tokenizer file (needed for a llama2.c .bin)")
+    out: str = opt("output directory (config.json + model.safetensors)", required=True)
+
+
+@command("export-hf")
+def export_hf_dir(a: ExportOptions) -> int:
+    """Write a GPT-2- or Llama-shaped checkpoint as a Hugging Face model directory."""
+    model, tokenizer, _ = load_any_checkpoint(a.checkpoint, a.tokenizer)
+    out = export_hf(model, a.out, tokenizer)
+    kind = "GPT-2" if model.config.positions == "learned" else "Llama"
+    print(f"wrote a Hugging Face {kind} model ({model.num_parameters():,} parameters) to {out}")
+    return 0
+
+
+@dataclass
+class ReportOptions:
+    run_dir: str = opt("a run directory of tinylm train, demo or experiments", positional=True)
+
+
+@command("report")
+def report(a: ReportOptions) -> int:
+    """(Re)write report.md and report.html for a run directory."""
+    run = Path(a.run_dir)
+    if not run.is_dir():
+        raise TinyLMError(f"run directory {run} does not exist")
+    md, page, missing = write_report(run)
+    print(md)
+    print(page)
+    if missing:
+        print(f"INCOMPLETE: {len(missing)} part(s) missing (the report says so at the top):")
+        for m in missing:
+            print(f"  - {m}")
+    return 0
+
+
+@dataclass
+class AttentionOptions:
+    checkpoint: str = opt("checkpoint directory or run directory", required=True)
+    text: str = opt("the sentence to look at (must fit in the context)", required=True)
+    out: str = opt("output directory", "attention")
+    html: bool = opt("also write one self-contained page to browse layers and heads")
+
+
+@command("attention")
+def attention(a: AttentionOptions) -> int:
+    """Attention maps of a text: a PNG grid per layer, optionally one HTML page."""
+    model, tokenizer, _ = load_checkpoint(a.checkpoint)
+    maps = attention_maps(model, tokenizer, a.text)
+    out = Path(a.out)
+    for path in save_attention_pngs(maps, out):
+        print(path)
+    if a.html:
+        print(attention_html(maps, out / "attention.html"))
+    print(f"{maps.n_layers} layers x {maps.n_heads} heads over {len(maps.tokens)} tokens: {' '.join(maps.tokens)}")
+    return 0
+
+
+# ----------------------------------------------------------------------------------- studies
+@dataclass
+class ExperimentsOptions(RunOptions):
+    config: str | None = opt("experiments preset or YAML file (e.g. tinystories-assignment)")
+    only: str | None = opt(f"comma-separated parts to (re)run, from {','.join(PARTS)}; the baseline is always "
+                           "run or cached")
+
+
+@command("experiments")
+def experiments(a: ExperimentsOptions) -> int:
+    """The TinyStories assignment: train, BLEU, decoding, KV cache, accumulation, checkpointing, attention."""
+    cfg, exp = load_experiment_config(a.config, a.overrides, quick=a.quick)
+    if a.out:
+        cfg.out_dir = a.out
+    only = [p.strip() for p in a.only.split(",") if p.strip()] if a.only else None
+    words = ([f"--config {a.config}"] if a.config else []) + (["--quick"] if a.quick else [])
+    words += ([f"--out {a.out}"] if a.out else []) + list(a.overrides)
+    manifest = run_experiments(cfg, exp, cfg.out_dir, quick=a.quick, only=only,
+                               command="tinylm experiments " + " ".join(words))
+    for name, status in manifest["parts"].items():
+        print(f"  {name:<14} {status}")
+    return 0
+
+
+@dataclass
+class StudyOptions:
+    corpus: str = opt("the corpus of the study", positional=True, choices=["shakespeare"])
+    config: str = opt("study preset or YAML file of StudyConfig fields", "shakespeare-study")
+    quick: bool = opt("the preset's quick section: 5 plays, under 2 minutes")
+    out: str | None = opt("run directory (default: the preset's out_dir)")
+    gpt_minutes: float | None = opt("training budget of each GPT", minimum=0)
+    no_gpt: bool = opt("skip the GPT stage")
+    bpe_merges: list[int] | None = opt("e.g. 1000 2000 3000", nargs="+", minimum=1)
+    threads: int | None = opt("torch threads", minimum=1)
+    overrides: list[str] = opt("StudyConfig fields, e.g. orders=[1,2] word_vocab=4000", [], positional=True,
+                               nargs="*", metavar="key=value")
+
+
+@command("study")
+def study(a: StudyOptions) -> int:
+    """The four-stage Shakespeare study: tokenizers, n-grams, neural bigram, GPT."""
+    cfg = load_study_config(a.config, a.overrides, quick=a.quick)
+    for name, value in (("out_dir", a.out), ("gpt_minutes", a.gpt_minutes), ("bpe_merges", a.bpe_merges),
+                        ("threads", a.threads)):
+        if value is not None:
+            setattr(cfg, name, value)
+    if a.no_gpt:
+        cfg.gpt = False
+    run_study(cfg)
+    return 0
+
+
+@dataclass
+class TokenizerStatsOptions:
+    tokenizer: list[str] = opt("tokenizer file (tinylm JSON, llama2.c tokenizer.bin, HF tokenizer.json) or run "
+                               "directory; repeatable", [], metavar="T")
+    train: list[str] = opt("train a tokenizer on the first --data split, e.g. bpe:1260 (1,000 merges); repeatable",
+                           [], metavar="TYPE:VOCAB")
+    data: list[str] = opt("a split's text file (.txt, .jsonl, TinyStories format); repeatable, e.g. "
+                          "--data train=a.txt", [], metavar="[NAME=]FILE")
+    json: bool = opt("print the rows as JSON instead of a table")
+
+
+@command("tokenizer-stats")
+def tokenizer_stats(a: TokenizerStatsOptions) -> int:
+    """Vocabulary, tokens per word, bytes per token, <unk> rate and round trip, per tokenizer and split."""
+    if not a.tokenizer and not a.train:
+        raise TinyLMError("give at least one --tokenizer FILE or --train TYPE:VOCAB")
+    if not a.data:
+        raise TinyLMError("give at least one --data [NAME=]FILE")
+    splits: dict[str, list[str]] = {}
+    for spec in a.data:
+        name, sep, path = spec.partition("=")
+        name, path = (name, path) if sep else (Path(spec).stem, spec)
+        docs = [d for d in load_text_file(path) if d]
+        if not docs:
+            raise TinyLMError(f"data file {path} holds no text")
+        splits[name] = docs
+    tokenizers = {spec: load_tokenizer(spec) for spec in a.tokenizer}
+    first = next(iter(splits.values()))
+    tokenizers.update({spec: train_spec(spec, first) for spec in a.train})
+    rows = collect(tokenizers, splits)
+    print(json.dumps(rows, indent=1) if a.json else format_table(rows))
+    return 0
 
 
 if __name__ == "__main__":

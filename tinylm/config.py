@@ -1,16 +1,25 @@
 """Configuration as dataclasses: load from YAML/TOML, override with ``section.key=value``.
 
-A run is described by one ``RunConfig`` with a section per pipeline stage. Unknown keys and values
-of the wrong type are errors that name the key, never silently ignored.
+A run is described by one ``RunConfig`` with a section per pipeline stage. Unknown keys, values
+of the wrong type and floats that are not finite are errors that name the key, never silently
+ignored.
+
+Presets ship inside the package (``tinylm/presets/*.yaml``), so ``--config tinystories-cpu-1h``
+works from any directory and from an installed wheel; a path to a file works too. A preset may
+hold a ``quick`` section: with ``--quick`` it is merged over the rest (a smaller model, shorter
+runs, the same protocol), without it it is ignored. Every command with a config does it this way.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
+import math
 import types
 import typing
 from dataclasses import dataclass, field
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -264,14 +273,19 @@ def _coerce(key: str, value: Any, annotation: Any) -> Any:
     if annotation is float:
         if isinstance(value, bool):
             raise TinyLMError(f"config key {key} expects a number, got {value!r}")
+        number = None
         if isinstance(value, (int, float)):
-            return float(value)
-        if isinstance(value, str):
+            number = float(value)
+        elif isinstance(value, str):
             try:
-                return float(value)
+                number = float(value)
             except ValueError:
                 pass
-        raise TinyLMError(f"config key {key} expects a number, got {value!r}")
+        if number is None:
+            raise TinyLMError(f"config key {key} expects a number, got {value!r}")
+        if not math.isfinite(number):
+            raise TinyLMError(f"config key {key} must be a finite number, got {value!r}")
+        return number
     if annotation is str:
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
             return str(value)
@@ -279,20 +293,21 @@ def _coerce(key: str, value: Any, annotation: Any) -> Any:
     return value
 
 
-def _apply(obj: Any, updates: dict[str, Any], prefix: str = "") -> None:
+def apply_updates(obj: Any, updates: dict[str, Any], prefix: str = "") -> None:
+    """Set a (nested) dict of values on a config dataclass, checking every key and type."""
     hints = _field_types(type(obj))
     names = {f.name for f in dataclasses.fields(obj)}
     for key, value in updates.items():
         full = f"{prefix}{key}"
-        if key not in names:
-            close = [n for n in names if n.startswith(key[:3])]
+        if not isinstance(key, str) or key not in names:
+            close = [n for n in names if isinstance(key, str) and key and n.startswith(key[:3])]
             hint = f" (did you mean {', '.join(prefix + c for c in close)}?)" if close else ""
             raise TinyLMError(f"unknown config key {full}{hint}")
         current = getattr(obj, key)
         if dataclasses.is_dataclass(current):
             if not isinstance(value, dict):
                 raise TinyLMError(f"config key {full} is a section; give keys like {full}.name=value")
-            _apply(current, value, prefix=f"{full}.")
+            apply_updates(current, value, prefix=f"{full}.")
         else:
             setattr(obj, key, _coerce(full, value, hints[key]))
 
@@ -312,14 +327,26 @@ def parse_overrides(pairs: list[str]) -> dict[str, Any]:
     return nested
 
 
-def load_config_file(path: str | Path) -> dict[str, Any]:
-    p = Path(path)
-    if not p.is_file():
-        raise TinyLMError(f"config file {p} does not exist")
-    text = p.read_text()
+PRESETS = resources.files("tinylm") / "presets"
+
+
+def preset_names() -> list[str]:
+    return sorted(p.name[: -len(".yaml")] for p in PRESETS.iterdir() if p.name.endswith(".yaml"))
+
+
+def load_config_file(spec: str | Path) -> dict[str, Any]:
+    """The mapping in a YAML/TOML file, or in the preset of that name (``tinystories-cpu-1h``)."""
+    p = Path(spec)
+    if p.is_file():
+        text, where = p.read_text(encoding="utf-8", errors="replace"), p
+    else:
+        preset = PRESETS / (p.name if p.name.endswith(".yaml") else f"{p.name}.yaml")
+        if p.parent != Path(".") or not preset.is_file():
+            raise TinyLMError(f"config file {p} does not exist (presets: {', '.join(preset_names())})")
+        text, where = preset.read_text(encoding="utf-8"), p
     try:
-        if p.suffix == ".toml":
-            import tomllib
+        if where.suffix == ".toml":
+            import tomllib  # Python >= 3.11 only, and only needed for TOML files
 
             data = tomllib.loads(text)
         else:
@@ -333,25 +360,42 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
     return data
 
 
+def merge_dicts(base: dict, extra: dict) -> dict:
+    """``extra`` over ``base``, section by section (neither is changed)."""
+    out = copy.deepcopy(base)
+    for k, v in extra.items():
+        out[k] = merge_dicts(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def read_config(spec: str | Path | None, quick: bool = False) -> dict[str, Any]:
+    """The file's (or preset's) mapping, with its ``quick`` section merged in when ``quick``."""
+    raw = load_config_file(spec) if spec is not None else {}
+    quick_section = raw.pop("quick", None) or {}
+    if not isinstance(quick_section, dict):
+        raise TinyLMError(f"the quick section of {spec} must be a mapping of sections")
+    if quick and not quick_section:
+        raise TinyLMError(f"--quick: {spec or 'the default configuration'} has no quick section")
+    return merge_dicts(raw, quick_section) if quick else raw
+
+
 def build_config(
     path: str | Path | None = None,
     overrides: list[str] | None = None,
-    base: dict[str, Any] | None = None,
+    quick: bool = False,
 ) -> RunConfig:
-    """Defaults <- ``base`` <- the file at ``path`` <- command-line ``overrides``."""
+    """Defaults <- the file (or preset) at ``path`` (its quick section too with ``quick``) <-
+    command-line ``overrides``."""
     cfg = RunConfig()
-    if base:
-        _apply(cfg, base)
-    if path is not None:
-        _apply(cfg, load_config_file(path))
+    apply_updates(cfg, read_config(path, quick))
     if overrides:
-        _apply(cfg, parse_overrides(overrides))
+        apply_updates(cfg, parse_overrides(overrides))
     return cfg
 
 
 def config_from_dict(data: dict[str, Any]) -> RunConfig:
     cfg = RunConfig()
-    _apply(cfg, data)
+    apply_updates(cfg, data)
     return cfg
 
 

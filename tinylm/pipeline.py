@@ -7,44 +7,43 @@ directory, so every number in the report is read back from disk.
 from __future__ import annotations
 
 import json
+import logging
 import time
 from pathlib import Path
 
 import torch
 
-from tinylm.config import RunConfig
+from tinylm.config import RunConfig, SampleConfig
 from tinylm.data.prepare import prepare
-from tinylm.evaluation.perplexity import evaluate_split
-from tinylm.generation.generate import generate
 from tinylm.errors import TinyLMError
-from tinylm.tokenizers.base import EOS_ID, SOS_ID
-from tinylm.training.checkpoint import load_checkpoint
+from tinylm.evaluation.perplexity import evaluate_split
+from tinylm.evaluation.report import write_report
+from tinylm.generation.generate import complete
+from tinylm.generation.processors import GenerationConfig
+from tinylm.models.checkpoint import load_checkpoint
+from tinylm.training import distributed
 from tinylm.training.trainer import train
 
-
-def sample_prompts(model, tokenizer, cfg: RunConfig) -> list[dict]:
-    out = []
-    for i, prompt in enumerate(cfg.sample.prompts):
-        ids = tokenizer.encode(prompt)
-        if not ids:
-            raise TinyLMError(f"prompt {prompt!r} encodes to no tokens; give a non-empty prompt")
-        new = generate(model, [SOS_ID, *ids], cfg.sample.max_new_tokens, cfg.sample.temperature,
-                       cfg.sample.top_k, cfg.sample.top_p, eos_id=EOS_ID, seed=cfg.sample.seed + i)
-        out.append({"prompt": prompt, "continuation": tokenizer.decode_continuation(ids, new), "new_tokens": len(new)})
-    return out
+log = logging.getLogger(__name__)
 
 
-def run_pipeline(cfg: RunConfig, out_dir: str | Path, log=print, *, resume=None, force: bool = False) -> dict:
+def sample_prompts(model, tokenizer, sample: SampleConfig) -> list[dict]:
+    """The configured prompts continued one by one (prompt i with seed ``sample.seed + i``)."""
+    cfg = GenerationConfig(max_new_tokens=sample.max_new_tokens, temperature=sample.temperature, top_k=sample.top_k,
+                           top_p=sample.top_p, seed=sample.seed, stop_ids=tokenizer.stop_ids)
+    return [{"prompt": c.prompt, "continuation": c.continuation(tokenizer), "new_tokens": len(c.results[0].tokens)}
+            for c in complete(model, tokenizer, sample.prompts, cfg)]
+
+
+def run_pipeline(cfg: RunConfig, out_dir: str | Path, *, resume=None, force: bool = False) -> dict:
     """``resume``: a checkpoint or run directory to continue training from (``force``: allow the
     --force keys to differ). Under torchrun rank 0 prepares first, all ranks train, rank 0 evaluates."""
-    from tinylm.training import distributed
-
     ctx = distributed.setup_distributed(cfg.train.device)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     with distributed.main_process_first(ctx):  # the other ranks then reuse rank 0's token cache
-        prepared = prepare(cfg, out_dir, log=log if ctx.is_main else (lambda *a: None))
+        prepared = prepare(cfg, out_dir)
     t_prepare = time.perf_counter() - t0
     for name in ("train", "valid"):
         if name not in prepared.splits:
@@ -55,7 +54,7 @@ def run_pipeline(cfg: RunConfig, out_dir: str | Path, log=print, *, resume=None,
                 f"the {name} split has {n} tokens, fewer than one context window ({cfg.model.context_length + 1}); "
                 "use more data, a larger data.valid_fraction, or a smaller model.context_length"
             )
-    result = train(cfg, prepared, out_dir, log=log, resume=resume, force=force)
+    result = train(cfg, prepared, out_dir, resume=resume, force=force)
     distributed.cleanup(ctx)
     if not ctx.is_main:
         return {}
@@ -66,11 +65,11 @@ def run_pipeline(cfg: RunConfig, out_dir: str | Path, log=print, *, resume=None,
         if name in prepared.splits:
             evals[name] = evaluate_split(model, prepared.splits[name])
             m = evals[name]
-            log(f"{name}: token perplexity {m['token_ppl']:.3f}, bits per byte {m['bpb']:.4f}, "
+            log.info(f"{name}: token perplexity {m['token_ppl']:.3f}, bits per byte {m['bpb']:.4f}, "
                 f"word perplexity {m['word_ppl']:.2f} ({m['tokens']:,} tokens)")
-    samples = sample_prompts(model, tokenizer, cfg)
+    samples = sample_prompts(model, tokenizer, cfg.sample)
     for s in samples:
-        log(f"--- {s['prompt']!r}\n{s['prompt']}{s['continuation']}")
+        log.info(f"--- {s['prompt']!r}\n{s['prompt']}{s['continuation']}")
     summary = {
         "parameters": model.num_parameters(),
         "steps": result.steps,
@@ -88,7 +87,6 @@ def run_pipeline(cfg: RunConfig, out_dir: str | Path, log=print, *, resume=None,
     (out_dir / "samples.json").write_text(json.dumps(samples, indent=2, ensure_ascii=False))
     (out_dir / "samples.txt").write_text(
         "\n\n".join(f"### {s['prompt']}\n{s['prompt']}{s['continuation']}" for s in samples) + "\n", encoding="utf-8")
-    from tinylm.report import write_run_report
 
-    write_run_report(out_dir)
+    write_report(out_dir)
     return summary

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,7 +15,9 @@ from tinylm.data.corpora import HUB_TINYSTORIES, load_shakespeare, load_text_fil
 from tinylm.data.splits import split_chunks, split_documents
 from tinylm.data.tokens import TokenSplit, encode_split, load_split
 from tinylm.errors import TinyLMError
-from tinylm.tokenizers import Tokenizer, load_tokenizer
+from tinylm.tokenizers import Tokenizer, load_tokenizer, train_from_config
+
+log = logging.getLogger(__name__)
 
 SPLITS = ("train", "valid", "test")
 
@@ -66,12 +69,10 @@ def _fingerprint(cfg: RunConfig) -> str:
 
 
 def train_tokenizer(tok_cfg: TokenizerConfig, texts: list[str]) -> Tokenizer:
-    from tinylm.tokenizers import train_from_config
-
     return train_from_config(tok_cfg, texts)
 
 
-def prepare(cfg: RunConfig, out_dir: str | Path, log=print) -> Prepared:
+def prepare(cfg: RunConfig, out_dir: str | Path) -> Prepared:
     """Write ``tokenizer.json``, ``data/*.bin`` and ``prepare.json`` into ``out_dir``."""
     out_dir = Path(out_dir)
     data_dir = out_dir / "data"
@@ -82,7 +83,7 @@ def prepare(cfg: RunConfig, out_dir: str | Path, log=print) -> Prepared:
         report = json.loads(report_path.read_text())
         if report.get("fingerprint") == fp:
             splits = {name: load_split(data_dir, name) for name in report["splits"]}
-            log(f"prepare: reusing the token cache in {data_dir}")
+            log.info(f"prepare: reusing the token cache in {data_dir}")
             return Prepared(load_tokenizer(tok_path), tok_path, splits, report)
 
     raw = load_raw_documents(cfg.data)
@@ -91,7 +92,7 @@ def prepare(cfg: RunConfig, out_dir: str | Path, log=print) -> Prepared:
     for name, docs in raw.items():
         cleaned[name], rep = clean_documents(docs, opts)
         clean_reports[name] = dataclasses.asdict(rep)
-        log(f"prepare: {name}: {rep.summary()}")
+        log.info(f"prepare: {name}: {rep.summary()}")
         if not cleaned[name]:
             raise TinyLMError(f"the {name} split is empty after cleaning ({rep.summary()})")
 
@@ -101,7 +102,7 @@ def prepare(cfg: RunConfig, out_dir: str | Path, log=print) -> Prepared:
         tokenizer = train_tokenizer(cfg.tokenizer, cleaned["train"])
     out_dir.mkdir(parents=True, exist_ok=True)
     tokenizer.save(tok_path)
-    log(f"prepare: {cfg.tokenizer.type} tokenizer with {tokenizer.vocab_size} tokens -> {tok_path}")
+    log.info(f"prepare: {cfg.tokenizer.type} tokenizer with {tokenizer.vocab_size} tokens -> {tok_path}")
 
     splits = {name: encode_split(name, docs, tokenizer, data_dir) for name, docs in cleaned.items()}
     report = {"fingerprint": fp, "splits": list(splits), "cleaning": clean_reports,
@@ -112,5 +113,5 @@ def prepare(cfg: RunConfig, out_dir: str | Path, log=print) -> Prepared:
         report["unk_rate_valid"] = tokenizer.unk_rate(cleaned.get("valid", []))
     report_path.write_text(json.dumps(report, indent=2))
     for n, s in splits.items():
-        log(f"prepare: {n}: {s.n_docs} documents, {s.n_tokens:,} tokens, {s.n_bytes:,} bytes")
+        log.info(f"prepare: {n}: {s.n_docs} documents, {s.n_tokens:,} tokens, {s.n_bytes:,} bytes")
     return Prepared(tokenizer, tok_path, splits, report)

@@ -19,9 +19,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from tinylm.constants import EOS_ID, IGNORE_INDEX, PAD_ID, SOS_ID
 from tinylm.errors import TinyLMError
-from tinylm.models.gpt import IGNORE_INDEX
-from tinylm.tokenizers.base import EOS_ID, PAD_ID, SOS_ID, Tokenizer
+from tinylm.tokenizers.base import Tokenizer
 
 
 @dataclass

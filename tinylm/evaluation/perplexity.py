@@ -19,8 +19,7 @@ from typing import Iterable, Sequence
 import numpy as np
 import torch
 
-from tinylm.models.gpt import IGNORE_INDEX
-from tinylm.tokenizers.base import EOS_ID, PAD_ID, SOS_ID
+from tinylm.constants import EOS_ID, IGNORE_INDEX, PAD_ID
 
 
 def document_windows(ids: Sequence[int], context_length: int, stride: int | None = None):
@@ -104,8 +103,10 @@ def evaluate_split(model, split, batch_size: int = 32, score_eos: bool = False, 
     return metrics(nll, tokens, split.n_bytes, split.n_words)
 
 
-def evaluate_texts(model, tokenizer, texts: list[str], batch_size: int = 32, score_eos: bool = False) -> dict:
-    """Metrics over raw documents, each encoded alone and scored from ``<sos>``."""
-    docs = [[SOS_ID, *tokenizer.encode(t)] + ([EOS_ID] if score_eos else []) for t in texts]
+def evaluate_texts(model, tokenizer, texts: list[str], batch_size: int = 32) -> dict:
+    """Metrics over raw documents, each encoded alone and scored from the tokenizer's start id
+    (<sos> for tinylm, BOS=1 for llama2.c, none for a tokenizer without one)."""
+    start = [tokenizer.bos_id] if tokenizer.bos_id is not None else []
+    docs = [start + list(tokenizer.encode(t)) for t in texts]
     nll, tokens = score_token_documents(model, docs, batch_size=batch_size)
     return metrics(nll, tokens, sum(len(t.encode("utf-8")) for t in texts), sum(len(t.split()) for t in texts))

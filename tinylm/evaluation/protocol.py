@@ -16,20 +16,24 @@ counted. When fewer usable stories exist than asked for, all of them are used an
 from __future__ import annotations
 
 import csv
+import logging
 import math
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+from tabulate import tabulate
 
-from tinylm.evaluation.bleu import BLEU_MEANING, BLEU_TOKEN_PATTERN, corpus_bleu_n, sacrebleu_score
+from tinylm.constants import IGNORE_INDEX, PAD_ID
 from tinylm.errors import TinyLMError
+from tinylm.evaluation.bleu import BLEU_MEANING, BLEU_TOKEN_PATTERN, corpus_bleu_n, sacrebleu_score
 from tinylm.generation.generate import generate
-from tinylm.models.gpt import IGNORE_INDEX
-from tinylm.tokenizers.base import EOS_ID, PAD_ID, SOS_ID
+
+log = logging.getLogger(__name__)
 
 CSV_COLUMNS = ["prompt", "reference_continuation", "hypothesis_continuation", "per_sample_ppl"]
+SAMPLING_TEMPERATURES = (0.7, 1.0, 1.2)  # the reports' temperature sweep
 
 
 @dataclass
@@ -99,7 +103,7 @@ def select_samples(tokenizer, texts: list[str], protocol: BleuProtocol, context_
 
 
 @torch.no_grad()
-def reference_nll(model, samples: list[Sample], batch_size: int = 32, bos_id: int | None = SOS_ID) -> list[tuple[float, int]]:
+def reference_nll(model, samples: list[Sample], bos_id: int | None, batch_size: int = 32) -> list[tuple[float, int]]:
     """(sum of NLL in nats, number of tokens) of each reference continuation given the start token + prompt."""
     device = next(model.parameters()).device
     was_training = model.training
@@ -125,7 +129,7 @@ def reference_nll(model, samples: list[Sample], batch_size: int = 32, bos_id: in
 
 
 def continue_sample(model, sample: Sample, setting: Decoding, max_new_tokens: int, seed: int,
-                    bos_id: int | None = SOS_ID, stop_ids: tuple[int, ...] = (EOS_ID,)) -> list[int]:
+                    bos_id: int | None, stop_ids: tuple[int, ...]) -> list[int]:
     prompt = ([] if bos_id is None else [bos_id]) + sample.prompt_ids
     try:
         if setting.beam_width > 1:
@@ -157,20 +161,20 @@ def decode_all(model, sample_set: SampleSet, settings: list[Decoding], seed: int
 
 
 def run_bleu(model, tokenizer, texts: list[str], protocol: BleuProtocol, settings: list[Decoding],
-             csv_dir: str | Path | None = None, log=print, bos_id: int | None = SOS_ID,
-             stop_ids: tuple[int, ...] = (EOS_ID,)) -> dict:
+             csv_dir: str | Path | None = None) -> dict:
     """BLEU (sacrebleu + BLEU-1..4), speed and per-sample CSVs for each decoding setting.
 
-    ``bos_id`` / ``stop_ids``: the model's own start and stop ids (tinylm: <sos>, <eos>; a llama2.c
-    checkpoint: BOS=1, stops at 1 and 2), as `tinylm.interop.load_any_checkpoint` reports them."""
+    Prompts start with the tokenizer's start id and decoding stops at its stop ids (tinylm: <sos>,
+    <eos>; llama2.c: BOS=1, stops at 1 and 2)."""
+    bos_id, stop_ids = tokenizer.bos_id, tuple(tokenizer.stop_ids)
     names = [st.name for st in settings]
     if len(set(names)) != len(names):
         raise TinyLMError(f"decoding settings must be different (got {', '.join(names)})")
     ctx = model.config.context_length
     sample_set = select_samples(tokenizer, texts, protocol, ctx)
     for note in sample_set.notes:
-        log(f"bleu: {note}")
-    nll = reference_nll(model, sample_set.samples, bos_id=bos_id)
+        log.info(f"bleu: {note}")
+    nll = reference_nll(model, sample_set.samples, bos_id)
     ppls = [math.exp(s / n) for s, n in nll]
     total_nll, total_tokens = sum(s for s, _ in nll), sum(n for _, n in nll)
     prompts = [tokenizer.decode(s.prompt_ids) for s in sample_set.samples]
@@ -201,7 +205,7 @@ def run_bleu(model, tokenizer, texts: list[str], protocol: BleuProtocol, setting
             write_samples_csv(path, prompts, references, hyps, ppls)
             row["csv"] = path.name
         result["settings"].append(row)
-        log(f"bleu: {setting.name}: BLEU-4 {row['bleu4']:.4f}, sacreBLEU {row['sacrebleu']['bleu']:.2f}, "
+        log.info(f"bleu: {setting.name}: BLEU-4 {row['bleu4']:.4f}, sacreBLEU {row['sacrebleu']['bleu']:.2f}, "
             f"{row['tokens_per_s']:.0f} tokens/s")
     return result
 
@@ -212,3 +216,23 @@ def write_samples_csv(path: Path, prompts, references, hypotheses, ppls) -> None
         w.writerow(CSV_COLUMNS)
         for row in zip(prompts, references, hypotheses, ppls):
             w.writerow([row[0], row[1], row[2], f"{row[3]:.6g}"])
+
+
+def format_bleu(result: dict) -> str:
+    """The protocol, its notes and one row per decoding setting, as text for a terminal."""
+    p = result["protocol"]
+    lines = [f"BLEU protocol    {result['samples']} stories (asked {result['requested']}), prompt = first "
+             f"{p['prompt_tokens']} tokens, continuation <= {p['max_continuation']} tokens, seed {p['seed']}"]
+    lines += [f"note             {note}" for note in result["notes"]]
+    lines += [f"reference ppl    {result['reference_ppl']:.4f}   (exp mean NLL of the real continuations given "
+              f"their prompts, {result['reference_tokens']:,} tokens)", BLEU_MEANING,
+              f"BLEU-n: NLTK-style corpus BLEU, smoothing {p['smoothing']}; sacreBLEU: 0-100 with the signature below"]
+    rows = [[s["name"], f"missing: {s['missing']}"] if "missing" in s else
+            [s["name"], s["bleu1"], s["bleu2"], s["bleu3"], s["bleu4"], s["sacrebleu"]["bleu"], s["tokens_per_s"],
+             s.get("csv", "")] for s in result["settings"]]
+    lines.append(tabulate(rows, ["setting", "BLEU-1", "BLEU-2", "BLEU-3", "BLEU-4", "sacreBLEU", "tok/s", "csv"],
+                          floatfmt=("", ".4f", ".4f", ".4f", ".4f", ".2f", ".0f", "")))
+    sig = next((s["sacrebleu"]["signature"] for s in result["settings"] if "sacrebleu" in s), None)
+    if sig:
+        lines.append(f"sacreBLEU signature: {sig}")
+    return "\n".join(lines)

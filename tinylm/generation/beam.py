@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from tinylm.generation.generate import Generated, fit_prompts, full_forward, prefill
+from tinylm.generation.core import Generated, fit_prompts, full_forward, prefill
 from tinylm.generation.processors import GenerationConfig, HistoryProcessor
 
 START_PENALTY = -1e9  # initial score of beams 1..k-1 (HF's value)

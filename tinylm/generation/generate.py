@@ -13,86 +13,26 @@ window (at most ``context_length`` tokens) every step instead.
 Sampling draws all rows of a batch from one ``torch.Generator`` seeded with ``seed`` (the draws
 Hugging Face makes), or with ``seed_per_row`` row i from its own generator seeded ``seed + i``;
 greedy, beam search and per-row-seeded sampling give each row of a batch what it gets alone.
+
+Text in, text out (``complete``): each prompt is encoded after the tokenizer's start id and
+continued with seed ``seed + i`` for prompt i, whether prompts run one at a time or in batches,
+so the text of a prompt never depends on the others.
 """
 
 from __future__ import annotations
 
-import warnings
+import dataclasses
+import time
 from dataclasses import dataclass
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Iterator
 
 import torch
 
 from tinylm.errors import TinyLMError
+from tinylm.generation.beam import beam_search
+from tinylm.generation.core import Generated, fit_prompts, full_forward, model_device, prefill
 from tinylm.generation.processors import GenerationConfig, HistoryProcessor
-from tinylm.generation.sampling import sample_next, select_next
-
-PAD_TOKEN = 0  # what left padding holds; never attended to, so any id works
-
-
-@dataclass
-class Generated:
-    tokens: list[int]  # new tokens only, without the stop token
-    finish_reason: str  # "stop_token" | "stop_string" | "length"
-    score: float | None = None  # beam search: length-normalised log probability
-
-
-def model_device(model) -> torch.device:
-    return next(model.parameters()).device
-
-
-def check_sampling_args(temperature: float, top_k: int | None, top_p: float | None) -> None:
-    """Kept for callers of the original API: ValueError naming the bad argument."""
-    GenerationConfig(temperature=temperature, top_k=top_k, top_p=top_p).validate()
-
-
-def fit_prompts(prompts: Iterable[Iterable[int]], context_length: int) -> list[list[int]]:
-    rows = []
-    for ids in prompts:
-        ids = torch.as_tensor(ids, dtype=torch.long).flatten().tolist() if not isinstance(ids, list) else list(ids)
-        if not ids:
-            raise TinyLMError("the prompt encodes to no tokens; give a non-empty prompt")
-        if len(ids) > context_length:
-            warnings.warn(f"prompt of {len(ids)} tokens is longer than the context ({context_length}); "
-                          f"keeping the last {context_length}")
-            ids = ids[-context_length:]
-        rows.append(ids)
-    if not rows:
-        raise TinyLMError("no prompts given")
-    return rows
-
-
-def prefill(model, rows: list[list[int]], max_len: int):
-    """Run left-padded ``rows`` through the model into a new cache of ``max_len`` slots.
-
-    Returns (cache, logits of each row's last token (B, V), next position per row (B,) or None
-    when no row is padded). Slots after the prompt are marked real in the key mask up front, so
-    a decoding step needs no mask building beyond slicing."""
-    device = model_device(model)
-    B, L = len(rows), max(len(r) for r in rows)
-    ids = torch.full((B, L), PAD_TOKEN, dtype=torch.long)
-    for r, row in enumerate(rows):
-        ids[r, L - len(row) :] = torch.tensor(row, dtype=torch.long)
-    ids = ids.to(device)
-    cache = model.new_kv_cache(B, max_len)
-    if all(len(r) == L for r in rows):
-        logits, _ = model(ids, kv_cache=cache, last_logits_only=True)
-        return cache, logits[:, -1], None
-    lengths = torch.tensor([len(r) for r in rows], device=device)
-    real = torch.arange(L, device=device)[None, :] >= (L - lengths)[:, None]  # (B, L)
-    cache.key_mask = torch.ones(B, max_len, dtype=torch.bool, device=device)
-    cache.key_mask[:, :L] = real
-    positions = (real.cumsum(1) - 1).clamp(min=0)
-    logits, _ = model(ids, kv_cache=cache, position_ids=positions, last_logits_only=True)
-    return cache, logits[:, -1], lengths.clone()
-
-
-def full_forward(model, rows: list[list[int]]) -> torch.Tensor:
-    """No-cache path: the logits after each row's last token, recomputing everything."""
-    if all(len(r) == len(rows[0]) for r in rows):
-        logits, _ = model(torch.tensor(rows, device=model_device(model)), last_logits_only=True)
-        return logits[:, -1]
-    return prefill(model, rows, max(len(r) for r in rows))[1]
+from tinylm.generation.sampling import select_next
 
 
 class TokenStream:
@@ -195,8 +135,6 @@ def generate_many(model, prompts, cfg: GenerationConfig, decode=None) -> list[Ge
     """Generate for several prompts at once (or beam search when ``cfg.beam_width > 1``; then each
     prompt gets ``num_return_sequences`` results, best first, flattened prompt by prompt)."""
     if cfg.beam_width > 1:
-        from tinylm.generation.beam import beam_search
-
         return [h for hyps in beam_search(model, prompts, cfg) for h in hyps]
     stream = TokenStream(model, prompts, cfg, decode)
     for _ in stream:
@@ -236,10 +174,6 @@ class TextStream:
             yield text[len(shown) :]
 
 
-def stream_text(model, decode, prompt_ids, cfg: GenerationConfig) -> TextStream:
-    return TextStream(model, decode, prompt_ids, cfg)
-
-
 def generate(
     model,
     prompt_ids: list[int] | torch.Tensor,
@@ -263,5 +197,61 @@ def generate(
     return generate_many(model, [prompt_ids], cfg, decode)[0].tokens
 
 
-__all__ = ["Generated", "GenerationConfig", "TextStream", "TokenStream", "generate", "generate_many",
-           "prefill", "sample_next", "stream_text"]
+# ----------------------------------------------------------------------------------- text in, out
+def encode_prompt(tokenizer, prompt: str) -> list[int]:
+    """The prompt's ids after the tokenizer's start id; a prompt of no tokens is an error."""
+    ids = list(tokenizer.encode(prompt))
+    if not ids:
+        raise TinyLMError(f"prompt {prompt!r} encodes to no tokens; give a non-empty prompt")
+    return ([tokenizer.bos_id] if tokenizer.bos_id is not None else []) + ids
+
+
+def prompt_head(tokenizer, prompt: str, prompt_ids: list[int]) -> str:
+    """The text shown before the continuation: the prompt as typed, or as the model's tokenizer
+    decodes it (llama2.c prints decode(prompt ids + new ids), as run.c does)."""
+    return tokenizer.decode(prompt_ids) if tokenizer.decode_with_prompt else prompt
+
+
+def cut_at_stop(text: str, stops) -> str:
+    """End the text right after the first stop string (the token that completed it may carry more)."""
+    ends = [text.find(s) + len(s) for s in stops if s in text]
+    return text[: min(ends)] if ends else text
+
+
+@dataclass
+class Completion:
+    prompt: str
+    prompt_ids: list[int]  # with the start id
+    results: list[Generated]  # one, or num_return_sequences (best first) with beam search
+    tokens_per_s: float  # new tokens of the prompt's batch / the batch's generation time
+    stop_strings: tuple[str, ...] = ()
+
+    def continuation(self, tokenizer, i: int = 0) -> str:
+        """What result ``i`` adds after the prompt (keeps a word-level tokenizer's space)."""
+        return tokenizer.decode_continuation(self.prompt_ids, self.results[i].tokens)
+
+    def text(self, tokenizer, i: int = 0) -> str:
+        """Prompt and continuation as a reader sees them, cut after any stop string."""
+        text = prompt_head(tokenizer, self.prompt, self.prompt_ids) + self.continuation(tokenizer, i)
+        return cut_at_stop(text, self.stop_strings)
+
+
+def complete(model, tokenizer, prompts: list[str], cfg: GenerationConfig, batch_size: int = 1) -> list[Completion]:
+    """Continue each prompt (``batch_size`` at a time, left-padded); prompt i samples with seed
+    ``cfg.seed + i``, so batching does not change any text."""
+    if batch_size < 1:
+        raise TinyLMError(f"the batch size must be >= 1 (got {batch_size})")
+    encoded = [encode_prompt(tokenizer, p) for p in prompts]
+    per_prompt = cfg.num_return_sequences if cfg.beam_width > 1 else 1
+    out = []
+    for b in range(0, len(prompts), batch_size):
+        chunk = encoded[b : b + batch_size]
+        seed = None if cfg.seed is None else cfg.seed + b
+        t0 = time.perf_counter()
+        results = generate_many(model, chunk, dataclasses.replace(cfg, seed=seed, seed_per_row=True),
+                                decode=tokenizer.decode)
+        rate = sum(len(r.tokens) for r in results) / max(time.perf_counter() - t0, 1e-9)
+        for j, ids in enumerate(chunk):
+            out.append(Completion(prompts[b + j], ids, results[j * per_prompt : (j + 1) * per_prompt], rate,
+                                  cfg.stop_strings))
+    return out

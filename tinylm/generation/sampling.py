@@ -18,16 +18,3 @@ def select_next(logits: torch.Tensor, cfg: GenerationConfig,
     if isinstance(generator, list):
         return torch.cat([torch.multinomial(probs[r : r + 1], 1, generator=g)[0] for r, g in enumerate(generator)])
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
-
-
-def sample_next(
-    logits: torch.Tensor,
-    temperature: float = 1.0,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    generator: torch.Generator | None = None,
-    min_p: float | None = None,
-) -> torch.Tensor:
-    """The original functional API: logits (B, V) -> next ids (B,)."""
-    cfg = GenerationConfig(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p).validate()
-    return select_next(logits, cfg, generator)

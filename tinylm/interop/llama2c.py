@@ -25,6 +25,7 @@ import torch
 
 from tinylm.config import ModelConfig
 from tinylm.errors import TinyLMError
+from tinylm.interop.llama import is_llama_shape
 from tinylm.models.gpt import GPT
 
 HEADER = struct.Struct("<7i")
@@ -113,8 +114,6 @@ def load_llama2c(path: str | Path) -> GPT:
 
 def save_llama2c(model: GPT, path: str | Path) -> Path:
     """Write a Llama-shaped tinylm GPT as a legacy llama2.c checkpoint (run.c can load it)."""
-    from tinylm.interop.llama import is_llama_shape
-
     cfg = model.config
     if not is_llama_shape(cfg) or cfg.d_attn != cfg.d_model:
         raise TinyLMError("only a Llama-shaped model with d_attn == d_model can be written in llama2.c format")

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 import time
 from dataclasses import dataclass
@@ -31,9 +32,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from tinylm.config import TrainConfig
+from tinylm.constants import EOS_ID, SOS_ID
 from tinylm.errors import TinyLMError
-from tinylm.tokenizers.base import EOS_ID, SOS_ID
 from tinylm.training.optim import lr_at, param_groups
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -176,7 +179,7 @@ class BigramResult:
     stopped_because: str
 
 
-def train_bigram(train_ids, valid_ids, vocab_size: int, cfg: BigramConfig | None = None, log=None) -> BigramResult:
+def train_bigram(train_ids, valid_ids, vocab_size: int, cfg: BigramConfig | None = None) -> BigramResult:
     """Train on the pairs of ``train_ids``; keep the weights of the best validation loss."""
     cfg = cfg or BigramConfig()
     if cfg.weight_decay < 0:
@@ -224,8 +227,7 @@ def train_bigram(train_ids, valid_ids, vocab_size: int, cfg: BigramConfig | None
             val = pair_nll(model, vprev, vnxt) / n_val
             history.append({"step": step, "train_loss": float(np.mean(running)), "val_loss": val})
             running = []
-            if log:
-                log(f"bigram d={cfg.d_embed} wd={cfg.weight_decay}: step {step} train {history[-1]['train_loss']:.4f} valid {val:.4f}")
+            log.debug(f"bigram d={cfg.d_embed} wd={cfg.weight_decay}: step {step} train {history[-1]['train_loss']:.4f} valid {val:.4f}")
             if val < best - 1e-5:
                 best, bad = val, 0
                 best_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
@@ -242,10 +244,10 @@ def train_bigram(train_ids, valid_ids, vocab_size: int, cfg: BigramConfig | None
 
 
 def sweep_bigram(train_ids, valid_ids, vocab_size: int, d_embeds=(32, 128), weight_decays=(0.0, 0.1),
-                 base: BigramConfig | None = None, log=None) -> list[BigramResult]:
+                 base: BigramConfig | None = None) -> list[BigramResult]:
     """One run per (embedding size, weight decay); the results sorted best validation loss first."""
     base = base or BigramConfig()
-    results = [train_bigram(train_ids, valid_ids, vocab_size, dataclasses.replace(base, d_embed=d, weight_decay=wd), log)
+    results = [train_bigram(train_ids, valid_ids, vocab_size, dataclasses.replace(base, d_embed=d, weight_decay=wd))
                for d in d_embeds for wd in weight_decays]
     return sorted(results, key=lambda r: r.best_val_loss)
 

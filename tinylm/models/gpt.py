@@ -23,8 +23,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from tinylm.config import ModelConfig
+from tinylm.constants import IGNORE_INDEX
 
-IGNORE_INDEX = -100  # targets with this value (padding) add nothing to the loss
 _SDPA_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")  # torch >= 2.5
 
 

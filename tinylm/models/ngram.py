@@ -39,8 +39,8 @@ from pathlib import Path
 
 import numpy as np
 
+from tinylm.constants import EOS_ID, SOS_ID
 from tinylm.errors import TinyLMError
-from tinylm.tokenizers.base import EOS_ID, SOS_ID
 
 SMOOTHINGS = ("add_k", "interpolated", "kneser_ney")
 MAX_ORDER = 5

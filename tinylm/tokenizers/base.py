@@ -11,12 +11,10 @@ import os
 from pathlib import Path
 from typing import Iterable
 
-from tinylm.errors import TinyLMError
+from tinylm.constants import EOS_ID, PAD_ID, SOS_ID, SPECIAL_TOKENS, UNK_ID
 
 FORMAT_NAME = "tinylm-tokenizer"
 FORMAT_VERSION = 1
-SPECIAL_TOKENS = ("<pad>", "<unk>", "<sos>", "<eos>")  # ids 0, 1, 2, 3 in every tinylm tokenizer
-PAD_ID, UNK_ID, SOS_ID, EOS_ID = range(4)
 
 
 class Tokenizer:
@@ -25,6 +23,13 @@ class Tokenizer:
 
     pad_id, unk_id, sos_id, eos_id = PAD_ID, UNK_ID, SOS_ID, EOS_ID
     special_tokens = SPECIAL_TOKENS
+    # How a model trained with this tokenizer is talked to: every prompt and scored document
+    # starts with ``bos_id`` (None: nothing is prepended), generation ends at any of ``stop_ids``,
+    # and with ``decode_with_prompt`` the shown text is decode(prompt ids + new ids) rather than
+    # the prompt string followed by decode(new ids).
+    bos_id: int | None = SOS_ID
+    stop_ids: tuple[int, ...] = (EOS_ID,)
+    decode_with_prompt = False
 
     # -- to implement -------------------------------------------------------------------------
     def train(self, texts: Iterable[str], vocab_size: int) -> "Tokenizer":
@@ -73,35 +78,3 @@ class Tokenizer:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(vocab_size={self.vocab_size})"
-
-
-def load_tokenizer(path: str | Path) -> Tokenizer:
-    """Load any tinylm tokenizer file; errors name what is wrong with it."""
-    from tinylm.tokenizers import TOKENIZER_TYPES
-
-    path = Path(path)
-    if not path.is_file():
-        raise TinyLMError(f"tokenizer file {path} does not exist")
-    from tinylm.tokenizers.llama2c import Llama2cTokenizer, is_llama2c_file
-
-    if is_llama2c_file(path):  # a llama2.c tokenizer.bin (binary, not JSON)
-        return Llama2cTokenizer.from_file(path)
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise TinyLMError(f"tokenizer file {path} is not a tinylm JSON tokenizer ({exc})") from exc
-    if isinstance(data, dict) and "model" in data and "pre_tokenizer" in data:
-        from tinylm.tokenizers.hf_interop import import_hf  # a Hugging Face tokenizer.json
-
-        return import_hf(path)
-    if not isinstance(data, dict) or data.get("format") != FORMAT_NAME:
-        raise TinyLMError(f"{path} is not a tinylm tokenizer file (no \"format\": \"{FORMAT_NAME}\")")
-    if data.get("version") != FORMAT_VERSION:
-        raise TinyLMError(
-            f"tokenizer file {path} has format version {data.get('version')}; "
-            f"this tinylm reads version {FORMAT_VERSION}"
-        )
-    kind = data.get("type")
-    if kind not in TOKENIZER_TYPES:
-        raise TinyLMError(f"unknown tokenizer type {kind!r} in {path} (known: {', '.join(TOKENIZER_TYPES)})")
-    return TOKENIZER_TYPES[kind]._from_state(data)

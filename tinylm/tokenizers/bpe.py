@@ -31,8 +31,9 @@ from typing import Iterable
 
 import regex
 
+from tinylm.constants import SPECIAL_TOKENS
 from tinylm.errors import TinyLMError
-from tinylm.tokenizers.base import SPECIAL_TOKENS, Tokenizer
+from tinylm.tokenizers.base import Tokenizer
 
 GPT2_SPLIT = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 GPT4_SPLIT = (

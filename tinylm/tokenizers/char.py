@@ -9,8 +9,9 @@ from __future__ import annotations
 from collections import Counter
 from typing import Iterable
 
+from tinylm.constants import SPECIAL_TOKENS
 from tinylm.errors import TinyLMError
-from tinylm.tokenizers.base import SPECIAL_TOKENS, Tokenizer
+from tinylm.tokenizers.base import Tokenizer
 
 N_SPECIAL = len(SPECIAL_TOKENS)
 BYTE_BASE = N_SPECIAL  # id of byte 0

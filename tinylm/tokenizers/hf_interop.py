@@ -20,8 +20,8 @@ import json
 import warnings
 from pathlib import Path
 
+from tinylm.constants import SPECIAL_TOKENS
 from tinylm.errors import TinyLMError
-from tinylm.tokenizers.base import SPECIAL_TOKENS
 from tinylm.tokenizers.bpe import BYTE_BASE, FIRST_MERGE_ID, GPT2_SPLIT, SPLIT_PATTERNS, BPETokenizer, total_pattern
 
 _MAX_ALIAS_MERGES = 100_000  # guard against a pathological file blowing up the alias expansion

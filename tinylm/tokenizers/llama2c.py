@@ -57,6 +57,9 @@ class Llama2cTokenizer(Tokenizer):
     lossless = True  # via byte fallback, when the vocabulary holds all 256 byte pieces
     unk_id, sos_id, eos_id = UNK, BOS, EOS
     bos_id = BOS
+    # llama2.c's models end a story by starting the next one with BOS, which is where run.c stops
+    stop_ids = (BOS, EOS)
+    decode_with_prompt = True  # run.c prints decode(prompt ids + new ids)
     pad_id = UNK  # llama2.c has no padding token; encode never emits <unk>, so it is safe as padding
     special_tokens = ("<unk>", "<s>", "</s>")
 

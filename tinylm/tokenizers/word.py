@@ -16,8 +16,9 @@ from collections import Counter
 from dataclasses import asdict, dataclass
 from typing import Iterable
 
+from tinylm.constants import SPECIAL_TOKENS, UNK_ID
 from tinylm.errors import TinyLMError
-from tinylm.tokenizers.base import SPECIAL_TOKENS, UNK_ID, Tokenizer
+from tinylm.tokenizers.base import Tokenizer
 
 WORD_PATTERN = r"\w+(?:'\w+)*|[^\w\s]"
 _NO_SPACE_BEFORE = set(".,!?;:)]}'\"") | {"n't", "'s"}

@@ -1,5 +1,4 @@
-"""Training: optimizer and schedule, checkpoints, the training loop."""
-from tinylm.training.checkpoint import load_checkpoint, save_checkpoint
+"""Training: optimizer and schedule, precision, data parallelism, exact resume, the training loop."""
 from tinylm.training.trainer import TrainResult, train
 
-__all__ = ["load_checkpoint", "save_checkpoint", "TrainResult", "train"]
+__all__ = ["TrainResult", "train"]

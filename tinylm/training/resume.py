@@ -28,9 +28,17 @@ import numpy as np
 import torch
 from safetensors.torch import load_file
 
-from tinylm.config import RunConfig, build_config, config_from_dict, diff_configs, load_config_file, parse_overrides
+from tinylm.config import (
+    RunConfig,
+    apply_updates,
+    build_config,
+    config_from_dict,
+    diff_configs,
+    load_config_file,
+    parse_overrides,
+)
 from tinylm.errors import TinyLMError
-from tinylm.training.checkpoint import REQUIRED_FILES, STEP_PREFIX
+from tinylm.models.checkpoint import REQUIRED_FILES, STEP_PREFIX
 
 STATE_FILES = ("training_state.json", "optimizer.safetensors", "rng.safetensors")
 STATE_VERSION = 1
@@ -208,7 +216,7 @@ def _normalise(cfg: RunConfig, saved_model: dict) -> dict:
 
 
 def resume_run_config(resume: str | Path, config_path: str | None, overrides: list[str] | None,
-                      force: bool = False) -> tuple[RunConfig, Path, list[str]]:
+                      force: bool = False, quick: bool = False) -> tuple[RunConfig, Path, list[str]]:
     """(config to run, checkpoint to resume from, keys changed with --force).
 
     Without ``--config`` the checkpoint's config is the base and ``overrides`` change it; with a
@@ -219,13 +227,11 @@ def resume_run_config(resume: str | Path, config_path: str | None, overrides: li
         raise TinyLMError(f"resume: {state_dir} has no config.yaml")
     saved = load_config_file(state_dir / "config.yaml")
     if config_path is not None:
-        requested = build_config(config_path, overrides)
+        requested = build_config(config_path, overrides, quick=quick)
     else:
         requested = config_from_dict(saved)
         if overrides:
-            from tinylm.config import _apply
-
-            _apply(requested, parse_overrides(overrides))
+            apply_updates(requested, parse_overrides(overrides))
     changed = check_resume_config(saved, _normalise(requested, saved.get("model", {})), force)
     requested.out_dir = str(run_dir_of(state_dir))
     return requested, state_dir, changed

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import csv
 import dataclasses
+import logging
 import math
 import os
 import random
@@ -26,18 +27,28 @@ import numpy as np
 import torch
 
 from tinylm.config import RunConfig
+from tinylm.constants import IGNORE_INDEX
 from tinylm.data.prepare import Prepared
 from tinylm.data.tokens import Batches
 from tinylm.errors import TinyLMError
-from tinylm.models.gpt import GPT, IGNORE_INDEX
+from tinylm.models.checkpoint import prune_step_checkpoints, save_checkpoint
+from tinylm.models.embeddings import apply_pretrained_embeddings
+from tinylm.models.gpt import GPT
 from tinylm.training import distributed as dist_utils
-from tinylm.training.checkpoint import prune_step_checkpoints, save_checkpoint
 from tinylm.training.distributed import DistContext, all_reduce_sum, shard_rows
 from tinylm.training.grad_checkpoint import enable_grad_checkpointing, make_checkpoint_fn
 from tinylm.training.optim import lr_at, make_optimizer, wall_schedule_enabled
 from tinylm.training.precision import autocast, check_precision, make_grad_scaler
-from tinylm.training.resume import (capture_rng, check_resume_config, load_resume_state, restore_rng,
-                                    state_payload, step_dir_name)
+from tinylm.training.resume import (
+    capture_rng,
+    check_resume_config,
+    load_resume_state,
+    restore_rng,
+    state_payload,
+    step_dir_name,
+)
+
+log = logging.getLogger(__name__)
 
 METRICS_COLUMNS = ["step", "tokens", "lr", "train_loss", "val_loss", "val_ppl", "tokens_per_s", "elapsed_s"]
 
@@ -198,7 +209,7 @@ def _tensorboard_writer(out_dir: Path):
     return SummaryWriter(log_dir=str(out_dir / "tensorboard"))
 
 
-def train(cfg: RunConfig, prepared: Prepared, out_dir: str | Path, log=print, *,
+def train(cfg: RunConfig, prepared: Prepared, out_dir: str | Path, *,
           resume: str | Path | None = None, force: bool = False) -> TrainResult:
     """Train (or, with ``resume``, continue training) and write checkpoints into ``out_dir``.
 
@@ -206,12 +217,13 @@ def train(cfg: RunConfig, prepared: Prepared, out_dir: str | Path, log=print, *,
     """
     ctx = dist_utils.setup_distributed(cfg.train.device)
     try:
-        return _train(cfg, prepared, Path(out_dir), log if ctx.is_main else (lambda *a, **k: None), resume, force, ctx)
+        say = log.info if ctx.is_main else (lambda *a, **k: None)
+        return _train(cfg, prepared, Path(out_dir), say, resume, force, ctx)
     finally:
         dist_utils.cleanup(ctx)
 
 
-def _train(cfg: RunConfig, prepared: Prepared, out_dir: Path, log, resume, force: bool, ctx: DistContext) -> TrainResult:
+def _train(cfg: RunConfig, prepared: Prepared, out_dir: Path, say, resume, force: bool, ctx: DistContext) -> TrainResult:
     tc = cfg.train
     batch_size = per_rank_batch_size(tc, ctx.world_size)
     make_checkpoint_fn(tc.checkpoint_impl)  # an unknown implementation is an error even when unused
@@ -227,10 +239,8 @@ def _train(cfg: RunConfig, prepared: Prepared, out_dir: Path, log, resume, force
     tokenizer = prepared.tokenizer
     model = build_model(cfg, tokenizer.vocab_size).to(device)  # the same initial weights on every rank
     if getattr(cfg, "embeddings", None) is not None and cfg.embeddings.kind != "none":
-        from tinylm.embeddings import apply_pretrained_embeddings  # pretrained / FastText vectors
-
         apply_pretrained_embeddings(model, tokenizer, cfg.embeddings, prepared.splits["train"].ids,
-                                    out_dir if ctx.is_main else None, log)
+                                    out_dir if ctx.is_main else None)
     if ctx.rank:
         torch.manual_seed(tc.seed + 1_000_003 * ctx.rank)  # ranks draw different dropout masks
     cfg = dataclasses.replace(cfg, model=model.config)  # the resolved model config goes on disk
@@ -267,7 +277,7 @@ def _train(cfg: RunConfig, prepared: Prepared, out_dir: Path, log, resume, force
         restore_rng(state.rng_per_rank[ctx.rank])  # last: nothing below draws random numbers before step 1
         if metrics is not None:
             metrics.truncate_after(start_step)
-        log(f"train: resuming from {state.path} at step {start_step}")
+        say(f"train: resuming from {state.path} at step {start_step}")
     if ctx.is_main:
         cfg.save(out_dir / "config.yaml")
 
@@ -275,7 +285,7 @@ def _train(cfg: RunConfig, prepared: Prepared, out_dir: Path, log, resume, force
     run_model = ddp_model if ddp_model is not None else model
     if tc.compile:
         run_model = torch.compile(run_model)
-    log(f"train: {model.num_parameters():,} parameters on {device}, context {T}, batch {batch_size} x "
+    say(f"train: {model.num_parameters():,} parameters on {device}, context {T}, batch {batch_size} x "
         f"{tc.grad_accum_steps} accumulation x {ctx.world_size} process(es), {tc.precision}"
         + (f", gradient checkpointing ({tc.checkpoint_impl})" if tc.grad_checkpointing else ""))
 
@@ -371,10 +381,10 @@ def _train(cfg: RunConfig, prepared: Prepared, out_dir: Path, log, resume, force
                 save("best", step + 1, val)
             msg = (f"step {step + 1}: train {last_loss:.4f}, valid {val:.4f} (ppl {math.exp(min(val, 50)):.2f}), "
                    f"{tok_s:,.0f} tok/s")
-            (progress.write if progress is not None else log)(msg)
+            (progress.write if progress is not None else say)(msg)
             if tc.early_stopping_patience and bad_evals >= tc.early_stopping_patience:
                 stopped = "early_stopping"
-                log(f"train: early stopping at step {step + 1}: no validation improvement in {bad_evals} evaluations")
+                say(f"train: early stopping at step {step + 1}: no validation improvement in {bad_evals} evaluations")
         if log_row and metrics is not None:
             metrics.write(row)
         if (step + 1) % save_every == 0 and not is_last:

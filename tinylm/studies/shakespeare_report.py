@@ -1,5 +1,5 @@
 """The study's outputs: results.csv, results.md, learning_curves.png, samples.md, study.json.
-Every number written here comes from the runs of tinylm.study; nothing is filled in."""
+Every number written here comes from the runs of tinylm.studies.shakespeare; nothing is filled in."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ import json
 import platform
 from pathlib import Path
 
+RESULT_COLUMNS = ["tokenizer", "vocab_size", "model", "order", "smoothing", "parameters", "valid_ppl", "test_ppl",
+                  "valid_bpb", "test_bpb", "valid_tokens", "test_tokens", "seconds"]
 COMPARABILITY_NOTE = (
     "Token perplexity is per token of each tokenizer, so it is **not comparable across tokenizers** "
     "(a character-level model predicts far easier units than a word-level one). Bits per byte "
@@ -35,8 +37,6 @@ def _variant(row: dict) -> str:
 
 
 def write_outputs(cfg, state: dict, out: Path) -> None:
-    from tinylm.study import RESULT_COLUMNS
-
     rows = state["rows"]
     with open(out / "results.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=RESULT_COLUMNS)

@@ -3,7 +3,7 @@
 Each part is a function that writes its own file into the run directory and returns its results;
 the runner stores them as ``<part>.json`` with a key (a hash of the settings the part depends
 on). A re-run skips every part whose file holds the same key, so an interrupted run resumes. The
-report (tinylm.report) only reads files.
+report (tinylm.evaluation.report) only reads files.
 
     baseline        prepare + train + evaluate + sample (tinylm.pipeline)   eval.json, metrics.csv, ...
     bleu            BLEU protocol at each sampling temperature               bleu.json, bleu_samples_T*.csv
@@ -12,7 +12,7 @@ report (tinylm.report) only reads files.
     kv_cache        generation time with and without the KV cache          kv_cache.json
     accumulation    1/2/4/8 accumulation steps, equal micro-batches         accumulation.json, tradeoffs/
     checkpointing   plain vs gradient checkpointing                         checkpointing.json
-                    (these two live in tinylm.experiment_tradeoffs)
+                    (both trained and timed by tinylm.studies.tradeoffs)
     attention       attention maps for chosen sentences                     attention/*.png, *.html
     curves          loss and perplexity against step                        curves.png
     machine         what it ran on                                          machine.json
@@ -20,11 +20,11 @@ report (tinylm.report) only reads files.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import datetime as dt
 import hashlib
 import json
+import logging
 import os
 import platform
 import statistics
@@ -36,17 +36,30 @@ from typing import Callable
 import numpy as np
 import torch
 
-from tinylm.config import RunConfig, _apply, load_config_file, parse_overrides
+from tinylm.config import RunConfig, apply_updates, parse_overrides, read_config
+from tinylm.data.cleaning import CleanOptions, clean_documents
+from tinylm.data.prepare import load_raw_documents, prepare
 from tinylm.errors import TinyLMError
+from tinylm.evaluation.plots import attention_html, attention_maps, plot_curves, save_attention_pngs
+from tinylm.evaluation.protocol import SAMPLING_TEMPERATURES, BleuProtocol, Decoding, run_bleu
+from tinylm.evaluation.report import write_report
+from tinylm.generation.generate import complete, generate
+from tinylm.generation.processors import GenerationConfig
+from tinylm.models.checkpoint import load_checkpoint
+from tinylm.pipeline import run_pipeline
+from tinylm.studies.tradeoffs import Tradeoffs, alternated_runs
+
+log = logging.getLogger(__name__)
+
 
 @dataclass
 class ExperimentsConfig:
-    bleu_samples: int = 50
-    prompt_tokens: int = 5
-    max_continuation: int = 60
-    temperatures: list[float] = field(default_factory=lambda: [0.7, 1.0, 1.2])
+    bleu_samples: int = BleuProtocol.n_samples
+    prompt_tokens: int = BleuProtocol.prompt_tokens
+    max_continuation: int = BleuProtocol.max_continuation
+    temperatures: list[float] = field(default_factory=lambda: list(SAMPLING_TEMPERATURES))
     top_k: int | None = None
-    smoothing: str = "method1"
+    smoothing: str = BleuProtocol.smoothing
     beam_widths: list[int] = field(default_factory=lambda: [5, 10])
     kv_new_tokens: list[int] = field(default_factory=lambda: [32, 56, 248])
     kv_prompt_tokens: int = 8
@@ -55,7 +68,7 @@ class ExperimentsConfig:
     tradeoff_micro_batches: int = 64
     tradeoff_repeats: int = 2  # each accumulation / checkpointing run, in alternated rounds (median)
     attention_texts: list[str] = field(default_factory=lambda: ["Once upon a time there was a little girl named Lily."])
-    sample_temperatures: list[float] = field(default_factory=lambda: [0.7, 1.0, 1.2])
+    sample_temperatures: list[float] = field(default_factory=lambda: list(SAMPLING_TEMPERATURES))
     seed: int = 0
     # torch threads: token-by-token decoding is many small ops, which collapse under contention
     # with 2 threads on a shared CPU (measured: 13-32 vs ~490 tokens/s); training uses train.threads
@@ -63,31 +76,21 @@ class ExperimentsConfig:
     train_threads: int | None = None  # None: train.threads, else 2
 
 
-def _merge(base: dict, extra: dict) -> dict:
-    out = copy.deepcopy(base)
-    for k, v in extra.items():
-        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
-    return out
-
-
 def load_experiment_config(path: str | Path | None, overrides: list[str] | None = None,
                            quick: bool = False) -> tuple[RunConfig, ExperimentsConfig]:
     """The run config and the experiments section; ``quick`` merges the file's ``quick`` section.
     Command-line overrides (``data.train=PATH``, ``experiments.bleu_samples=10``) come last."""
-    raw = load_config_file(path) if path else {}
-    quick_raw = raw.pop("quick", None) or {}
-    if quick:
-        raw = _merge(raw, quick_raw)
+    raw = read_config(path, quick) if path else {}
     exp_raw = raw.pop("experiments", None) or {}
     ov = parse_overrides(overrides or [])
     exp_ov = ov.pop("experiments", {})
     cfg, exp = RunConfig(), ExperimentsConfig()
-    _apply(cfg, raw)
-    _apply(cfg, ov)
+    apply_updates(cfg, raw)
+    apply_updates(cfg, ov)
     for section in (exp_raw, exp_ov):
         if not isinstance(section, dict):
             raise TinyLMError("the experiments section must be a mapping of keys")
-        _apply(exp, section, prefix="experiments.")
+        apply_updates(exp, section, prefix="experiments.")
     if any(k < 1 for k in exp.accum_steps):
         raise TinyLMError(f"experiments.accum_steps must all be >= 1 (got {exp.accum_steps})")
     bad = [k for k in exp.accum_steps if exp.tradeoff_micro_batches % k]
@@ -104,7 +107,6 @@ class Context:
     exp: ExperimentsConfig
     run_dir: Path
     quick: bool
-    log: Callable = print
     _model: tuple | None = None
     _prepared: object = None
     _valid_texts: list[str] | None = None
@@ -121,25 +123,18 @@ class Context:
     def model(self):
         """(model, tokenizer) of the baseline's best checkpoint, on CPU, in eval mode."""
         if self._model is None:
-            from tinylm.training.checkpoint import load_checkpoint
-
             model, tokenizer, _ = load_checkpoint(self.run_dir / "checkpoints" / "best")
             self._model = (model, tokenizer)
         return self._model
 
     def prepared(self):
         if self._prepared is None:
-            from tinylm.data.prepare import prepare
-
-            self._prepared = prepare(self.cfg, self.run_dir, log=self.log)
+            self._prepared = prepare(self.cfg, self.run_dir)
         return self._prepared
 
     def valid_texts(self) -> list[str]:
         """The validation stories, cleaned exactly as the prepared split was."""
         if self._valid_texts is None:
-            from tinylm.data.cleaning import CleanOptions, clean_documents
-            from tinylm.data.prepare import load_raw_documents
-
             raw = load_raw_documents(self.cfg.data)
             if "valid" not in raw:
                 raise TinyLMError("no validation stories: give data.valid=PATH or a data.valid_fraction > 0")
@@ -149,42 +144,33 @@ class Context:
 
 # ----------------------------------------------------------------------------------------- parts
 def part_baseline(ctx: Context) -> dict:
-    from tinylm.pipeline import run_pipeline
-
     for stale in ("metrics.csv", "eval.json"):  # a fresh training run must not append to an old log
         (ctx.run_dir / stale).unlink(missing_ok=True)
-    summary = run_pipeline(ctx.cfg, ctx.run_dir, log=ctx.log)
+    summary = run_pipeline(ctx.cfg, ctx.run_dir)
     model, _ = ctx.model()
     return {"summary": summary, "parameters_total": model.num_parameters(),
             "parameters_trainable": model.num_parameters(trainable_only=True)}
 
 
 def _protocol(exp: ExperimentsConfig):
-    from tinylm.evaluation.protocol import BleuProtocol
-
     return BleuProtocol(exp.bleu_samples, exp.prompt_tokens, exp.max_continuation, exp.seed, exp.smoothing)
 
 
 def part_bleu(ctx: Context) -> dict:
-    from tinylm.evaluation.protocol import Decoding, run_bleu
-
     torch.set_num_threads(ctx.decode_threads)
     model, tok = ctx.model()
     settings = [Decoding(f"T{t:g}", temperature=t, top_k=ctx.exp.top_k) for t in ctx.exp.temperatures]
-    out = run_bleu(model, tok, ctx.valid_texts(), _protocol(ctx.exp), settings, csv_dir=ctx.run_dir, log=ctx.log)
+    out = run_bleu(model, tok, ctx.valid_texts(), _protocol(ctx.exp), settings, csv_dir=ctx.run_dir)
     out["threads"] = ctx.decode_threads
     return out
 
 
 def part_decoding(ctx: Context) -> dict:
-    from tinylm.evaluation.protocol import Decoding, run_bleu
-
     torch.set_num_threads(ctx.decode_threads)
     model, tok = ctx.model()
     settings = [Decoding("sample_T1", temperature=1.0, top_k=ctx.exp.top_k), Decoding("greedy", temperature=0.0)]
     settings += [Decoding(f"beam{k}", beam_width=k) for k in ctx.exp.beam_widths]
-    out = run_bleu(model, tok, ctx.valid_texts(), _protocol(ctx.exp), settings, csv_dir=ctx.run_dir / "decoding",
-                   log=ctx.log)
+    out = run_bleu(model, tok, ctx.valid_texts(), _protocol(ctx.exp), settings, csv_dir=ctx.run_dir / "decoding")
     base = out["settings"][0].get("tokens_per_s")
     for row in out["settings"]:
         if base and "tokens_per_s" in row:
@@ -194,37 +180,30 @@ def part_decoding(ctx: Context) -> dict:
 
 
 def part_generations(ctx: Context) -> dict:
-    from tinylm.generation.generate import generate
-    from tinylm.tokenizers.base import EOS_ID, SOS_ID
-
     torch.set_num_threads(ctx.decode_threads)
     model, tok = ctx.model()
     s = ctx.cfg.sample
     rows = []
     for t in ctx.exp.sample_temperatures:
-        for i, prompt in enumerate(s.prompts):
-            ids = tok.encode(prompt)
-            if not ids:
-                raise TinyLMError(f"sample prompt {prompt!r} encodes to no tokens")
-            new = generate(model, [SOS_ID, *ids], s.max_new_tokens, t, s.top_k, s.top_p, eos_id=EOS_ID,
-                           seed=ctx.exp.seed + i)
-            rows.append({"temperature": t, "prompt": prompt, "prompt_as_tokenized": tok.decode(ids),
-                         "continuation": tok.decode(new), "text": tok.decode([*ids, *new]), "new_tokens": len(new)})
+        cfg = GenerationConfig(max_new_tokens=s.max_new_tokens, temperature=t, top_k=s.top_k, top_p=s.top_p,
+                               seed=ctx.exp.seed, stop_ids=tok.stop_ids)
+        for c in complete(model, tok, s.prompts, cfg):
+            new = c.results[0].tokens
+            rows.append({"temperature": t, "prompt": c.prompt, "prompt_as_tokenized": tok.decode(c.prompt_ids),
+                         "continuation": tok.decode(new), "text": tok.decode([*c.prompt_ids, *new]),
+                         "new_tokens": len(new)})
     return {"top_k": s.top_k, "top_p": s.top_p, "max_new_tokens": s.max_new_tokens, "samples": rows}
 
 
 def part_kv_cache(ctx: Context) -> dict:
     """Greedy decoding of n new tokens with and without the cache, alternated (A B A B), medians."""
-    from tinylm.generation.generate import generate
-    from tinylm.tokenizers.base import SOS_ID
-
     torch.set_num_threads(ctx.decode_threads)
     model, tok = ctx.model()
     P = ctx.exp.kv_prompt_tokens
     story = next((t for t in ctx.valid_texts() if len(tok.encode(t)) >= P), None)
     if story is None:
         raise TinyLMError(f"no validation story has {P} tokens for the KV-cache prompt")
-    prompt = [SOS_ID, *tok.encode(story)[:P]]
+    prompt = [tok.bos_id, *tok.encode(story)[:P]]
     ctx_len = model.config.context_length
     generate(model, prompt, 8, 0.0)  # warm-up (allocations, first-call overheads)
     rows = []
@@ -242,15 +221,13 @@ def part_kv_cache(ctx: Context) -> dict:
                      "cache_tokens_per_s": n / med[True], "nocache_tokens_per_s": n / med[False],
                      "speedup": med[False] / med[True], "same_tokens": outs[True] == outs[False],
                      "cache_seconds": times[True], "nocache_seconds": times[False]})
-        ctx.log(f"kv_cache: {n} new tokens: {rows[-1]['cache_tokens_per_s']:.0f} vs "
+        log.info(f"kv_cache: {n} new tokens: {rows[-1]['cache_tokens_per_s']:.0f} vs "
                 f"{rows[-1]['nocache_tokens_per_s']:.0f} tokens/s ({rows[-1]['speedup']:.2f}x)")
     return {"threads": ctx.decode_threads, "repeats": ctx.exp.kv_repeats, "context_length": ctx_len, "decoding": "greedy",
             "rows": rows}
 
 
 def part_attention(ctx: Context) -> dict:
-    from tinylm.viz import attention_html, attention_maps, save_attention_pngs
-
     model, tok = ctx.model()
     out_dir = ctx.run_dir / "attention"
     rows = []
@@ -272,8 +249,6 @@ def part_attention(ctx: Context) -> dict:
 
 
 def part_curves(ctx: Context) -> dict:
-    from tinylm.viz import plot_curves
-
     path = plot_curves(ctx.run_dir / "metrics.csv", ctx.run_dir / "curves.png", title="baseline")
     return {"png": path.name}
 
@@ -300,7 +275,27 @@ def part_machine(ctx: Context) -> dict:
     return {**machine_info(ctx.threads), "train_threads": ctx.threads, "decode_threads": ctx.decode_threads}
 
 
-from tinylm.experiment_tradeoffs import part_accumulation, part_checkpointing  # noqa: E402  (uses Context)
+def _tradeoffs(ctx: Context) -> Tradeoffs:
+    torch.set_num_threads(ctx.threads)
+    return Tradeoffs(ctx.cfg, ctx.prepared(), ctx.run_dir / "tradeoffs", ctx.exp.tradeoff_micro_batches,
+                     ctx.exp.tradeoff_repeats, ctx.threads)
+
+
+def part_accumulation(ctx: Context) -> dict:
+    rows = alternated_runs(_tradeoffs(ctx), [(f"accum_{k}", k, False) for k in ctx.exp.accum_steps])
+    return {"threads": ctx.threads, "repeats": ctx.exp.tradeoff_repeats, "rows": rows}
+
+
+def part_checkpointing(ctx: Context) -> dict:
+    rows = alternated_runs(_tradeoffs(ctx), [("plain", 1, False), ("checkpointing", 1, True)])
+    plain = rows[0]
+    for row in rows:
+        row["time_ratio"] = row["seconds"] / plain["seconds"]
+        if row["peak_activation_bytes"] and plain["peak_activation_bytes"]:
+            row["memory_ratio"] = row["peak_activation_bytes"] / plain["peak_activation_bytes"]
+    return {"threads": ctx.threads, "impl": ctx.cfg.train.checkpoint_impl, "repeats": ctx.exp.tradeoff_repeats,
+            "rows": rows}
+
 
 PARTS: dict[str, Callable[[Context], dict]] = {
     "baseline": part_baseline, "bleu": part_bleu, "decoding": part_decoding, "generations": part_generations,
@@ -334,14 +329,14 @@ def read_part(run_dir: Path, name: str) -> dict | None:
 
 
 def run_experiments(cfg: RunConfig, exp: ExperimentsConfig, run_dir: str | Path, quick: bool = False,
-                    only: list[str] | None = None, log=print, command: str | None = None) -> dict:
+                    only: list[str] | None = None, command: str | None = None) -> dict:
     """Run (or resume) every part, then write report.md and report.html. Returns the manifest."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     unknown = [p for p in (only or []) if p not in PARTS]
     if unknown:
         raise TinyLMError(f"unknown experiment part(s) {', '.join(unknown)}; parts are {', '.join(PARTS)}")
-    ctx = Context(cfg, exp, run_dir, quick, log)
+    ctx = Context(cfg, exp, run_dir, quick)
     t_start = time.perf_counter()
     manifest = {"quick": quick, "command": command, "parts": {},
                 "experiments": dataclasses.asdict(exp)}
@@ -353,10 +348,10 @@ def run_experiments(cfg: RunConfig, exp: ExperimentsConfig, run_dir: str | Path,
             manifest["parts"][name] = "not requested" if not cached else ("done" if cached.get("key") == key else "stale")
             continue
         if cached and cached.get("key") == key and not cached.get("error"):
-            log(f"experiments: {name}: cached ({name}.json)")
+            log.info(f"experiments: {name}: cached ({name}.json)")
             manifest["parts"][name] = "cached"
         else:
-            log(f"experiments: {name} ...")
+            log.info(f"experiments: {name} ...")
             t0 = time.perf_counter()
             try:
                 result = fn(ctx)
@@ -365,7 +360,7 @@ def run_experiments(cfg: RunConfig, exp: ExperimentsConfig, run_dir: str | Path,
                 if name == "baseline":
                     raise
                 result, status = {"error": str(exc)}, f"failed: {exc}"
-                log(f"experiments: {name}: {exc}")
+                log.info(f"experiments: {name}: {exc}")
             result.update(key=key, seconds=round(time.perf_counter() - t0, 2),
                           finished_utc=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"))
             (run_dir / f"{name}.json").write_text(json.dumps(result, indent=2, ensure_ascii=False, default=float))
@@ -376,8 +371,7 @@ def run_experiments(cfg: RunConfig, exp: ExperimentsConfig, run_dir: str | Path,
         finished[name] = (cached or {}).get("finished_utc")
     manifest["seconds"] = round(time.perf_counter() - t_start, 2)
     (run_dir / "experiments.json").write_text(json.dumps(manifest, indent=2))
-    from tinylm.report import write_report
 
-    md, html = write_report(run_dir)
-    log(f"experiments: finished in {manifest['seconds']:.0f} s; report: {md} and {html}")
+    md, html, _ = write_report(run_dir)
+    log.info(f"experiments: finished in {manifest['seconds']:.0f} s; report: {md} and {html}")
     return manifest

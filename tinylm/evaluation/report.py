@@ -409,20 +409,11 @@ def build_report(run_dir: str | Path) -> Doc:
     return doc
 
 
-def write_report(run_dir: str | Path) -> tuple[Path, Path]:
-    """Write report.md and report.html; returns both paths."""
+def write_report(run_dir: str | Path) -> tuple[Path, Path, list[str]]:
+    """Write report.md and report.html; returns both paths and what the report lacks."""
     run = Path(run_dir)
     doc = build_report(run)
     md, page = run / "report.md", run / "report.html"
     md.write_text(render_markdown(doc, run), encoding="utf-8")
     page.write_text(render_html(doc, run, f"tinylm report: {run.name}"), encoding="utf-8")
-    return md, page
-
-
-def write_run_report(run_dir: str | Path) -> Path:
-    """report.md (and report.html) for a run directory; returns the markdown's path."""
-    return write_report(run_dir)[0]
-
-
-def report_missing(run_dir: str | Path) -> list[str]:
-    return build_report(run_dir).missing
+    return md, page, doc.missing

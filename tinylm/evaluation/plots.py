@@ -19,7 +19,6 @@ import numpy as np
 import torch
 
 from tinylm.errors import TinyLMError
-from tinylm.tokenizers.base import SOS_ID
 
 
 def _pyplot():
@@ -60,11 +59,11 @@ def token_labels(tokenizer, ids: list[int]) -> list[str]:
 
 @torch.no_grad()
 def attention_maps(model, tokenizer, text: str) -> AttentionMaps:
-    """Per-layer attention weights of ``<sos>`` + ``text`` (one forward pass, no gradients)."""
+    """Per-layer attention weights of the start token + ``text`` (one forward pass, no gradients)."""
     ids = tokenizer.encode(text)
     if not ids:
         raise TinyLMError("the text for the attention map encodes to no tokens; give a non-empty --text")
-    ids = [SOS_ID, *ids]
+    ids = ([tokenizer.bos_id] if tokenizer.bos_id is not None else []) + ids
     ctx = model.config.context_length
     if len(ids) > ctx:
         raise TinyLMError(f"the text is {len(ids)} tokens with <sos>, longer than the model's context of {ctx}; "

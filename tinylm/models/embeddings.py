@@ -28,6 +28,7 @@ gradients into the embedding matrix (the projection still learns).
 from __future__ import annotations
 
 import json
+import logging
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,6 +37,8 @@ from typing import Callable, Iterable
 import numpy as np
 
 from tinylm.errors import TinyLMError
+
+log = logging.getLogger(__name__)
 
 KINDS = ("none", "auto", "vec", "bin", "gensim", "train")
 OOV_MODES = ("subword", "noise")
@@ -312,7 +315,7 @@ def embedding_width(model) -> int:
 
 
 def apply_pretrained_embeddings(model, tokenizer, emb_cfg, train_ids: np.ndarray | None = None,
-                                out_dir: str | Path | None = None, log=print) -> EmbeddingReport | None:
+                                out_dir: str | Path | None = None) -> EmbeddingReport | None:
     """Fill ``model.tok_emb`` from the source ``emb_cfg`` describes (None when kind is "none");
     writes ``embeddings.json`` (the coverage report) into ``out_dir`` when given."""
     import torch
@@ -348,7 +351,7 @@ def apply_pretrained_embeddings(model, tokenizer, emb_cfg, train_ids: np.ndarray
         weight = model.tok_emb.weight
         weight.copy_(torch.from_numpy(matrix).to(device=weight.device, dtype=weight.dtype))
     model.tok_emb.weight.requires_grad_(not emb_cfg.freeze)
-    log(report.line() + (" (frozen)" if emb_cfg.freeze else ""))
+    log.info(report.line() + (" (frozen)" if emb_cfg.freeze else ""))
     if out_dir is not None:
         Path(out_dir).mkdir(parents=True, exist_ok=True)
         (Path(out_dir) / "embeddings.json").write_text(

@@ -5,7 +5,7 @@ play, tinylm.data.splits.split_chunks), one tokenizer at a time:
 
 1. tokenizers: BPE with 1000/2000/3000 merges, characters, words; tokens per word and whether
    decode(encode(text)) gives the text back, on the validation split;
-2. n-gram LMs of orders 1-4: Laplace (add-1), add-0.1 (seed 004's), Jelinek-Mercer
+2. n-gram LMs of orders 1-4: Laplace (add-1), add-0.1 , Jelinek-Mercer
    interpolation (weights by EM on validation) and interpolated modified Kneser-Ney;
 3. the neural bigram: a sweep over embedding size and weight decay on the first tokenizer, then
    the best setting on every tokenizer;
@@ -22,16 +22,28 @@ Outputs in the run directory: ``results.csv``, ``results.md`` (all tables), ``le
 
 from __future__ import annotations
 
-import argparse
 import csv
 import dataclasses
-import json
+import logging
 import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tinylm.config import ModelConfig, RunConfig, apply_updates, parse_overrides, read_config
+from tinylm.constants import SOS_ID, UNK_ID
+from tinylm.data.cleaning import CleanOptions, clean_documents
+from tinylm.data.prepare import load_raw_documents, prepare
 from tinylm.errors import TinyLMError
+from tinylm.evaluation.perplexity import evaluate_split, metrics
+from tinylm.models.bigram import BigramConfig, sweep_bigram, train_bigram
+from tinylm.models.checkpoint import load_checkpoint
+from tinylm.models.ngram import NGramLM
+from tinylm.pipeline import sample_prompts
+from tinylm.studies.shakespeare_report import write_outputs
+from tinylm.training.trainer import train
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -62,7 +74,7 @@ class StudyConfig:
     gpt_max_steps: int = 3000
     gpt_minutes: float = 6.0  # wall-clock budget per tokenizer
     gpt_lr: float = 2e-3
-    gpt_eval_interval: int = 50  # the run in the note used 200 (one point per curve on a busy CPU)
+    gpt_eval_interval: int = 50
     gpt_eval_batches: int = 20
     threads: int = 1  # torch threads; 1 is the fastest on a CPU shared with other jobs (see the notes)
     prompts: list[str] = field(default_factory=lambda: ["ROMEO:", "To be, or not to be", "KING HENRY.\nOnce more"])
@@ -71,19 +83,18 @@ class StudyConfig:
     seed: int = 1337
 
 
-def quick_config(out_dir: str = "runs/study-shakespeare-quick") -> StudyConfig:
-    """A smoke version of the study (under 2 minutes): 5 plays, small BPEs, a tiny GPT."""
-    return StudyConfig(out_dir=out_dir, max_documents=5, bpe_merges=[200, 400], word_vocab=2000, orders=[1, 2, 3],
-                       bigram_d_embeds=[16, 64], bigram_max_steps=300, bigram_max_seconds=3.0,
-                       context_length=64, d_model=64, n_layers=2, n_heads=4, dropout=0.0, gpt_batch_size=16,
-                       gpt_max_steps=80, gpt_minutes=0.1, gpt_eval_interval=40, gpt_eval_batches=4,
-                       threads=1, sample_tokens=30)
+def load_study_config(spec: str | None = "shakespeare-study", overrides: list[str] | None = None,
+                      quick: bool = False) -> StudyConfig:
+    """StudyConfig defaults <- the file or preset (its quick section too with ``quick``) <- ``key=value``."""
+    cfg = StudyConfig()
+    apply_updates(cfg, read_config(spec, quick))
+    if overrides:
+        apply_updates(cfg, parse_overrides(overrides))
+    return cfg
 
 
 SMOOTHING_K = {"laplace": ("add_k", 1.0), "add_0.1": ("add_k", 0.1), "interpolated": ("interpolated", 1.0),
                "kneser_ney": ("kneser_ney", 1.0)}
-RESULT_COLUMNS = ["tokenizer", "vocab_size", "model", "order", "smoothing", "parameters", "valid_ppl", "test_ppl",
-                  "valid_bpb", "test_bpb", "valid_tokens", "test_tokens", "seconds"]
 
 
 def check_context_fits(splits: dict, context_length: int) -> None:
@@ -110,8 +121,6 @@ def tokenizer_settings(cfg: StudyConfig) -> list[tuple[str, str, int]]:
 
 
 def run_config(cfg: StudyConfig, tok_type: str, vocab_size: int, out_dir: Path):
-    from tinylm.config import ModelConfig, RunConfig
-
     rc = RunConfig(out_dir=str(out_dir))
     rc.data.source, rc.data.train = cfg.source, cfg.train_path
     rc.data.split_by, rc.data.max_documents = "chunk", cfg.max_documents
@@ -136,8 +145,6 @@ def _row(tok_name, vocab, model, order, smoothing, params, valid, test, seconds)
 
 
 def _split_metrics(nll_and_count, split) -> dict:
-    from tinylm.evaluation.perplexity import metrics
-
     nll, n = nll_and_count
     if not math.isfinite(nll):
         raise TinyLMError(f"a model gave an infinite loss on the {split.name} split")
@@ -148,20 +155,14 @@ def _sample_text(tokenizer, prompt: str, new_ids: list[int]) -> str:
     return prompt + tokenizer.decode(new_ids)
 
 
-def study_tokenizer(cfg: StudyConfig, tok_name: str, tok_type: str, vocab: int, out: Path, state: dict, log) -> None:
+def study_tokenizer(cfg: StudyConfig, tok_name: str, tok_type: str, vocab: int, out: Path, state: dict, say) -> None:
     """All four stages for one tokenizer; rows, curves and samples go into ``state``."""
     import numpy as np
-
-    from tinylm.data.prepare import load_raw_documents, prepare
-    from tinylm.data.cleaning import CleanOptions, clean_documents
-    from tinylm.models.bigram import sweep_bigram, train_bigram, BigramConfig
-    from tinylm.models.ngram import NGramLM
-    from tinylm.tokenizers.base import SOS_ID, UNK_ID
 
     tok_dir = out / tok_name
     rc = run_config(cfg, tok_type, vocab, tok_dir)
     t0 = time.perf_counter()
-    prepared = prepare(rc, tok_dir, log=lambda m: log(f"[{tok_name}] {m}"))
+    prepared = prepare(rc, tok_dir)
     tok, splits = prepared.tokenizer, prepared.splits
     for name in ("train", "valid", "test"):
         if name not in splits or splits[name].n_tokens < 2:
@@ -182,7 +183,7 @@ def study_tokenizer(cfg: StudyConfig, tok_name: str, tok_type: str, vocab: int, 
         "bytes_per_token": vs.n_bytes / max(vs.n_tokens - 2 * vs.n_docs, 1),
         "unk_rate": float(np.mean(ids["valid"] == UNK_ID)),
         "reconstructed": f"{exact}/{len(valid_docs)}", "prepare_seconds": round(time.perf_counter() - t0, 1)})
-    log(f"[{tok_name}] {V} tokens, {state['tokenizers'][-1]['tokens_per_word']:.3f} tokens per word, "
+    say(f"[{tok_name}] {V} tokens, {state['tokenizers'][-1]['tokens_per_word']:.3f} tokens per word, "
         f"reconstruction {exact}/{len(valid_docs)}")
 
     def prompt_ids(p):
@@ -209,7 +210,7 @@ def study_tokenizer(cfg: StudyConfig, tok_name: str, tok_type: str, vocab: int, 
                 for i, p in enumerate(cfg.prompts):
                     new = lm.generate(prompt_ids(p), cfg.sample_tokens, cfg.temperature, seed=cfg.seed + i)
                     state["samples"].append((tok_name, f"{order}-gram Kneser-Ney", p, _sample_text(tok, p, new)))
-        log(f"[{tok_name}] {order}-gram: " + ", ".join(f"{r['smoothing']} {r['valid_ppl']:.2f}"
+        say(f"[{tok_name}] {order}-gram: " + ", ".join(f"{r['smoothing']} {r['valid_ppl']:.2f}"
                                                       for r in state["rows"][-len(cfg.smoothings):]))
 
     # Task 3: neural bigram (the sweep on the first tokenizer picks the setting for all)
@@ -238,27 +239,22 @@ def study_tokenizer(cfg: StudyConfig, tok_name: str, tok_type: str, vocab: int, 
     for i, p in enumerate(cfg.prompts):
         new = best.model.generate(prompt_ids(p), cfg.sample_tokens, cfg.temperature, seed=cfg.seed + i)
         state["samples"].append((tok_name, "neural bigram", p, _sample_text(tok, p, new)))
-    log(f"[{tok_name}] neural bigram: valid ppl {valid['token_ppl']:.2f} ({best.steps} steps, {best.stopped_because})")
+    say(f"[{tok_name}] neural bigram: valid ppl {valid['token_ppl']:.2f} ({best.steps} steps, {best.stopped_because})")
 
     # Task 4: the GPT, through the tinylm trainer
     if cfg.gpt:
         import torch
 
         torch.set_num_threads(cfg.threads)
-        run_gpt(cfg, rc, prepared, tok_name, V, tok_dir / "gpt", state, log)
+        run_gpt(cfg, rc, prepared, tok_name, V, tok_dir / "gpt", state, say)
 
 
-def run_gpt(cfg: StudyConfig, rc, prepared, tok_name: str, V: int, gpt_dir: Path, state: dict, log) -> None:
+def run_gpt(cfg: StudyConfig, rc, prepared, tok_name: str, V: int, gpt_dir: Path, state: dict, say) -> None:
     import torch
-
-    from tinylm.evaluation.perplexity import evaluate_split
-    from tinylm.pipeline import sample_prompts
-    from tinylm.training.checkpoint import load_checkpoint
-    from tinylm.training.trainer import train
 
     check_context_fits(prepared.splits, rc.model.context_length)
     t0 = time.perf_counter()
-    result = train(rc, prepared, gpt_dir, log=lambda m: log(f"[{tok_name}] gpt {m}"))
+    result = train(rc, prepared, gpt_dir)
     model, tokenizer, _ = load_checkpoint(result.checkpoint_dir / "best")
     model.to(torch.device("cpu"))
     ev = {name: evaluate_split(model, prepared.splits[name]) for name in ("valid", "test")}
@@ -270,63 +266,28 @@ def run_gpt(cfg: StudyConfig, rc, prepared, tok_name: str, V: int, gpt_dir: Path
             if r.get("val_loss"):
                 curve.append({"step": int(r["step"]), "train_loss": float(r["train_loss"]), "val_loss": float(r["val_loss"])})
     state["curves"]["gpt"].append((tok_name, curve))
-    for s in sample_prompts(model, tokenizer, rc):
+    for s in sample_prompts(model, tokenizer, rc.sample):
         state["samples"].append((tok_name, "GPT", s["prompt"], s["prompt"] + s["continuation"]))
-    log(f"[{tok_name}] gpt: {result.steps} steps ({result.stopped_because}), valid ppl {ev['valid']['token_ppl']:.2f}, "
+    say(f"[{tok_name}] gpt: {result.steps} steps ({result.stopped_because}), valid ppl {ev['valid']['token_ppl']:.2f}, "
         f"bpb {ev['valid']['bpb']:.3f}")
 
 
-def run_study(cfg: StudyConfig, log=print) -> dict:
+def run_study(cfg: StudyConfig) -> dict:
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
-    plain_log = log
 
-    def log(msg):  # every line with the elapsed time, so the stage costs can be read off the log
-        plain_log(f"{time.perf_counter() - start:7.1f}s {msg}")
+    def say(msg):  # every line with the elapsed time, so the stage costs can be read off the log
+        log.info(f"{time.perf_counter() - start:7.1f}s {msg}")
     state = {"rows": [], "tokenizers": [], "samples": [], "bigram_best": None, "bigram_sweep": [],
              "curves": {"gpt": [], "bigram": [], "bigram-sweep": []}}
     import torch
 
     torch.set_num_threads(cfg.threads)
     for name, kind, vocab in tokenizer_settings(cfg):
-        study_tokenizer(cfg, name, kind, vocab, out, state, log)
+        study_tokenizer(cfg, name, kind, vocab, out, state, say)
     state["seconds"] = round(time.perf_counter() - start, 1)
-    from tinylm.study.report import write_outputs
 
     write_outputs(cfg, state, out)
-    log(f"study finished in {state['seconds']:.0f} s: {out}/results.md, results.csv, learning_curves.png, samples.md")
+    say(f"study finished in {state['seconds']:.0f} s: {out}/results.md, results.csv, learning_curves.png, samples.md")
     return state
-
-
-# ----------------------------------------------------------------------------------- CLI
-def add_study_parser(sub) -> None:
-    p = sub.add_parser("study", help="the four-stage Shakespeare study: tokenizers, n-grams, neural bigram, GPT")
-    p.add_argument("corpus", choices=["shakespeare"])
-    p.add_argument("--quick", action="store_true", help="a smoke version on 5 plays (under 2 minutes)")
-    p.add_argument("--out", help="run directory (default runs/study-shakespeare[-quick])")
-    p.add_argument("--gpt-minutes", type=float, default=None, help="training budget of each GPT")
-    p.add_argument("--no-gpt", action="store_true", help="skip the GPT stage")
-    p.add_argument("--bpe-merges", type=int, nargs="+", default=None, help="e.g. 1000 2000 3000")
-    p.add_argument("--threads", type=int, default=None)
-    p.set_defaults(func=cmd_study)
-
-
-def cmd_study(args: argparse.Namespace) -> int:
-    cfg = quick_config() if args.quick else StudyConfig()
-    if args.out:
-        cfg.out_dir = args.out
-    if args.gpt_minutes is not None:
-        cfg.gpt_minutes = args.gpt_minutes
-    if args.no_gpt:
-        cfg.gpt = False
-    if args.bpe_merges:
-        cfg.bpe_merges = args.bpe_merges
-    if args.threads:
-        cfg.threads = args.threads
-    run_study(cfg)
-    return 0
-
-
-def config_dict(cfg: StudyConfig) -> dict:
-    return json.loads(json.dumps(dataclasses.asdict(cfg)))

@@ -1,0 +1,76 @@
+"""The forward passes every decoder shares: prompts fitted to the context, a batched prefill into
+a new KV cache (left-padded rows with a key mask and per-row positions), and the no-cache path.
+The token stream (generate.py) and beam search (beam.py) are both built on these.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+
+from tinylm.errors import TinyLMError
+
+PAD_TOKEN = 0  # what left padding holds; never attended to, so any id works
+
+
+@dataclass
+class Generated:
+    tokens: list[int]  # new tokens only, without the stop token
+    finish_reason: str  # "stop_token" | "stop_string" | "length"
+    score: float | None = None  # beam search: length-normalised log probability
+
+
+def model_device(model) -> torch.device:
+    return next(model.parameters()).device
+
+
+def fit_prompts(prompts: Iterable[Iterable[int]], context_length: int) -> list[list[int]]:
+    rows = []
+    for ids in prompts:
+        ids = torch.as_tensor(ids, dtype=torch.long).flatten().tolist() if not isinstance(ids, list) else list(ids)
+        if not ids:
+            raise TinyLMError("the prompt encodes to no tokens; give a non-empty prompt")
+        if len(ids) > context_length:
+            warnings.warn(f"prompt of {len(ids)} tokens is longer than the context ({context_length}); "
+                          f"keeping the last {context_length}")
+            ids = ids[-context_length:]
+        rows.append(ids)
+    if not rows:
+        raise TinyLMError("no prompts given")
+    return rows
+
+
+def prefill(model, rows: list[list[int]], max_len: int):
+    """Run left-padded ``rows`` through the model into a new cache of ``max_len`` slots.
+
+    Returns (cache, logits of each row's last token (B, V), next position per row (B,) or None
+    when no row is padded). Slots after the prompt are marked real in the key mask up front, so
+    a decoding step needs no mask building beyond slicing."""
+    device = model_device(model)
+    B, L = len(rows), max(len(r) for r in rows)
+    ids = torch.full((B, L), PAD_TOKEN, dtype=torch.long)
+    for r, row in enumerate(rows):
+        ids[r, L - len(row) :] = torch.tensor(row, dtype=torch.long)
+    ids = ids.to(device)
+    cache = model.new_kv_cache(B, max_len)
+    if all(len(r) == L for r in rows):
+        logits, _ = model(ids, kv_cache=cache, last_logits_only=True)
+        return cache, logits[:, -1], None
+    lengths = torch.tensor([len(r) for r in rows], device=device)
+    real = torch.arange(L, device=device)[None, :] >= (L - lengths)[:, None]  # (B, L)
+    cache.key_mask = torch.ones(B, max_len, dtype=torch.bool, device=device)
+    cache.key_mask[:, :L] = real
+    positions = (real.cumsum(1) - 1).clamp(min=0)
+    logits, _ = model(ids, kv_cache=cache, position_ids=positions, last_logits_only=True)
+    return cache, logits[:, -1], lengths.clone()
+
+
+def full_forward(model, rows: list[list[int]]) -> torch.Tensor:
+    """No-cache path: the logits after each row's last token, recomputing everything."""
+    if all(len(r) == len(rows[0]) for r in rows):
+        logits, _ = model(torch.tensor(rows, device=model_device(model)), last_logits_only=True)
+        return logits[:, -1]
+    return prefill(model, rows, max(len(r) for r in rows))[1]

@@ -1,0 +1,1 @@
+"""Studies: the source reports reproduced end to end (TinyStories assignment, Shakespeare four-stage study)."""
