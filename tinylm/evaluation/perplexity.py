@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from tinylm.constants import EOS_ID, IGNORE_INDEX, PAD_ID
+from tinylm.models.gpt import eval_mode
 
 
 def document_windows(ids: Sequence[int], context_length: int, stride: int | None = None):
@@ -55,21 +56,19 @@ def score_token_documents(
     device = next(model.parameters()).device
     windows = [w for doc in documents for w in document_windows(doc, context_length, stride)]
     windows.sort(key=lambda w: len(w[0]))  # batch similar lengths together: less padding
-    was_training = model.training
-    model.eval()
-    total_nll, total_tokens = 0.0, 0
-    for b in range(0, len(windows), batch_size):
-        chunk = windows[b : b + batch_size]
-        T = max(len(w[0]) for w in chunk)
-        x = torch.full((len(chunk), T), PAD_ID, dtype=torch.long)
-        y = torch.full((len(chunk), T), IGNORE_INDEX, dtype=torch.long)
-        for r, (inp, tgt) in enumerate(chunk):
-            x[r, : len(inp)] = torch.as_tensor(inp)
-            y[r, : len(tgt)] = torch.as_tensor(tgt)
-        _, nll = model(x.to(device), y.to(device), loss_reduction="sum")
-        total_nll += float(nll)
-        total_tokens += int((y != IGNORE_INDEX).sum())
-    model.train(was_training)
+    with eval_mode(model):
+        total_nll, total_tokens = 0.0, 0
+        for b in range(0, len(windows), batch_size):
+            chunk = windows[b : b + batch_size]
+            T = max(len(w[0]) for w in chunk)
+            x = torch.full((len(chunk), T), PAD_ID, dtype=torch.long)
+            y = torch.full((len(chunk), T), IGNORE_INDEX, dtype=torch.long)
+            for r, (inp, tgt) in enumerate(chunk):
+                x[r, : len(inp)] = torch.as_tensor(inp)
+                y[r, : len(tgt)] = torch.as_tensor(tgt)
+            _, nll = model(x.to(device), y.to(device), loss_reduction="sum")
+            total_nll += float(nll)
+            total_tokens += int((y != IGNORE_INDEX).sum())
     return total_nll, total_tokens
 
 

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from tinylm.errors import TinyLMError
+from tinylm.models.gpt import eval_mode
 
 
 def _pyplot():
@@ -69,11 +70,9 @@ def attention_maps(model, tokenizer, text: str) -> AttentionMaps:
         raise TinyLMError(f"the text is {len(ids)} tokens with <sos>, longer than the model's context of {ctx}; "
                           "give a shorter --text")
     device = next(model.parameters()).device
-    was_training = model.training
-    model.eval()
-    captured: list[torch.Tensor] = []
-    model(torch.tensor([ids], device=device), attention_out=captured)
-    model.train(was_training)
+    with eval_mode(model):
+        captured: list[torch.Tensor] = []
+        model(torch.tensor([ids], device=device), attention_out=captured)
     weights = [w[0].float().cpu().numpy() for w in captured]  # (H, T, T) per layer
     return AttentionMaps(text, token_labels(tokenizer, ids), weights)
 

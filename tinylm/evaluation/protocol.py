@@ -29,6 +29,7 @@ from tinylm.constants import IGNORE_INDEX, PAD_ID
 from tinylm.errors import TinyLMError
 from tinylm.evaluation.bleu import BLEU_MEANING, BLEU_TOKEN_PATTERN, corpus_bleu_n, sacrebleu_score
 from tinylm.generation.generate import generate
+from tinylm.models.gpt import eval_mode
 
 log = logging.getLogger(__name__)
 
@@ -106,25 +107,23 @@ def select_samples(tokenizer, texts: list[str], protocol: BleuProtocol, context_
 def reference_nll(model, samples: list[Sample], bos_id: int | None, batch_size: int = 32) -> list[tuple[float, int]]:
     """(sum of NLL in nats, number of tokens) of each reference continuation given the start token + prompt."""
     device = next(model.parameters()).device
-    was_training = model.training
-    model.eval()
-    out: list[tuple[float, int]] = []
-    start_ids = [] if bos_id is None else [bos_id]
-    for b in range(0, len(samples), batch_size):
-        chunk = samples[b : b + batch_size]
-        seqs = [[*start_ids, *s.prompt_ids, *s.reference_ids] for s in chunk]
-        T = max(len(q) for q in seqs) - 1
-        x = torch.full((len(chunk), T), PAD_ID, dtype=torch.long)
-        y = torch.full((len(chunk), T), IGNORE_INDEX, dtype=torch.long)
-        for r, (s, q) in enumerate(zip(chunk, seqs)):
-            x[r, : len(q) - 1] = torch.as_tensor(q[:-1])
-            start = len(start_ids) + len(s.prompt_ids) - 1  # target position of the first continuation token
-            y[r, start : len(q) - 1] = torch.as_tensor(s.reference_ids)
-        _, nll = model(x.to(device), y.to(device), loss_reduction="none")
-        nll = nll.view(len(chunk), T).cpu()
-        for r, s in enumerate(chunk):
-            out.append((float(nll[r].sum()), len(s.reference_ids)))
-    model.train(was_training)
+    with eval_mode(model):
+        out: list[tuple[float, int]] = []
+        start_ids = [] if bos_id is None else [bos_id]
+        for b in range(0, len(samples), batch_size):
+            chunk = samples[b : b + batch_size]
+            seqs = [[*start_ids, *s.prompt_ids, *s.reference_ids] for s in chunk]
+            T = max(len(q) for q in seqs) - 1
+            x = torch.full((len(chunk), T), PAD_ID, dtype=torch.long)
+            y = torch.full((len(chunk), T), IGNORE_INDEX, dtype=torch.long)
+            for r, (s, q) in enumerate(zip(chunk, seqs)):
+                x[r, : len(q) - 1] = torch.as_tensor(q[:-1])
+                start = len(start_ids) + len(s.prompt_ids) - 1  # target position of the first continuation token
+                y[r, start : len(q) - 1] = torch.as_tensor(s.reference_ids)
+            _, nll = model(x.to(device), y.to(device), loss_reduction="none")
+            nll = nll.view(len(chunk), T).cpu()
+            for r, s in enumerate(chunk):
+                out.append((float(nll[r].sum()), len(s.reference_ids)))
     return out
 
 

@@ -26,6 +26,7 @@ import torch
 
 from tinylm.generation.core import Generated, fit_prompts, full_forward, prefill
 from tinylm.generation.processors import GenerationConfig, HistoryProcessor
+from tinylm.models.gpt import eval_mode
 
 START_PENALTY = -1e9  # initial score of beams 1..k-1 (HF's value)
 
@@ -51,13 +52,8 @@ def beam_search(model, prompts, cfg: GenerationConfig) -> list[list[Generated]]:
     cfg.validate(model.config.vocab_size)
     if cfg.stop_strings:
         raise ValueError("stop_strings are not supported with beam_width > 1 (use stop token ids)")
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.inference_mode():
-            return _beam_search(model, fit_prompts(prompts, model.config.context_length), cfg)
-    finally:
-        model.train(was_training)
+    with eval_mode(model), torch.inference_mode():
+        return _beam_search(model, fit_prompts(prompts, model.config.context_length), cfg)
 
 
 def _beam_search(model, prompts: list[list[int]], cfg: GenerationConfig) -> list[list[Generated]]:

@@ -33,6 +33,7 @@ from tinylm.generation.beam import beam_search
 from tinylm.generation.core import Generated, fit_prompts, full_forward, model_device, prefill
 from tinylm.generation.processors import GenerationConfig, HistoryProcessor
 from tinylm.generation.sampling import select_next
+from tinylm.models.gpt import eval_mode
 
 
 class TokenStream:
@@ -51,13 +52,8 @@ class TokenStream:
         self.results = [Generated([], "length") for _ in self.prompts]
 
     def __iter__(self) -> Iterator[list[int | None]]:
-        model, cfg = self.model, self.cfg
-        was_training = model.training
-        model.eval()
-        try:
-            yield from self._steps(model, cfg)
-        finally:
-            model.train(was_training)
+        with eval_mode(self.model):
+            yield from self._steps(self.model, self.cfg)
 
     def _steps(self, model, cfg):
         ctx = model.config.context_length

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from tinylm.config import TrainConfig
 from tinylm.constants import EOS_ID, SOS_ID
 from tinylm.errors import TinyLMError
+from tinylm.models.gpt import eval_mode
 from tinylm.training.optim import lr_at, param_groups
 
 log = logging.getLogger(__name__)
@@ -151,20 +152,18 @@ def stream_pairs(ids, vocab_size: int, score_eos: bool = True) -> tuple[np.ndarr
 @torch.no_grad()
 def pair_nll(model: NeuralBigramLM, prev: np.ndarray, nxt: np.ndarray, rows_per_chunk: int = 512) -> float:
     """Exact summed NLL of the pairs: log-softmax once per distinct previous token."""
-    was_training = model.training
-    model.eval()
-    order = np.argsort(prev, kind="stable")
-    prev_s, nxt_s = prev[order], nxt[order]
-    distinct, starts = np.unique(prev_s, return_index=True)
-    ends = np.append(starts[1:], prev_s.size)
-    total = 0.0
-    for c in range(0, distinct.size, rows_per_chunk):
-        rows = torch.from_numpy(distinct[c : c + rows_per_chunk])
-        logp = F.log_softmax(model(rows).float(), dim=-1)
-        lo, hi = starts[c], ends[min(c + rows_per_chunk, distinct.size) - 1]
-        row_index = np.searchsorted(distinct[c : c + rows_per_chunk], prev_s[lo:hi])
-        total -= float(logp[torch.from_numpy(row_index), torch.from_numpy(nxt_s[lo:hi])].double().sum())
-    model.train(was_training)
+    with eval_mode(model):
+        order = np.argsort(prev, kind="stable")
+        prev_s, nxt_s = prev[order], nxt[order]
+        distinct, starts = np.unique(prev_s, return_index=True)
+        ends = np.append(starts[1:], prev_s.size)
+        total = 0.0
+        for c in range(0, distinct.size, rows_per_chunk):
+            rows = torch.from_numpy(distinct[c : c + rows_per_chunk])
+            logp = F.log_softmax(model(rows).float(), dim=-1)
+            lo, hi = starts[c], ends[min(c + rows_per_chunk, distinct.size) - 1]
+            row_index = np.searchsorted(distinct[c : c + rows_per_chunk], prev_s[lo:hi])
+            total -= float(logp[torch.from_numpy(row_index), torch.from_numpy(nxt_s[lo:hi])].double().sum())
     return total
 
 

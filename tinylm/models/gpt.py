@@ -16,6 +16,7 @@ and gradient paths are untouched. Tests check both paths against Hugging Face to
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -442,3 +443,15 @@ class GPT(nn.Module):
         own = torch.zeros(T, S, dtype=torch.bool, device=device)
         own[torch.arange(T), torch.arange(start, S)] = True
         return (causal & keys) | own
+
+
+@contextlib.contextmanager
+def eval_mode(model: nn.Module):
+    """Eval mode (no dropout) inside the block; the caller's train/eval mode comes back after it,
+    also when the block raises."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield model
+    finally:
+        model.train(was_training)

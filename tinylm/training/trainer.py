@@ -33,7 +33,7 @@ from tinylm.data.tokens import Batches
 from tinylm.errors import TinyLMError
 from tinylm.models.checkpoint import prune_step_checkpoints, save_checkpoint
 from tinylm.models.embeddings import apply_pretrained_embeddings
-from tinylm.models.gpt import GPT
+from tinylm.models.gpt import GPT, eval_mode
 from tinylm.training import distributed as dist_utils
 from tinylm.training.distributed import DistContext, all_reduce_sum, shard_rows
 from tinylm.training.grad_checkpoint import enable_grad_checkpointing, make_checkpoint_fn
@@ -157,22 +157,20 @@ def validation_loss(model, batches: Batches, cfg: RunConfig, device, precision: 
     the loss one process with N times the batch would."""
     ctx = ctx or DistContext()
     batch_size = batch_size or cfg.train.batch_size
-    was_training = model.training
-    model.eval()
-    total, count = 0.0, 0
-    if cfg.train.eval_batches > 0:
-        rows = shard_rows(0, ctx.rank, ctx.world_size, batch_size)
-        source = (batches.get(i, *rows) for i in range(cfg.train.eval_batches))
-    else:
-        source = (xy for i, xy in enumerate(batches.sequential(batch_size * ctx.world_size))
-                  if i % ctx.world_size == ctx.rank)
-    for x, y in source:
-        with autocast(device, precision):
-            _, loss = model(x.to(device), y.to(device), loss_reduction="sum")
-        total += float(loss)
-        count += int((y != IGNORE_INDEX).sum())
-    total, count = all_reduce_sum([total, count], ctx, device)
-    model.train(was_training)
+    with eval_mode(model):
+        total, count = 0.0, 0
+        if cfg.train.eval_batches > 0:
+            rows = shard_rows(0, ctx.rank, ctx.world_size, batch_size)
+            source = (batches.get(i, *rows) for i in range(cfg.train.eval_batches))
+        else:
+            source = (xy for i, xy in enumerate(batches.sequential(batch_size * ctx.world_size))
+                      if i % ctx.world_size == ctx.rank)
+        for x, y in source:
+            with autocast(device, precision):
+                _, loss = model(x.to(device), y.to(device), loss_reduction="sum")
+            total += float(loss)
+            count += int((y != IGNORE_INDEX).sum())
+        total, count = all_reduce_sum([total, count], ctx, device)
     return total / max(count, 1)
 
 
