@@ -4,7 +4,7 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: demo test setup clean
+.PHONY: demo test test-fast setup clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -23,6 +23,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest tests $(ARGS)
+
+# Everything not marked slow: under 20 s on an idle 2-core machine (`make test` runs everything, as CI does).
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest tests -m "not slow" $(ARGS)
 
 clean:
 	rm -rf $(VENV) runs

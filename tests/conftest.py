@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import random
+import re
 
 import pytest
 import torch
@@ -24,9 +25,51 @@ def make_stories(n: int = 60, seed: int = 0) -> list[str]:
     return [f"{rng.choice(STORIES)} {rng.choice(STORIES)} Story number {i}." for i in range(n)]
 
 
+SLOW_MODULE = re.compile(r"^pytestmark = \[?pytest\.mark\.slow\b", re.MULTILINE)
+
+
+def pytest_ignore_collect(collection_path, config):
+    """Under `-m "not slow"` (make test-fast) a module marked slow as a whole is not even imported,
+    so the fast tier does not pay for the libraries only it needs (transformers: several seconds)."""
+    if FAST_TIER and collection_path.suffix == ".py" and SLOW_MODULE.search(collection_path.read_text(encoding="utf-8")):
+        return True
+    return None
+
+
+FAST_TIER = False  # set by pytest_configure under -m "not slow", before any test module is imported
+
+
+def pytest_configure(config):
+    global FAST_TIER
+    FAST_TIER = (config.option.markexpr or "").split() == ["not", "slow"]
+
+
+def examples(n: int) -> int:
+    """Hypothesis max_examples: n in the full suite, a quarter (at least 10) in the fast tier."""
+    return max(10, n // 4) if FAST_TIER else n
+
+
+def slow_except(fast, values):
+    """Parametrize over values with all but `fast` marked slow: the fast tier runs one representative."""
+    return [v if v == fast else pytest.param(v, marks=pytest.mark.slow) for v in values]
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _one_thread_everywhere():
+    """Like one_thread, for every test: the tests' models are tiny, and on a shared 2-core machine a
+    second torch thread mostly waits (a tiny forward/backward measured 50x slower with 2 threads than
+    with 1 while another process held a core)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(autouse=True)
 def _seed():
-    torch.manual_seed(0)
+    # the CPU generator: torch.manual_seed also queues lazy CUDA/XPU/MTIA seeds, each with a formatted
+    # stack trace (~1.5 ms a call under pytest's deep stack, before every test)
+    torch.default_generator.manual_seed(0)
     random.seed(0)
 
 

@@ -79,6 +79,7 @@ def test_averaging_per_micro_batch_would_be_wrong(short_docs_split):
     assert (model.tok_emb.weight.grad - right).abs().max() > 1e-6
 
 
+@pytest.mark.slow  # two training runs; the step-level equality above is the fast check
 def test_trainer_with_accumulation_matches_big_batch(tmp_path, stories_file):
     """End to end through train(): 1 step of 2 x 4 equals 1 step of 8 x 1 (float32)."""
     cfg = tiny_run_config(tmp_path / "prep", stories_file, max_steps=1, eval_interval=1, threads=1)

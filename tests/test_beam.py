@@ -2,6 +2,7 @@
 import pytest
 import torch
 
+from conftest import slow_except
 from tinylm.config import ModelConfig
 from tinylm.generation import GenerationConfig, generate, generate_many
 from tinylm.generation.beam import beam_search
@@ -23,7 +24,7 @@ def sequence_logprob(model, prompt, tokens, stop=None):
     return sum(float(logp[len(prompt) - 1 + i, t]) for i, t in enumerate(seq[len(prompt):]))
 
 
-@pytest.mark.parametrize("positions", ["learned", "rope"])
+@pytest.mark.parametrize("positions", slow_except("rope", ["learned", "rope"]))
 def test_width_one_equals_greedy(positions):
     model = tiny_model(positions)
     for prompt in ([1, 2, 3], [5, 9, 9, 4, 1]):
@@ -66,7 +67,7 @@ def test_early_stopping_and_stop_token_excluded():
     assert any(h.finish_reason == "stop_token" for h in hyps)
 
 
-@pytest.mark.parametrize("positions", ["learned", "rope"])
+@pytest.mark.parametrize("positions", slow_except("rope", ["learned", "rope"]))
 def test_batch_rows_and_cache_do_not_change_results(positions):
     model = tiny_model(positions)
     prompts = [[1, 2, 3, 4, 5, 6], [7, 8], [9, 10, 11]]

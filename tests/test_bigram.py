@@ -52,6 +52,7 @@ def test_pair_nll_equals_torch_cross_entropy():
     assert n == len(prev) and nll == pytest.approx(float(ref), rel=1e-5)
 
 
+@pytest.mark.slow  # 1000 training steps
 def test_training_reaches_the_maximum_likelihood_bigram():
     """With no weight decay and enough width, the training NLL approaches that of the count-based
     maximum-likelihood bigram (the optimum of the same objective)."""
@@ -69,6 +70,7 @@ def test_training_reaches_the_maximum_likelihood_bigram():
     assert res.model.score(VALID, score_eos=True)[0] / len(stream_pairs(VALID, V)[0]) == pytest.approx(res.best_val_loss, rel=1e-5)
 
 
+@pytest.mark.slow  # two 200-step trainings
 def test_weight_decay_shrinks_the_weights():
     norms = {}
     for wd in (0.0, 1.0):
@@ -83,6 +85,7 @@ def test_early_stopping_stops_when_validation_stalls():
     assert res.stopped_because == "early_stopping" and res.steps < 5000
 
 
+@pytest.mark.slow  # four trainings
 def test_sweep_sorts_by_validation_loss():
     results = sweep_bigram(TRAIN, VALID, V, d_embeds=(4, 16), weight_decays=(0.0, 0.5),
                            base=BigramConfig(**{**FAST.__dict__, "max_steps": 100}))
@@ -97,6 +100,8 @@ def test_generate_save_load(tmp_path):
     a = model.generate([SOS_ID], 20, temperature=1.0, seed=5)
     assert a == model.generate([SOS_ID], 20, temperature=1.0, seed=5)
     assert all(0 <= t < V and t != SOS_ID for t in a)
+    greedy = model.generate([SOS_ID], 10, temperature=0.0, eos_id=None)
+    assert greedy == model.generate([SOS_ID], 10, temperature=1.0, top_k=1, seed=1, eos_id=None)
     path = model.save(tmp_path / "bigram.pt")
     back = NeuralBigramLM.load(path)
     assert back.score(VALID) == pytest.approx(model.score(VALID))
@@ -112,6 +117,7 @@ def test_bad_input():
         NeuralBigramLM.load(tmp_missing := "/nonexistent/bigram.pt")  # noqa: F841
 
 
+@pytest.mark.slow  # 300 training steps
 def test_count_matrix_mode_optimises_the_same_objective_as_pairs():
     """mode="counts": the loss of a step is the exact mean NLL over every training pair, so the
     trained model matches the maximum-likelihood bigram closely and quickly."""

@@ -8,7 +8,6 @@ import math
 
 import pytest
 import torch
-from nltk.translate.bleu_score import SmoothingFunction, corpus_bleu
 from sacrebleu.metrics import BLEU
 from sacrebleu.tokenizers.tokenizer_13a import Tokenizer13a
 
@@ -39,8 +38,11 @@ REFS = [
 ]
 
 
+@pytest.mark.slow  # the nltk reference
 @pytest.mark.parametrize("n", [1, 2, 3, 4])
 def test_bleu_n_method1_equals_nltk_corpus_bleu(n):
+    from nltk.translate.bleu_score import SmoothingFunction, corpus_bleu  # deferred: nltk imports scipy, ~2 s
+
     ours = corpus_bleu_n(HYPS, REFS, smoothing="method1")[f"bleu{n}"]
     nltk = corpus_bleu([[bleu_tokens(r)] for r in REFS], [bleu_tokens(h) for h in HYPS],
                        weights=(1.0 / n,) * n, smoothing_function=SmoothingFunction().method1)
@@ -48,7 +50,10 @@ def test_bleu_n_method1_equals_nltk_corpus_bleu(n):
     assert 0.0 < ours < 1.0
 
 
+@pytest.mark.slow  # the nltk reference
 def test_smoothing_matters_when_no_4gram_matches():
+    from nltk.translate.bleu_score import SmoothingFunction, corpus_bleu  # deferred: nltk imports scipy, ~2 s
+
     hyps, refs = ["a dog ran to the red box"], ["the dog went to a red box"]  # no common 4-gram
     method1 = corpus_bleu_n(hyps, refs, smoothing="method1")
     nltk1 = corpus_bleu([[bleu_tokens(refs[0])]], [bleu_tokens(hyps[0])], smoothing_function=SmoothingFunction().method1)
@@ -59,7 +64,10 @@ def test_smoothing_matters_when_no_4gram_matches():
         corpus_bleu([[bleu_tokens(refs[0])]], [bleu_tokens(hyps[0])], weights=(0.5, 0.5)), rel=1e-12)
 
 
+@pytest.mark.slow  # the nltk reference
 def test_hypothesis_shorter_than_n_and_empty_hypothesis_match_nltk():
+    from nltk.translate.bleu_score import SmoothingFunction, corpus_bleu  # deferred: nltk imports scipy, ~2 s
+
     hyps, refs = ["the cat", "", "a big red dog was here"], ["the cat sat down", "nothing", "a big dog was here too"]
     ours = corpus_bleu_n(hyps, refs)
     for n in (1, 2, 3, 4):
@@ -130,6 +138,7 @@ def test_short_stories_are_skipped_and_counted_and_fewer_samples_said(model_and_
         select_samples(tok, texts, BleuProtocol(prompt_tokens=31), 32)
 
 
+@pytest.mark.slow  # two whole BLEU runs
 def test_run_bleu_writes_csv_and_is_seeded(model_and_tokenizer, tmp_path):
     model, tok, stories = model_and_tokenizer
     proto = BleuProtocol(n_samples=6, prompt_tokens=5, max_continuation=10, seed=3)
@@ -149,6 +158,7 @@ def test_run_bleu_writes_csv_and_is_seeded(model_and_tokenizer, tmp_path):
     assert all(p > 1.0 for p in ppls)  # an untrained model: far from certain
 
 
+@pytest.mark.slow  # the whole evaluate command, twice
 def test_evaluate_cli_with_bleu(model_and_tokenizer, tmp_path, capsys):
     from tinylm.cli import main
     from tinylm.models.checkpoint import save_checkpoint

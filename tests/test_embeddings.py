@@ -101,6 +101,7 @@ def test_vec_bad_files(tmp_path):
         read_vec(bad)
 
 
+@pytest.mark.slow  # trains FastText with gensim
 def test_fasttext_bin_oov_from_subwords_like_get_word_vector(tmp_path, gensim_ft, word_tok):
     """A FastText .bin written by gensim, read through the `fasttext` package: OOV rows equal
     fastText's get_word_vector and gensim's subword vector (two implementations agree)."""
@@ -127,6 +128,7 @@ def test_fasttext_bin_oov_from_subwords_like_get_word_vector(tmp_path, gensim_ft
         read_fasttext_bin(bad)
 
 
+@pytest.mark.slow  # trains FastText with gensim
 def test_gensim_keyed_vectors(tmp_path, gensim_ft, word_tok):
     from gensim.models import KeyedVectors
 
@@ -143,6 +145,7 @@ def test_gensim_keyed_vectors(tmp_path, gensim_ft, word_tok):
         read_gensim(tmp_path / "junk.kv")
 
 
+@pytest.mark.slow  # trains FastText with gensim
 def test_train_fasttext_covers_the_vocabulary_and_is_seeded(word_tok):
     ids = np.concatenate([[2, *word_tok.encode(s), 3] for s in make_stories(80)])
     sentences = token_sentences(ids, word_tok)
@@ -198,6 +201,7 @@ def test_width_and_tying_errors(vec_file, word_tok):
         apply_pretrained_embeddings(tied, word_tok, EmbeddingsConfig(kind="vec", path=str(path), oov="zero"))
 
 
+@pytest.mark.slow  # trains FastText with gensim
 def test_trainer_hook_trains_fasttext_and_keeps_frozen_rows(tmp_path, stories_file):
     from conftest import tiny_run_config
 
@@ -221,4 +225,4 @@ def test_trainer_hook_trains_fasttext_and_keeps_frozen_rows(tmp_path, stories_fi
     source = train_fasttext(token_sentences(prepared.splits["train"].ids, prepared.tokenizer), 12, seed=0, epochs=1)
     expected, _ = build_embedding_matrix(prepared.tokenizer, source)
     np.testing.assert_allclose(rows[4:], expected[4:], atol=1e-6)
-    assert result is not None
+    assert (result.steps, result.stopped_because) == (3, "max_steps")

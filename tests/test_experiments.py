@@ -6,8 +6,8 @@ import csv
 import json
 
 import pytest
-
 from conftest import make_stories
+
 from tinylm.cli import main
 from tinylm.errors import TinyLMError
 from tinylm.studies.tinystories import PARTS, load_experiment_config
@@ -61,6 +61,7 @@ def test_config_quick_section_and_overrides(corpus):
         load_experiment_config(config, ["experiments.accum_steps=[1,3]"])
 
 
+@pytest.mark.slow
 def test_runner_writes_every_part_and_resumes_from_cache(corpus, tmp_path, capsys):
     config, data = corpus
     run = tmp_path / "run"
@@ -81,7 +82,11 @@ def test_runner_writes_every_part_and_resumes_from_cache(corpus, tmp_path, capsy
     beam = dec["settings"][-1]
     assert beam["name"] == "beam2" and "bleu4" in beam
     kv = json.loads((run / "kv_cache.json").read_text())["rows"][0]
-    assert kv["new_tokens"] == 12 and kv["same_tokens"] and kv["cache_tokens_per_s"] > 0
+    assert kv["new_tokens"] == 12 and kv["same_tokens"] and kv["prompt_tokens"] == 4 + 1  # kv_prompt_tokens + <sos>
+    # rates are the 12 new tokens over the logged times (one repeat), the speed-up their ratio
+    assert kv["cache_tokens_per_s"] == pytest.approx(12 / kv["cache_seconds"][0])
+    assert kv["nocache_tokens_per_s"] == pytest.approx(12 / kv["nocache_seconds"][0])
+    assert kv["speedup"] == pytest.approx(kv["cache_tokens_per_s"] / kv["nocache_tokens_per_s"])
     acc = json.loads((run / "accumulation.json").read_text())["rows"]
     assert [(r["accum_steps"], r["optimizer_steps"], r["micro_batches"]) for r in acc] == [(1, 2, 2), (2, 1, 2)]
     att = json.loads((run / "attention.json").read_text())["texts"]
@@ -120,8 +125,6 @@ def test_missing_data_file_is_a_clear_error(corpus, tmp_path, capsys):
 
 
 def test_the_shipped_assignment_config_loads():
-    from pathlib import Path
-
     path = "tinystories-assignment"
     cfg, exp = load_experiment_config(path, ["data.train=a.txt", "data.valid=b.txt"])
     assert (cfg.model.n_layers, cfg.model.n_heads, cfg.model.d_model, cfg.model.context_length) == (3, 8, 300, 64)

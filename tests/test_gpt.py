@@ -75,6 +75,7 @@ def test_initial_loss_is_about_ln_vocab():
     assert abs(loss.item() - math.log(500)) < 0.15
 
 
+@pytest.mark.slow  # 150 training steps
 def test_tiny_model_overfits_one_batch():
     torch.manual_seed(0)
     model = make(dropout=0.0)

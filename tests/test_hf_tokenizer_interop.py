@@ -6,7 +6,7 @@ import json
 import warnings
 
 import pytest
-from conftest import make_stories
+from conftest import examples, make_stories
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -42,7 +42,7 @@ def test_export_encodes_identically(exported):
         assert hf.decode(ids) == tok.decode(ids)
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=examples(100), deadline=None)
 @given(st.text(alphabet=st.characters(codec="utf-8", exclude_categories=["Cs"]), max_size=40))
 def test_export_identical_on_random_text(exported, text):
     tok, hf, _ = exported

@@ -14,7 +14,8 @@ from tinylm.interop.llama import from_hf_llama  # noqa: E402
 from tinylm.models.gpt import GPT  # noqa: E402
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.one_thread
+pytestmark = [pytest.mark.slow,  # imports transformers and its model code: ~5 s before the first test
+              pytest.mark.usefixtures("one_thread")]  # see conftest.one_thread
 
 transformers.logging.set_verbosity_error()
 V = 50

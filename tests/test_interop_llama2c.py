@@ -18,7 +18,8 @@ from tinylm.interop.llama2c import load_llama2c, save_llama2c  # noqa: E402
 from tinylm.tokenizers.llama2c import Llama2cTokenizer  # noqa: E402
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.one_thread
+pytestmark = [pytest.mark.slow,  # imports transformers and its model code: ~5 s before the first test
+              pytest.mark.usefixtures("one_thread")]  # see conftest.one_thread
 
 transformers.logging.set_verbosity_error()
 

@@ -2,6 +2,7 @@
 import pytest
 import torch
 
+from conftest import slow_except
 from tinylm.config import ModelConfig
 from tinylm.generation import GenerationConfig, generate_many
 from tinylm.generation.generate import prefill
@@ -25,6 +26,7 @@ def tiny(ctx=256, attention="sdpa", **arch):
     return GPT(cfg).eval()
 
 
+@pytest.mark.slow  # ~1 s each; the fast tier keeps the shorter with/without-cache comparisons below
 @pytest.mark.parametrize("arch, attention", [(a, "sdpa") for a in ARCHS] + [("learned", "manual"), ("llama_gqa", "manual")])
 def test_cached_logits_equal_full_recompute_for_200_steps(arch, attention):
     model = tiny(attention=attention, **ARCHS[arch])
@@ -46,7 +48,7 @@ def test_cached_logits_equal_full_recompute_for_200_steps(arch, attention):
         assert cache.length == len(seq)
 
 
-@pytest.mark.parametrize("arch", list(ARCHS))
+@pytest.mark.parametrize("arch", slow_except("llama_gqa", list(ARCHS)))  # llama_gqa: rope, GQA, RMSNorm
 def test_greedy_outputs_identical_with_and_without_cache(arch):
     model = tiny(**ARCHS[arch])
     prompts = [[2, 4, 8], [2, 30, 31, 32, 33, 34]]

@@ -88,6 +88,7 @@ def test_ties_go_to_the_leftmost_pair(tok):
         assert tok.encode(text) == naive_run_c_encode(tok, text, False)
 
 
+@pytest.mark.slow  # 150 examples
 @settings(max_examples=150, deadline=None)
 @given(st.text(alphabet=st.sampled_from(list("abche é☃\n\t") + ["\U0001F600"]), max_size=40), st.booleans())
 def test_matches_naive_run_c_loop(tmp_path_factory, text, bos):
@@ -96,6 +97,7 @@ def test_matches_naive_run_c_loop(tmp_path_factory, text, bos):
     assert tok.encode(text, bos=bos) == naive_run_c_encode(tok, text, bos)
 
 
+@pytest.mark.slow  # 150 examples
 @settings(max_examples=150, deadline=None)
 @given(st.text(max_size=60))
 def test_round_trip_any_unicode(text):

@@ -9,7 +9,9 @@ import yaml
 from tinylm.cli import main
 from tinylm.config import RunConfig
 from tinylm.errors import TinyLMError
+from tinylm.evaluation.plots import plot_curves
 from tinylm.evaluation.report import build_report, write_report
+from tinylm.studies import tinystories_report
 
 
 def write_training_run(run, metrics=True):
@@ -39,6 +41,31 @@ def test_training_run_report_reads_every_number_from_files(tmp_path):
     assert "INCOMPLETE" not in md and "missing" not in md
     page = (tmp_path / "report.html").read_text()
     assert "10.4321" in page and "<table>" in page and "upon a time" in page
+    assert "data:image" not in page  # no curves.png in this run, and no broken image either
+
+
+@pytest.mark.slow  # draws the curves PNG
+def test_html_is_one_page_with_tables_embedded_curves_and_escaped_text(tmp_path):
+    write_training_run(tmp_path)
+    (tmp_path / "samples.json").write_text(json.dumps([{"prompt": "Once <b>&", "continuation": " a <b>& b",
+                                                        "new_tokens": 3}]))
+    plot_curves(tmp_path / "metrics.csv", tmp_path / "curves.png")
+    md, page, missing = write_report(tmp_path)
+    assert missing == [] and "![loss and perplexity curves](curves.png)" in md.read_text()
+    html = page.read_text()
+    assert "<table>" in html and "<th>setting</th>" in html and "<td>777</td>" in html
+    assert html.count('src="data:image/png;base64,') == 1 and 'src="curves.png"' not in html
+    assert "Once &lt;b&gt;&amp; a &lt;b&gt;&amp; b" in html and "<b>&" not in html
+
+
+def test_report_command_picks_the_experiments_report_when_the_run_has_one(tmp_path, capsys):
+    write_training_run(tmp_path)
+    assert main(["report", str(tmp_path)]) == 0
+    assert "# tinylm run:" in (tmp_path / "report.md").read_text()
+    (tmp_path / "experiments.json").write_text(json.dumps({"parts": {}}))
+    assert main(["report", str(tmp_path)]) == 0
+    md = (tmp_path / "report.md").read_text()
+    assert "# tinylm experiments:" in md and "## KV cache" in md and "INCOMPLETE" in capsys.readouterr().out
 
 
 def test_run_without_metrics_is_reported_incomplete(tmp_path, capsys):
@@ -62,7 +89,7 @@ def test_experiment_report_lists_every_missing_part(tmp_path):
     write_training_run(tmp_path)
     (tmp_path / "experiments.json").write_text(json.dumps({"quick": True, "command": "tinylm experiments --quick",
                                                            "parts": {}}))
-    md = write_report(tmp_path)[0].read_text()
+    md = tinystories_report.write_report(tmp_path)[0].read_text()
     for part in ("bleu.json", "decoding.json", "kv_cache.json", "accumulation.json", "checkpointing.json",
                  "attention.json", "curves.png"):
         assert part in md, part
@@ -90,7 +117,7 @@ def test_experiment_tables_show_the_files_numbers(tmp_path):
         {"accum_steps": 4, "effective_batch": 128, "optimizer_steps": 16, "micro_batches": 64, "micro_batch": 32,
          "final_train_loss": 4.5678, "final_val_loss": 4.6789, "seconds": 33.3, "tokens_per_s": 999.0,
          "projected_epoch_seconds": 123.0, "peak_activation_bytes": 3 * 2**20}]}))
-    md = write_report(tmp_path)[0].read_text()
+    md = tinystories_report.write_report(tmp_path)[0].read_text()
     assert "| T0.7 | 0.4321 | 0.2109 | 0.1098 | 0.0567 | 3.14 | 456 |" in md
     assert "tok:13a" in md and "only 48 usable" in md and "17.2500" in md
     assert "| 9 | 32 | 812 | 203 | 4.00x | yes | no |" in md
@@ -102,6 +129,6 @@ def test_a_malformed_part_file_makes_only_its_section_missing(tmp_path):
     write_training_run(tmp_path)
     (tmp_path / "experiments.json").write_text(json.dumps({"parts": {}}))
     (tmp_path / "kv_cache.json").write_text(json.dumps({"rows": [{"new_tokens": 3}]}))  # no timing keys
-    doc = build_report(tmp_path)
+    doc = tinystories_report.build_report(tmp_path)
     assert any(m.startswith("kv: a file has an unexpected format (KeyError") for m in doc.missing)
-    assert "10.4321" in write_report(tmp_path)[0].read_text()  # the rest of the report is there
+    assert "10.4321" in tinystories_report.write_report(tmp_path)[0].read_text()  # the rest of the report is there

@@ -17,6 +17,7 @@ from tinylm.training.resume import find_resume_checkpoint, load_resume_state
 
 REPO = Path(__file__).resolve().parents[1]
 MAX_STEPS = 80
+pytestmark = pytest.mark.slow  # every test shares one SIGKILLed-and-resumed pair of 80-step runs
 
 
 def _config(root: Path) -> Path:

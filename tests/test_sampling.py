@@ -11,7 +11,10 @@ from tinylm.models.gpt import GPT
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.one_thread
 
-hf_lp = pytest.importorskip("transformers.generation.logits_process")
+@pytest.fixture(scope="module")
+def hf_lp():
+    """Hugging Face's processors, the reference; importing them takes about a second (the tests are slow)."""
+    return pytest.importorskip("transformers.generation.logits_process")
 
 
 def tiny_model(vocab=40):
@@ -45,7 +48,8 @@ def test_top_k_keeps_exactly_k_with_ties_broken_by_lowest_id():
     assert torch.equal(top_k_filter(logits, 6), logits)
 
 
-def test_filters_match_hugging_face_warpers():
+@pytest.mark.slow
+def test_filters_match_hugging_face_warpers(hf_lp):
     torch.manual_seed(1)
     logits = torch.randn(4, 500) * 3
     for k in (1, 5, 50):
@@ -62,7 +66,8 @@ def test_filters_match_hugging_face_warpers():
         assert torch.equal(torch.isfinite(min_p_filter(logits, mp)), torch.isfinite(hf))
 
 
-def test_history_processors_match_hugging_face():
+@pytest.mark.slow
+def test_history_processors_match_hugging_face(hf_lp):
     torch.manual_seed(2)
     V = 30
     rows = [[1, 2, 3, 1, 2, 5, 1, 2], [7, 7, 8, 9, 7, 7]]
@@ -85,7 +90,8 @@ def test_history_processors_match_hugging_face():
     assert torch.equal(proc(scores.clone(), 3), scores)
 
 
-def test_temperature_then_topk_topp_matches_hf_order():
+@pytest.mark.slow
+def test_temperature_then_topk_topp_matches_hf_order(hf_lp):
     torch.manual_seed(3)
     logits = torch.randn(2, 200)
     cfg = GenerationConfig(temperature=0.7, top_k=20, top_p=0.8)

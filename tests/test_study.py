@@ -37,6 +37,7 @@ def tiny_config(out_dir, corpus, **kw) -> StudyConfig:
     return StudyConfig(**base)
 
 
+@pytest.mark.slow
 def test_study_writes_one_table_for_every_model_and_tokenizer(tmp_path, corpus):
     cfg = tiny_config(tmp_path / "study", corpus)
     run_study(cfg)
@@ -45,12 +46,15 @@ def test_study_writes_one_table_for_every_model_and_tokenizer(tmp_path, corpus):
     per_tokenizer = len(cfg.orders) * len(cfg.smoothings) + 2  # n-grams + neural bigram + GPT
     assert len(rows) == 3 * per_tokenizer
     assert {r["tokenizer"] for r in rows} == {"bpe-40", "char", "word"}
+    test_bytes = set()
     for r in rows:
         for key in ("valid_ppl", "test_ppl", "valid_bpb", "test_bpb"):
             assert math.isfinite(float(r[key])) and float(r[key]) > 0, (r, key)
-        # bits per byte and token perplexity describe the same NLL
-        n_tokens = int(r["test_tokens"])
-        assert float(r["test_ppl"]) > 1.0 and n_tokens > 0
+        # bits per byte and token perplexity describe the same NLL: tokens x ln(ppl) = bytes x ln 2 x bpb,
+        # and every row, whatever its tokenizer, scores the same test text, so the same number of bytes
+        assert float(r["test_ppl"]) > 1.0
+        test_bytes.add(round(int(r["test_tokens"]) * math.log(float(r["test_ppl"])) / (math.log(2) * float(r["test_bpb"])), 6))
+    assert len(test_bytes) == 1 and float(test_bytes.pop()).is_integer()
     kn = {(r["tokenizer"], r["order"]): float(r["test_bpb"]) for r in rows if r["smoothing"] == "kneser_ney"}
     assert kn[("char", "2")] < kn[("char", "1")]  # a bigram context helps on text
     md = (out / "results.md").read_text()

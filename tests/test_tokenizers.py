@@ -4,6 +4,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from conftest import examples
 from tinylm.errors import TinyLMError
 from tinylm.tokenizers import BPETokenizer, CharTokenizer, WordTokenizer, load_tokenizer, new_tokenizer
 from tinylm.constants import UNK_ID
@@ -21,13 +22,13 @@ def char():
     return CharTokenizer().train(CORPUS)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(st.text())
 def test_bpe_round_trip_any_unicode(bpe, text):
     assert bpe.decode(bpe.encode(text)) == text
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(st.text())
 def test_char_round_trip_any_unicode(char, text):
     assert char.decode(char.encode(text)) == text
@@ -46,7 +47,7 @@ def test_bpe_vocab_too_small():
 
 def test_word_tokenizer_top_n_and_unk_rate():
     tok = WordTokenizer(lowercase=True).train(["the cat, the dog. The end!"], vocab_size=4 + 3)
-    assert tok.words == ["the", ".", "!"] or tok.words[0] == "the"
+    assert tok.words == ["the", "!", ","]  # "the" x3, then the count-1 ties in alphabetical order
     ids = tok.encode("The cat")
     assert ids[0] == tok.encode("the")[0] and ids[1] == UNK_ID
     assert tok.unk_rate(["the cat"]) == 0.5

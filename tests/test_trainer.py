@@ -64,6 +64,7 @@ def test_nan_loss_stops_with_the_step_and_keeps_the_last_good_checkpoint(prepare
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
+@pytest.mark.slow  # 15 steps and 3 evaluations
 def test_early_stopping_on_validation_loss(prepared_run, tmp_path):
     base, prepared = prepared_run
     # lr 0: the validation loss never improves after the first evaluation
@@ -73,6 +74,7 @@ def test_early_stopping_on_validation_loss(prepared_run, tmp_path):
     assert result.steps == 15  # evaluations at 5 (best), 10 (no gain), 15 (no gain) -> stop
 
 
+@pytest.mark.slow  # imports tensorboard
 def test_metrics_csv_and_tensorboard(prepared_run, tmp_path):
     base, prepared = prepared_run
     cfg = _cfg(base, max_steps=4, log_interval=1, eval_interval=2, tensorboard=True)
@@ -110,6 +112,7 @@ def test_unsupported_precision_combinations_are_one_line_errors(prepared_run, tm
     assert not make_grad_scaler(torch.device("cpu"), "bf16").is_enabled()
 
 
+@pytest.mark.slow  # two training runs; tests/test_grad_checkpoint.py is the fast check
 def test_gradient_checkpointing_run_equals_plain_run(prepared_run, tmp_path):
     base, prepared = prepared_run
     base = _cfg(base, max_steps=3, eval_interval=3)
@@ -123,6 +126,7 @@ def test_gradient_checkpointing_run_equals_plain_run(prepared_run, tmp_path):
         torch.testing.assert_close(b[name], a[name], rtol=0, atol=1e-6, msg=name)
 
 
+@pytest.mark.slow  # compiles the model
 def test_compiled_model_checkpoints_store_plain_weight_names(prepared_run, tmp_path):
     base, prepared = prepared_run
     model = build_model(base, prepared.tokenizer.vocab_size)

@@ -51,6 +51,7 @@ def test_coverage_counts_tokens_and_types():
     assert cov.as_dict()["unk_rate"] == pytest.approx(2 / 6)
 
 
+@pytest.mark.slow  # imports spaCy
 def test_spacy_splitter_matches_spacy():
     spacy = pytest.importorskip("spacy")
     nlp = spacy.blank("en")

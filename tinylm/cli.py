@@ -32,7 +32,7 @@ from tinylm.errors import TinyLMError
 from tinylm.evaluation.perplexity import evaluate_texts
 from tinylm.evaluation.plots import attention_html, attention_maps, save_attention_pngs
 from tinylm.evaluation.protocol import SAMPLING_TEMPERATURES, BleuProtocol, Decoding, format_bleu, run_bleu
-from tinylm.evaluation.report import write_report
+from tinylm.evaluation.report import write_report as write_run_report
 from tinylm.generation.generate import TextStream, complete, encode_prompt, prompt_head
 from tinylm.generation.processors import GenerationConfig
 from tinylm.interop.loading import export_hf, load_any_checkpoint
@@ -40,6 +40,7 @@ from tinylm.models.checkpoint import load_checkpoint
 from tinylm.pipeline import run_pipeline
 from tinylm.studies.shakespeare import load_study_config, run_study
 from tinylm.studies.tinystories import PARTS, load_experiment_config, run_experiments
+from tinylm.studies.tinystories_report import write_report as write_experiments_report
 from tinylm.tokenizers.io import load_tokenizer
 from tinylm.tokenizers.stats import collect, format_table, train_spec
 from tinylm.training.resume import resume_run_config
@@ -262,10 +263,14 @@ def train(a: TrainOptions) -> int:
 
 # ---------------------------------------------------------------------------------- generate
 @dataclass
-class GenerateOptions:
-    checkpoint: str = opt("tinylm checkpoint/run directory, llama2.c .bin, or Hugging Face model directory",
+class ModelOptions:
+    checkpoint: str = opt("tinylm checkpoint or run directory, llama2.c .bin, or Hugging Face model directory",
                           required=True)
-    tokenizer: str | None = opt("tokenizer file (llama2.c tokenizer.bin, or a tinylm tokenizer.json)")
+    tokenizer: str | None = opt("tokenizer file (required for a llama2.c .bin: its tokenizer.bin)")
+
+
+@dataclass
+class GenerateOptions(ModelOptions):
     prompt: list[str] = opt("prompt text (repeatable)", [])
     prompts_file: str | None = opt("one prompt per line")
     max_new_tokens: int = opt("new tokens at most", 100, minimum=0)
@@ -345,9 +350,7 @@ def generate(a: GenerateOptions) -> int:
 
 # ---------------------------------------------------------------------------------- evaluate
 @dataclass
-class EvaluateOptions:
-    checkpoint: str = opt("tinylm checkpoint/run dir, llama2.c .bin or Hugging Face dir", required=True)
-    tokenizer: str | None = opt("tokenizer file (required for a llama2.c .bin, e.g. tok512.bin)")
+class EvaluateOptions(ModelOptions):
     data: str = opt("text file (TinyStories format: each story scored alone), or .jsonl", required=True)
     batch_size: int = opt("documents scored together", 32, minimum=1)
     max_docs: int | None = opt("score only the first N documents", minimum=1)
@@ -421,9 +424,7 @@ def evaluate(a: EvaluateOptions) -> int:
 
 # ---------------------------------------------------------------------------- models and reports
 @dataclass
-class ExportOptions:
-    checkpoint: str = opt("tinylm checkpoint/run directory, or a llama2.c .bin", required=True)
-    tokenizer: str | None = opt("tokenizer file (needed for a llama2.c .bin)")
+class ExportOptions(ModelOptions):
     out: str = opt("output directory (config.json + model.safetensors)", required=True)
 
 
@@ -448,6 +449,7 @@ def report(a: ReportOptions) -> int:
     run = Path(a.run_dir)
     if not run.is_dir():
         raise TinyLMError(f"run directory {run} does not exist")
+    write_report = write_experiments_report if (run / "experiments.json").is_file() else write_run_report
     md, page, missing = write_report(run)
     print(md)
     print(page)

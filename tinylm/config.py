@@ -25,11 +25,16 @@ from typing import Any
 
 import yaml
 
+from tinylm.data.cleaning import CleanOptions
 from tinylm.errors import TinyLMError
 
 
 @dataclass
-class DataConfig:
+class DataConfig(CleanOptions):
+    """Where the documents come from and how they are split and batched; the cleaning flags
+    (``data.fix_unicode`` etc., each counted in the prepare report) come from CleanOptions, so
+    ``cfg.data`` is what the cleaning functions take."""
+
     # source: "shakespeare", "tinystories" (text file, json shard(s) or hub id), or "text" (.txt/.jsonl)
     source: str = "shakespeare"
     train: str | None = None  # path (or hub id for tinystories); None for shakespeare
@@ -40,17 +45,6 @@ class DataConfig:
     test_fraction: float = 0.05
     split_by: str = "document"  # "document" (whole plays/stories) or "chunk" (contiguous chunks)
     max_documents: int | None = None
-    # cleaning; every step is a flag and counted in the prepare report
-    fix_unicode: bool = True
-    normalize_whitespace: bool = True
-    lowercase: bool = False
-    standardize_punctuation: bool = False
-    remove_urls: bool = False
-    remove_emails: bool = False
-    remove_html: bool = False
-    deduplicate: bool = True
-    min_chars: int = 1
-    max_chars: int | None = None
     # how token batches are formed: "packed" (nanoGPT stream) or "stories" (one padded sequence each)
     batching: str = "packed"
 
@@ -110,7 +104,8 @@ class ModelConfig:
                 f"d_model={cfg.d_model}; set model.tie_weights=false (the embedding then goes through a "
                 f"learned projection) or model.d_embed={cfg.d_model}"
             )
-        for name in ("vocab_size", "context_length", "d_model", "n_layers", "n_heads", "d_ff", "d_embed"):
+        for name in ("vocab_size", "context_length", "d_model", "n_layers", "n_heads", "d_attn", "n_kv_heads", "d_ff",
+                     "d_embed"):
             if getattr(cfg, name) < 1:
                 raise TinyLMError(f"model.{name} must be at least 1 (got {getattr(cfg, name)})")
         if cfg.d_attn % cfg.n_heads:
@@ -246,6 +241,8 @@ def _coerce(key: str, value: Any, annotation: Any) -> Any:
                 value = json.loads(value)
             except json.JSONDecodeError:
                 value = [value]
+            except RecursionError:
+                raise TinyLMError(f"config key {key}: the list {value[:20]}... is nested too deeply") from None
         if not isinstance(value, list):
             raise TinyLMError(f"config key {key} expects a list, got {value!r}")
         return [_coerce(key, v, args[0]) for v in value] if args else value

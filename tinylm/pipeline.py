@@ -17,6 +17,7 @@ from tinylm.config import RunConfig, SampleConfig
 from tinylm.data.prepare import prepare
 from tinylm.errors import TinyLMError
 from tinylm.evaluation.perplexity import evaluate_split
+from tinylm.evaluation.plots import plot_curves
 from tinylm.evaluation.report import write_report
 from tinylm.generation.generate import complete
 from tinylm.generation.processors import GenerationConfig
@@ -87,6 +88,6 @@ def run_pipeline(cfg: RunConfig, out_dir: str | Path, *, resume=None, force: boo
     (out_dir / "samples.json").write_text(json.dumps(samples, indent=2, ensure_ascii=False))
     (out_dir / "samples.txt").write_text(
         "\n\n".join(f"### {s['prompt']}\n{s['prompt']}{s['continuation']}" for s in samples) + "\n", encoding="utf-8")
-
+    plot_curves(out_dir / "metrics.csv", out_dir / "curves.png", title=out_dir.name)  # shown in the report
     write_report(out_dir)
     return summary

@@ -32,10 +32,6 @@ class CleanOptions:
     min_chars: int = 1
     max_chars: int | None = None
 
-    @classmethod
-    def from_data_config(cls, data_cfg) -> "CleanOptions":
-        return cls(**{k: getattr(data_cfg, k) for k in cls.__dataclass_fields__})
-
 
 @dataclass
 class CleanReport:
@@ -53,7 +49,7 @@ class CleanReport:
 def clean_text(text: str, opts: CleanOptions, report: CleanReport | None = None) -> str:
     steps = []
     if opts.fix_unicode:
-        import ftfy
+        import ftfy  # deferred: imported only when fix_unicode is on
 
         steps.append(("fix_unicode", lambda t: ftfy.fix_text(t, normalization="NFC")))
     if opts.remove_html:

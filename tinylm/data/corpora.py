@@ -82,13 +82,13 @@ def read_tinystories_json(pattern: str | Path) -> list[str]:
     for f in files:
         try:
             data = json.loads(f.read_text(encoding="utf-8"))
-        except json.JSONDecodeError as exc:
+        except (ValueError, RecursionError) as exc:  # ValueError: not JSON, or not UTF-8
             raise TinyLMError(f"{f} is not valid JSON ({exc})") from exc
         if not isinstance(data, list):
             raise TinyLMError(f"{f}: expected a JSON list of story objects")
         for i, item in enumerate(data):
-            if not isinstance(item, dict) or "story" not in item:
-                raise TinyLMError(f"{f}: item {i} has no \"story\" field")
+            if not isinstance(item, dict) or not isinstance(item.get("story"), str):
+                raise TinyLMError(f"{f}: item {i} has no \"story\" field of text")
             if item["story"].strip():
                 stories.append(item["story"].strip())
     return stories
@@ -97,7 +97,7 @@ def read_tinystories_json(pattern: str | Path) -> list[str]:
 def load_tinystories_hub(split: str = "train", limit: int | None = None, name: str = HUB_TINYSTORIES) -> list[str]:
     """Stories from the Hugging Face hub through ``datasets`` (streamed, at most ``limit``)."""
     try:
-        import datasets
+        import datasets  # deferred: optional, and seconds to import; only hub ids need it
     except ImportError as exc:
         raise TinyLMError("loading from the hub needs the `datasets` package: pip install datasets") from exc
     hub_split = "validation" if split == "valid" else split
@@ -141,6 +141,8 @@ def load_text_file(path: str | Path) -> list[str]:
                 obj = json.loads(line)
             except json.JSONDecodeError as exc:
                 raise TinyLMError(f"{p}:{n} is not valid JSON ({exc.msg})") from exc
+            except RecursionError:
+                raise TinyLMError(f"{p}:{n} is JSON nested too deeply to read") from None
             if not isinstance(obj, dict) or "text" not in obj:
                 raise TinyLMError(f"{p}:{n} has no \"text\" field")
             docs.append(str(obj["text"]))

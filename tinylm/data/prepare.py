@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tinylm.config import DataConfig, RunConfig, TokenizerConfig
-from tinylm.data.cleaning import CleanOptions, clean_documents
+from tinylm.data.cleaning import clean_documents
 from tinylm.data.corpora import HUB_TINYSTORIES, load_shakespeare, load_text_file, load_tinystories
 from tinylm.data.splits import split_chunks, split_documents
 from tinylm.data.tokens import TokenSplit, encode_split, load_split
@@ -87,10 +87,9 @@ def prepare(cfg: RunConfig, out_dir: str | Path) -> Prepared:
             return Prepared(load_tokenizer(tok_path), tok_path, splits, report)
 
     raw = load_raw_documents(cfg.data)
-    opts = CleanOptions.from_data_config(cfg.data)
     cleaned, clean_reports = {}, {}
     for name, docs in raw.items():
-        cleaned[name], rep = clean_documents(docs, opts)
+        cleaned[name], rep = clean_documents(docs, cfg.data)
         clean_reports[name] = dataclasses.asdict(rep)
         log.info(f"prepare: {name}: {rep.summary()}")
         if not cleaned[name]:

@@ -87,6 +87,20 @@ def _atomic_save(path: Path, payload: bytes) -> None:
     os.replace(tmp, path)
 
 
+def pad_rows(rows, value: int, length: int | None = None, left: bool = False) -> torch.Tensor:
+    """A (len(rows), length) LongTensor holding each row of ids at its start (at its end with
+    ``left``) and ``value`` elsewhere; ``length`` defaults to the longest row."""
+    rows = [torch.as_tensor(r, dtype=torch.long) for r in rows]
+    length = max(len(r) for r in rows) if length is None else length
+    out = torch.full((len(rows), length), value, dtype=torch.long)
+    for i, r in enumerate(rows):
+        if left:
+            out[i, length - len(r) :] = r
+        else:
+            out[i, : len(r)] = r
+    return out
+
+
 class Batches:
     """Teacher-forcing batches (input ``t[:-1]``, target ``t[1:]``) from one split.
 
@@ -128,17 +142,14 @@ class Batches:
         # draws, row r's offset would depend on the batch size (ranks / accumulation would differ)
         g_frac = torch.Generator().manual_seed(self.seed * 1_000_003 + step + 2**40)
         frac = torch.rand(n_total, generator=g_frac)[row_start:]
-        x = torch.full((n_rows, T), PAD_ID, dtype=torch.long)
-        y = torch.full((n_rows, T), IGNORE_INDEX, dtype=torch.long)
-        for r, (d, u) in enumerate(zip(docs.tolist(), frac.tolist())):
+        seqs = []
+        for d, u in zip(docs.tolist(), frac.tolist()):
             start, length = int(self._starts[d]), int(self._lengths[d])
             if length > T + 1:
                 start += int(u * (length - T))
                 length = T + 1
-            seq = self._ids[start : start + length]
-            x[r, : length - 1] = seq[:-1]
-            y[r, : length - 1] = seq[1:]
-        return x, y
+            seqs.append(self._ids[start : start + length])
+        return pad_rows([s[:-1] for s in seqs], PAD_ID, T), pad_rows([s[1:] for s in seqs], IGNORE_INDEX, T)
 
     def sequential(self, batch_size: int, max_batches: int | None = None):
         """Non-overlapping packed windows in order (for a quick validation loss)."""

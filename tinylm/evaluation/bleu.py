@@ -126,7 +126,7 @@ def corpus_bleu_n(hypotheses: list[str], references: list[str], smoothing: str =
 def sacrebleu_score(hypotheses: list[str], references: list[str]) -> dict:
     """sacrebleu's corpus BLEU (0-100, its defaults) with the signature that pins them down."""
     try:
-        from sacrebleu.metrics import BLEU
+        from sacrebleu.metrics import BLEU  # deferred: only the BLEU protocol needs sacrebleu
     except ImportError as exc:
         raise TinyLMError("BLEU needs the `sacrebleu` package: pip install sacrebleu") from exc
     metric = BLEU()

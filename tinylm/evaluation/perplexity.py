@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from tinylm.constants import EOS_ID, IGNORE_INDEX, PAD_ID
+from tinylm.data.tokens import pad_rows
 from tinylm.models.gpt import eval_mode
 
 
@@ -60,23 +61,28 @@ def score_token_documents(
         total_nll, total_tokens = 0.0, 0
         for b in range(0, len(windows), batch_size):
             chunk = windows[b : b + batch_size]
-            T = max(len(w[0]) for w in chunk)
-            x = torch.full((len(chunk), T), PAD_ID, dtype=torch.long)
-            y = torch.full((len(chunk), T), IGNORE_INDEX, dtype=torch.long)
-            for r, (inp, tgt) in enumerate(chunk):
-                x[r, : len(inp)] = torch.as_tensor(inp)
-                y[r, : len(tgt)] = torch.as_tensor(tgt)
+            x = pad_rows([inp for inp, _ in chunk], PAD_ID)
+            y = pad_rows([tgt for _, tgt in chunk], IGNORE_INDEX)
             _, nll = model(x.to(device), y.to(device), loss_reduction="sum")
             total_nll += float(nll)
             total_tokens += int((y != IGNORE_INDEX).sum())
     return total_nll, total_tokens
 
 
+def _perplexity(mean_nll: float) -> float:
+    """exp(mean NLL); a mean too large for a float (above ~709.78 nats, e.g. the word perplexity
+    of a binary file with few whitespace-separated words) is reported honestly as inf."""
+    try:
+        return math.exp(mean_nll)
+    except OverflowError:
+        return math.inf
+
+
 def metrics(total_nll: float, n_tokens: int, n_bytes: int, n_words: int) -> dict:
     return {
-        "token_ppl": math.exp(total_nll / n_tokens) if n_tokens else float("nan"),
+        "token_ppl": _perplexity(total_nll / n_tokens) if n_tokens else float("nan"),
         "bpb": total_nll / (math.log(2) * n_bytes) if n_bytes else float("nan"),
-        "word_ppl": math.exp(total_nll / n_words) if n_words else float("nan"),
+        "word_ppl": _perplexity(total_nll / n_words) if n_words else float("nan"),
         "nll": total_nll,
         "tokens": n_tokens,
         "bytes": n_bytes,

@@ -8,25 +8,28 @@ its script inline.
 
 from __future__ import annotations
 
-import csv
-import html
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
+from jinja2 import Environment, PackageLoader
 
 from tinylm.errors import TinyLMError
 from tinylm.models.gpt import eval_mode
+from tinylm.training.metrics import read_metrics
+
+_templates = Environment(loader=PackageLoader("tinylm", "evaluation/templates"), autoescape=True)
 
 
-def _pyplot():
-    import matplotlib
+def pyplot():
+    """matplotlib's pyplot drawing into files only, never a window (imported when first drawn:
+    matplotlib takes a second to import)."""
+    import matplotlib  # deferred: see the docstring
 
-    matplotlib.use("Agg")  # files only, never a window
-    import matplotlib.pyplot as plt
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # deferred: see the docstring
 
     return plt
 
@@ -80,7 +83,7 @@ def attention_maps(model, tokenizer, text: str) -> AttentionMaps:
 def plot_attention_layer(maps: AttentionMaps, layer: int, path: str | Path) -> Path:
     """One PNG: the layer's heads side by side, token labels on both axes, the masked (future)
     triangle drawn in grey so the causal structure is visible."""
-    plt = _pyplot()
+    plt = pyplot()
     w = maps.weights[layer]
     H, T, _ = w.shape
     cell = max(0.18, min(0.45, 6.0 / T))
@@ -113,61 +116,10 @@ def save_attention_pngs(maps: AttentionMaps, out_dir: str | Path, prefix: str = 
             for layer in range(maps.n_layers)]
 
 
-_HTML_TEMPLATE = """<!DOCTYPE html>
-<html lang="en"><head><meta charset="utf-8"><title>tinylm attention: __TITLE__</title>
-<style>
-body { font-family: sans-serif; margin: 1.5em; }
-table.att { border-collapse: collapse; font-size: 11px; }
-table.att td { width: 18px; height: 18px; padding: 0; border: 1px solid #fff; }
-table.att td.future { background: #e6e6e6; }
-table.att th { font-weight: normal; white-space: nowrap; padding: 0 4px; }
-table.att thead th { writing-mode: vertical-rl; transform: rotate(180deg); text-align: left; }
-#info { height: 1.4em; color: #333; }
-</style></head><body>
-<h1>Attention maps</h1>
-<p>Text: <code>__TEXT__</code></p>
-<p>Rows are queries, columns the keys they attend to; grey cells are the future (masked by the
-causal triangle). Darker = more weight; each row sums to 1.</p>
-<p>Layer <select id="layer"></select> Head <select id="head"></select></p>
-<div id="info"></div>
-<table class="att" id="grid"></table>
-<script type="application/json" id="data">__DATA__</script>
-<script>
-(function () {
-  var data = JSON.parse(document.getElementById("data").textContent);
-  var layerSel = document.getElementById("layer"), headSel = document.getElementById("head");
-  var grid = document.getElementById("grid"), info = document.getElementById("info");
-  function fill(sel, n) { for (var i = 0; i < n; i++) { var o = document.createElement("option"); o.value = i; o.textContent = i; sel.appendChild(o); } }
-  fill(layerSel, data.weights.length); fill(headSel, data.weights[0].length);
-  function draw() {
-    var w = data.weights[+layerSel.value][+headSel.value], toks = data.tokens, T = toks.length;
-    grid.innerHTML = "";
-    var head = grid.createTHead().insertRow(); head.appendChild(document.createElement("th"));
-    toks.forEach(function (t) { var th = document.createElement("th"); th.textContent = t; head.appendChild(th); });
-    var body = grid.createTBody();
-    for (var i = 0; i < T; i++) {
-      var row = body.insertRow(), th = document.createElement("th"); th.textContent = toks[i]; row.appendChild(th);
-      for (var j = 0; j < T; j++) {
-        var td = row.insertCell();
-        if (j > i) { td.className = "future"; continue; }
-        var v = w[i][j]; td.style.background = "rgba(40, 60, 160, " + Math.min(1, v).toFixed(3) + ")";
-        td.title = toks[i] + " -> " + toks[j] + ": " + v.toFixed(4);
-        td.onmouseover = (function (s) { return function () { info.textContent = s; }; })(td.title);
-      }
-    }
-  }
-  layerSel.onchange = draw; headSel.onchange = draw; draw();
-})();
-</script></body></html>
-"""
-
-
 def attention_html(maps: AttentionMaps, path: str | Path) -> Path:
     """One self-contained page (data and script inline) to browse every layer and head."""
     payload = {"tokens": maps.tokens, "weights": [np.round(w, 4).tolist() for w in maps.weights]}
-    data = json.dumps(payload).replace("</", "<\\/")  # a token such as "</script>" cannot end the block
-    page = (_HTML_TEMPLATE.replace("__TITLE__", html.escape(maps.text[:60]))
-            .replace("__TEXT__", html.escape(maps.text)).replace("__DATA__", data))
+    page = _templates.get_template("attention.html.j2").render(text=maps.text, data=payload)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(page, encoding="utf-8")
@@ -175,33 +127,19 @@ def attention_html(maps: AttentionMaps, path: str | Path) -> Path:
 
 
 # --------------------------------------------------------------------------------------- curves
-def read_metrics(path: str | Path) -> dict[str, list[tuple[int, float]]]:
-    """(step, value) series of train loss and validation loss from a trainer's metrics.csv."""
-    path = Path(path)
-    if not path.is_file():
-        raise TinyLMError(f"no metrics file {path}: this run has not logged any training step")
-    series: dict[str, list[tuple[int, float]]] = {"train_loss": [], "val_loss": []}
-    with open(path, newline="") as f:
-        for row in csv.DictReader(f):
-            for key in series:
-                if row.get(key):
-                    series[key].append((int(row["step"]), float(row[key])))
-    if not series["train_loss"] and not series["val_loss"]:
-        raise TinyLMError(f"{path} holds no loss values yet")
-    return series
-
-
 def plot_curves(metrics_csv: str | Path, path: str | Path, title: str = "") -> Path:
     """Loss (nats/token) and perplexity (log scale) against step, train and validation."""
-    plt = _pyplot()
-    series = read_metrics(metrics_csv)
+    rows = read_metrics(metrics_csv)
+    series = {key: [(r["step"], r[key]) for r in rows if r.get(key) is not None] for key in ("train_loss", "val_loss")}
+    if not any(series.values()):
+        raise TinyLMError(f"{metrics_csv} holds no loss values yet")
+    plt = pyplot()
     fig, (ax_loss, ax_ppl) = plt.subplots(1, 2, figsize=(10, 3.8))
     styles = {"train_loss": ("train", "-", "tab:blue"), "val_loss": ("valid", "o-", "tab:orange")}
     for key, (label, style, color) in styles.items():
-        pts = series[key]
-        if not pts:
+        if not series[key]:
             continue
-        steps, values = zip(*pts)
+        steps, values = zip(*series[key])
         ax_loss.plot(steps, values, style, color=color, label=label, markersize=3)
         ax_ppl.plot(steps, [math.exp(min(v, 50.0)) for v in values], style, color=color, label=label, markersize=3)
     ax_loss.set(xlabel="step", ylabel="loss (nats / token)", title="loss")

@@ -26,6 +26,7 @@ import torch
 from tabulate import tabulate
 
 from tinylm.constants import IGNORE_INDEX, PAD_ID
+from tinylm.data.tokens import pad_rows
 from tinylm.errors import TinyLMError
 from tinylm.evaluation.bleu import BLEU_MEANING, BLEU_TOKEN_PATTERN, corpus_bleu_n, sacrebleu_score
 from tinylm.generation.generate import generate
@@ -113,15 +114,12 @@ def reference_nll(model, samples: list[Sample], bos_id: int | None, batch_size: 
         for b in range(0, len(samples), batch_size):
             chunk = samples[b : b + batch_size]
             seqs = [[*start_ids, *s.prompt_ids, *s.reference_ids] for s in chunk]
-            T = max(len(q) for q in seqs) - 1
-            x = torch.full((len(chunk), T), PAD_ID, dtype=torch.long)
-            y = torch.full((len(chunk), T), IGNORE_INDEX, dtype=torch.long)
-            for r, (s, q) in enumerate(zip(chunk, seqs)):
-                x[r, : len(q) - 1] = torch.as_tensor(q[:-1])
-                start = len(start_ids) + len(s.prompt_ids) - 1  # target position of the first continuation token
-                y[r, start : len(q) - 1] = torch.as_tensor(s.reference_ids)
+            x = pad_rows([q[:-1] for q in seqs], PAD_ID)
+            # only the continuation is scored: the start token and prompt are context
+            y = pad_rows([[IGNORE_INDEX] * (len(q) - 1 - len(s.reference_ids)) + s.reference_ids
+                          for q, s in zip(seqs, chunk)], IGNORE_INDEX)
             _, nll = model(x.to(device), y.to(device), loss_reduction="none")
-            nll = nll.view(len(chunk), T).cpu()
+            nll = nll.view(x.shape).cpu()
             for r, s in enumerate(chunk):
                 out.append((float(nll[r].sum()), len(s.reference_ids)))
     return out

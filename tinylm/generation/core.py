@@ -11,9 +11,9 @@ from typing import Iterable
 
 import torch
 
+from tinylm.constants import PAD_ID
+from tinylm.data.tokens import pad_rows
 from tinylm.errors import TinyLMError
-
-PAD_TOKEN = 0  # what left padding holds; never attended to, so any id works
 
 
 @dataclass
@@ -50,11 +50,8 @@ def prefill(model, rows: list[list[int]], max_len: int):
     when no row is padded). Slots after the prompt are marked real in the key mask up front, so
     a decoding step needs no mask building beyond slicing."""
     device = model_device(model)
-    B, L = len(rows), max(len(r) for r in rows)
-    ids = torch.full((B, L), PAD_TOKEN, dtype=torch.long)
-    for r, row in enumerate(rows):
-        ids[r, L - len(row) :] = torch.tensor(row, dtype=torch.long)
-    ids = ids.to(device)
+    ids = pad_rows(rows, PAD_ID, left=True).to(device)  # padding is never attended to: any id works
+    B, L = ids.shape
     cache = model.new_kv_cache(B, max_len)
     if all(len(r) == L for r in rows):
         logits, _ = model(ids, kv_cache=cache, last_logits_only=True)

@@ -115,6 +115,9 @@ class TokenStream:
                 positions += 1
         if history is not None:
             logits = history(logits.float(), step)
+            if not bool(torch.isfinite(logits).any(dim=-1).all()):
+                raise ValueError(f"no token is allowed at step {step + 1}: no_repeat_ngram_size / min_new_tokens "
+                                 "ban the whole vocabulary (ask for fewer new tokens or a smaller n-gram ban)")
         tokens = select_next(logits, cfg, generator)
         token_list = tokens.tolist()
         if history is not None:

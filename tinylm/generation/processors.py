@@ -12,11 +12,15 @@ sampling (temperature > 0).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
 NEG_INF = float("-inf")
+# The smallest temperature and repetition penalty accepted: logits divided by less overflow to
+# inf (softmax then gives nan), and any value this small is greedy in all but name.
+MIN_SCALE = 1e-6
 
 
 @dataclass
@@ -54,16 +58,16 @@ class GenerationConfig:
             bad("max_new_tokens", self.max_new_tokens, "an integer >= 0")
         if self.min_new_tokens < 0 or self.min_new_tokens > self.max_new_tokens:
             bad("min_new_tokens", self.min_new_tokens, "between 0 and max_new_tokens")
-        if self.temperature is None or self.temperature < 0:
-            bad("temperature", self.temperature, ">= 0")
+        if self.temperature is None or not (self.temperature == 0 or MIN_SCALE <= self.temperature < math.inf):
+            bad("temperature", self.temperature, f"0 (greedy) or a finite number >= {MIN_SCALE:g}")
         if self.top_k is not None and (not isinstance(self.top_k, int) or self.top_k < 1):
             bad("top_k", self.top_k, "an integer >= 1")
         if self.top_p is not None and not 0.0 < self.top_p <= 1.0:
             bad("top_p", self.top_p, "in (0, 1]")
         if self.min_p is not None and not 0.0 <= self.min_p <= 1.0:
             bad("min_p", self.min_p, "in [0, 1]")
-        if self.repetition_penalty <= 0:
-            bad("repetition_penalty", self.repetition_penalty, "> 0")
+        if not MIN_SCALE <= self.repetition_penalty < math.inf:
+            bad("repetition_penalty", self.repetition_penalty, f"a finite number >= {MIN_SCALE:g}")
         if self.no_repeat_ngram_size < 0:
             bad("no_repeat_ngram_size", self.no_repeat_ngram_size, ">= 0")
         if not isinstance(self.beam_width, int) or self.beam_width < 1:

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+from typing import Callable, Iterable
+
 import torch
 
+from tinylm.constants import SOS_ID
+from tinylm.errors import TinyLMError
 from tinylm.generation.processors import GenerationConfig, shape_distribution
 
 
@@ -18,3 +22,26 @@ def select_next(logits: torch.Tensor, cfg: GenerationConfig,
     if isinstance(generator, list):
         return torch.cat([torch.multinomial(probs[r : r + 1], 1, generator=g)[0] for r, g in enumerate(generator)])
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def sample_from_context(next_logits: Callable[[list[int]], torch.Tensor], prompt_ids: Iterable[int],
+                        cfg: GenerationConfig) -> list[int]:
+    """Continue ``prompt_ids`` with a cache-less model (the n-gram and neural bigram baselines):
+    ``next_logits(context)`` gives (V,) logits or log probabilities. ``<sos>`` is never drawn (it
+    would start a document inside this one); the continuation ends before any of ``cfg.stop_ids``;
+    draws come from a generator seeded with ``cfg.seed``."""
+    try:
+        cfg.validate()
+    except ValueError as exc:
+        raise TinyLMError(str(exc)) from exc
+    generator = torch.Generator().manual_seed(cfg.seed or 0)
+    context, out = [int(t) for t in prompt_ids], []
+    for _ in range(cfg.max_new_tokens):
+        logits = next_logits(context).clone()
+        logits[SOS_ID] = float("-inf")
+        token = int(select_next(logits[None], cfg, generator)[0])
+        if token in cfg.stop_ids:
+            break
+        out.append(token)
+        context.append(token)
+    return out

@@ -83,7 +83,7 @@ def is_gpt2_shape(cfg: ModelConfig) -> bool:
 @torch.no_grad()
 def to_hf_gpt2(model: GPT):
     """A ``GPT2LMHeadModel`` with the weights of a tinylm GPT of GPT-2 shape."""
-    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers import GPT2Config, GPT2LMHeadModel  # deferred: transformers takes seconds to import
 
     cfg = model.config
     if not is_gpt2_shape(cfg):

@@ -94,7 +94,7 @@ def from_hf_llama(hf_model) -> GPT:
 
 @torch.no_grad()
 def to_hf_llama(model: GPT, bos_id: int = 2, eos_id: int = 3):
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM  # deferred: transformers takes seconds to import
 
     cfg = model.config
     if not is_llama_shape(cfg):

@@ -15,6 +15,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import torch
+
 from tinylm.errors import TinyLMError
 from tinylm.interop.gpt2 import from_hf_gpt2, is_gpt2_shape, to_hf_gpt2
 from tinylm.interop.llama import from_hf_llama, is_llama_shape, to_hf_llama
@@ -53,19 +55,43 @@ def load_hf_dir(path: str | Path):
     """A tinylm GPT from a Hugging Face GPT-2 or Llama model directory."""
     path = Path(path)
     try:
-        config = json.loads((path / "config.json").read_text())
-    except (OSError, json.JSONDecodeError) as exc:
+        config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError) as exc:  # ValueError: not JSON, or not UTF-8
         raise TinyLMError(f"{path}/config.json is missing or unreadable ({exc})") from exc
     kind = config.get("model_type") if isinstance(config, dict) else None
     if kind == "gpt2":
-        from transformers import GPT2LMHeadModel  # deferred: transformers takes seconds to import
+        from transformers import GPT2LMHeadModel as hf_class  # deferred: transformers takes seconds to import
 
-        return from_hf_gpt2(GPT2LMHeadModel.from_pretrained(path))
-    if kind == "llama":
-        from transformers import LlamaForCausalLM  # deferred: transformers takes seconds to import
+        convert = from_hf_gpt2
+    elif kind == "llama":
+        from transformers import LlamaForCausalLM as hf_class  # deferred: transformers takes seconds to import
 
-        return from_hf_llama(LlamaForCausalLM.from_pretrained(path))
-    raise TinyLMError(f"{path} holds a {kind!r} model; tinylm imports gpt2 and llama")
+        convert = from_hf_llama
+    else:
+        raise TinyLMError(f"{path} holds a {kind!r} model; tinylm imports gpt2 and llama")
+    try:  # transformers raises many kinds of errors on a damaged directory; keep the first line
+        hf, info = hf_class.from_pretrained(path, output_loading_info=True)
+    except Exception as exc:
+        reason = (str(exc).strip().splitlines() or [""])[0][:300]
+        raise TinyLMError(f"{path} is not a loadable Hugging Face {kind} model ({type(exc).__name__}: {reason})") from exc
+    damaged = {k: v for k, v in info.items() if k in ("missing_keys", "unexpected_keys", "mismatched_keys") and v}
+    if damaged:  # transformers would fill missing weights with random ones
+        raise TinyLMError(f"{path}: the weights do not match config.json ({damaged})"[:500])
+    return convert(hf)
+
+
+def _check_finite(model, where) -> None:
+    """NaN/inf weights (a diverged run, a damaged file) would make sampling fail mid-way."""
+    for name, p in model.named_parameters():
+        if not bool(torch.isfinite(p).all()):
+            raise TinyLMError(f"{where} holds non-finite weights (nan/inf) in {name}; the run diverged or the file is corrupt")
+
+
+def _check_fits(tokenizer: Tokenizer, where, model) -> None:
+    """A tokenizer must not produce ids the model has no embedding for."""
+    if tokenizer.vocab_size > model.config.vocab_size:
+        raise TinyLMError(f"tokenizer {where} has {tokenizer.vocab_size} pieces but the model's vocabulary "
+                          f"has {model.config.vocab_size}; give the tokenizer the model was trained with")
 
 
 def _hf_dir_tokenizer(path: Path):
@@ -94,6 +120,7 @@ def load_any_checkpoint(path: str | Path, tokenizer_path: str | Path | None = No
         if tokenizer_path is None:
             raise TinyLMError(f"{path} is a llama2.c checkpoint: give its tokenizer with --tokenizer (e.g. tokenizer.bin)")
         model = load_llama2c(path)
+        _check_finite(model, path)
         tokenizer = load_tokenizer(tokenizer_path)
         if tokenizer.vocab_size != model.config.vocab_size:
             raise TinyLMError(f"tokenizer {tokenizer_path} has {tokenizer.vocab_size} pieces but the model "
@@ -101,11 +128,14 @@ def load_any_checkpoint(path: str | Path, tokenizer_path: str | Path | None = No
         return model.to(device), tokenizer, {"format": "llama2c"}
     if (path / "config.json").is_file() and not (path / "checkpoint.json").is_file():
         model = load_hf_dir(path)
+        _check_finite(model, path)
         tokenizer = load_tokenizer(tokenizer_path) if tokenizer_path is not None else _hf_dir_tokenizer(path)
+        _check_fits(tokenizer, tokenizer_path or path, model)
         return model.to(device), tokenizer, {"format": "hf"}
     model, tokenizer, meta = load_checkpoint(path, device=device)
     if tokenizer_path is not None:
         tokenizer = load_tokenizer(tokenizer_path)
+        _check_fits(tokenizer, tokenizer_path, model)
     return model, tokenizer, {"format": "tinylm", "meta": meta}
 
 

@@ -19,7 +19,6 @@ only, so the log-softmax is computed once per distinct previous token and gather
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import math
 import time
@@ -34,6 +33,8 @@ import torch.nn.functional as F
 from tinylm.config import TrainConfig
 from tinylm.constants import EOS_ID, SOS_ID
 from tinylm.errors import TinyLMError
+from tinylm.generation.processors import GenerationConfig
+from tinylm.generation.sampling import sample_from_context
 from tinylm.models.gpt import eval_mode
 from tinylm.training.optim import lr_at, param_groups
 
@@ -94,26 +95,14 @@ class NeuralBigramLM(nn.Module):
 
     @torch.no_grad()
     def generate(self, prompt_ids, max_new_tokens: int = 50, temperature: float = 1.0, seed: int = 0,
-                 eos_id: int | None = EOS_ID) -> list[int]:
-        if temperature < 0:
-            raise TinyLMError(f"temperature must be >= 0 (got {temperature})")
+                 eos_id: int | None = EOS_ID, top_k: int | None = None, top_p: float | None = None) -> list[int]:
+        """Sample continuation ids (temperature 0 = greedy, top-k, top-p); see ``sample_from_context``."""
         prompt = [int(t) for t in prompt_ids]
         if not prompt:
             raise TinyLMError("the neural bigram needs at least one prompt token (e.g. <sos>)")
-        g = torch.Generator().manual_seed(seed)
-        last, out = prompt[-1], []
-        for _ in range(max_new_tokens):
-            logits = self(torch.tensor([last]))[0]
-            logits[SOS_ID] = -math.inf
-            if temperature == 0:
-                nxt = int(torch.argmax(logits))
-            else:
-                nxt = int(torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=g))
-            if eos_id is not None and nxt == eos_id:
-                break
-            out.append(nxt)
-            last = nxt
-        return out
+        cfg = GenerationConfig(max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                               stop_ids=() if eos_id is None else (eos_id,))
+        return sample_from_context(lambda ctx: self(torch.tensor([ctx[-1]]))[0], prompt, cfg)
 
     def save(self, path: str | Path, extra: dict | None = None) -> Path:
         path = Path(path)
@@ -249,8 +238,3 @@ def sweep_bigram(train_ids, valid_ids, vocab_size: int, d_embeds=(32, 128), weig
     results = [train_bigram(train_ids, valid_ids, vocab_size, dataclasses.replace(base, d_embed=d, weight_decay=wd))
                for d in d_embeds for wd in weight_decays]
     return sorted(results, key=lambda r: r.best_val_loss)
-
-
-def history_json(result: BigramResult) -> str:
-    return json.dumps({"config": dataclasses.asdict(result.config), "history": result.history,
-                       "best_val_loss": result.best_val_loss, "stopped_because": result.stopped_because})

@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tinylm import __version__
-from tinylm.config import ModelConfig
+from tinylm.config import ModelConfig, apply_updates
 from tinylm.errors import TinyLMError
 from tinylm.models.gpt import GPT
 from tinylm.tokenizers import Tokenizer, load_tokenizer
@@ -154,9 +154,11 @@ def read_checkpoint_meta(path: str | Path) -> tuple[Path, dict]:
     if missing:
         raise TinyLMError(f"checkpoint {ckpt} is missing {', '.join(missing)}; it is incomplete or not a tinylm checkpoint")
     try:
-        meta = json.loads((ckpt / "checkpoint.json").read_text())
-    except json.JSONDecodeError as exc:
+        meta = json.loads((ckpt / "checkpoint.json").read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
         raise TinyLMError(f"{ckpt / 'checkpoint.json'} is corrupt ({exc})") from exc
+    if not isinstance(meta, dict):
+        raise TinyLMError(f"{ckpt / 'checkpoint.json'} is corrupt (a JSON {type(meta).__name__}, not an object)")
     if meta.get("format") != FORMAT_NAME:
         raise TinyLMError(f"{ckpt} was not written by tinylm (format {meta.get('format')!r})")
     if meta.get("version") != FORMAT_VERSION:
@@ -167,21 +169,71 @@ def read_checkpoint_meta(path: str | Path) -> tuple[Path, dict]:
     return ckpt, meta
 
 
+def checkpoint_model_config(ckpt: Path, meta: dict) -> ModelConfig:
+    """The ``model_config`` of a checkpoint.json, every key type-checked and the shapes resolved."""
+    where = ckpt / "checkpoint.json"
+    raw = meta.get("model_config")
+    if not isinstance(raw, dict):
+        raise TinyLMError(f"{where} is corrupt (no \"model_config\" object)")
+    cfg = ModelConfig()
+    try:
+        apply_updates(cfg, {k: v for k, v in raw.items() if k in ModelConfig.__dataclass_fields__}, "model_config.")
+        return cfg.resolved()
+    except TinyLMError as exc:
+        raise TinyLMError(f"{where} is corrupt: {exc}") from exc
+
+
+def _approx_size(cfg: ModelConfig) -> int:
+    """Roughly the values a GPT of ``cfg`` allocates (weights and position tables), from above."""
+    head = cfg.d_attn // cfg.n_heads
+    per_layer = 2 * cfg.d_model * cfg.d_attn + 2 * cfg.d_model * head * cfg.n_kv_heads + 3 * cfg.d_model * cfg.d_ff
+    positions = {"learned": cfg.d_model, "sinusoidal": cfg.d_model, "rope": head}.get(cfg.positions, 0)
+    return 2 * cfg.vocab_size * max(cfg.d_embed, cfg.d_model) + cfg.context_length * positions + cfg.n_layers * per_layer
+
+
+def read_model_state(ckpt: Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """The weights in ``ckpt/model.safetensors``, checked against ``cfg`` (names, shapes, finite
+    values) before a model is built from them: a damaged file or config is named, never allocated."""
+    where = ckpt / "model.safetensors"
+    try:
+        state = load_file(str(where))
+    except Exception as exc:
+        raise TinyLMError(f"{where} is corrupt or unreadable ({exc})") from exc
+    stored = sum(t.numel() for t in state.values())
+    if _approx_size(cfg) > 4 * stored + (1 << 26):
+        raise TinyLMError(f"checkpoint {ckpt}: its model config describes a model far larger than the "
+                          f"{stored:,} values in {where.name}; checkpoint.json or {where.name} is corrupt")
+    if cfg.tie_weights and "tok_emb.weight" in state:
+        state["lm_head.weight"] = state["tok_emb.weight"]
+    for name, t in state.items():
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise TinyLMError(f"{where} holds non-finite values (nan/inf) in {name}; the run diverged or the "
+                              "file is corrupt")
+    return state
+
+
+def load_model_state(model: torch.nn.Module, ckpt: Path, state: dict[str, torch.Tensor]) -> None:
+    """``model.load_state_dict(state)``, with a mismatch named as a damaged checkpoint."""
+    try:
+        missing, unexpected = model.load_state_dict(state, strict=False)
+    except RuntimeError as exc:  # size mismatches; the first lines name the tensors
+        reason = "; ".join(line.strip() for line in str(exc).splitlines()[1:3])
+        raise TinyLMError(f"checkpoint {ckpt}: model.safetensors does not match its model config ({reason})") from exc
+    if missing or unexpected:
+        raise TinyLMError(f"checkpoint {ckpt}: model.safetensors does not match its model config (missing "
+                          f"{missing[:3]}, unexpected {unexpected[:3]})")
+
+
 def load_checkpoint(path: str | Path, device: str | torch.device = "cpu") -> tuple[GPT, Tokenizer, dict]:
     """(model in eval mode, tokenizer, checkpoint.json contents)."""
     ckpt, meta = read_checkpoint_meta(path)
-    known = set(ModelConfig.__dataclass_fields__)
-    cfg = ModelConfig(**{k: v for k, v in meta["model_config"].items() if k in known})
+    cfg = checkpoint_model_config(ckpt, meta)
+    state = read_model_state(ckpt, cfg)
     model = GPT(cfg)
-    try:
-        state = load_file(str(ckpt / "model.safetensors"))
-    except Exception as exc:
-        raise TinyLMError(f"{ckpt / 'model.safetensors'} is corrupt or unreadable ({exc})") from exc
-    if cfg.tie_weights:
-        state["lm_head.weight"] = state["tok_emb.weight"]
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    if missing or unexpected:
-        raise TinyLMError(f"checkpoint {ckpt} does not match its model config (missing {missing[:3]}, unexpected {unexpected[:3]})")
+    load_model_state(model, ckpt, state)
     tokenizer = load_tokenizer(ckpt / "tokenizer.json")
+    if tokenizer.vocab_size > cfg.vocab_size:  # its ids would index past the embedding
+        raise TinyLMError(f"checkpoint {ckpt}: tokenizer.json has {tokenizer.vocab_size} pieces but the model's "
+                          f"vocabulary has {cfg.vocab_size}; one of the two files is damaged")
     model.to(device).eval()
     return model, tokenizer, meta

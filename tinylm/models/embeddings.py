@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 import numpy as np
+import torch
 
 from tinylm.errors import TinyLMError
 
@@ -111,7 +112,7 @@ def read_fasttext_bin(path: str | Path, keep: Iterable[str] | None = None) -> Ve
     if not path.is_file():
         raise TinyLMError(f"FastText model {path} does not exist")
     try:
-        import fasttext
+        import fasttext  # deferred: optional (the fasttext-numpy2 wheel)
     except ImportError:
         fasttext = None
     if fasttext is not None:
@@ -125,7 +126,7 @@ def read_fasttext_bin(path: str | Path, keep: Iterable[str] | None = None) -> Ve
         known = {w: np.asarray(get(w), dtype=np.float32) for w in (keep if keep is not None else words) if w in words}
         return VectorSource(model.get_dimension(), known, lambda w: np.asarray(get(w), dtype=np.float32),
                             name=f"fasttext:{path.name}")
-    from gensim.models.fasttext import load_facebook_vectors
+    from gensim.models.fasttext import load_facebook_vectors  # deferred: gensim is optional and slow to import
 
     try:
         kv = load_facebook_vectors(str(path))
@@ -139,8 +140,8 @@ def read_gensim(path: str | Path, keep: Iterable[str] | None = None) -> VectorSo
     path = Path(path)
     if not path.is_file():
         raise TinyLMError(f"gensim vectors {path} do not exist")
-    from gensim.models import KeyedVectors
-    from gensim.utils import SaveLoad
+    from gensim.models import KeyedVectors  # deferred: gensim is optional and slow to import
+    from gensim.utils import SaveLoad  # deferred with the line above
 
     try:
         obj = SaveLoad.load(str(path))
@@ -153,7 +154,7 @@ def read_gensim(path: str | Path, keep: Iterable[str] | None = None) -> VectorSo
 
 
 def _from_keyed_vectors(kv, keep: Iterable[str] | None, name: str) -> VectorSource:
-    from gensim.models.fasttext import FastTextKeyedVectors
+    from gensim.models.fasttext import FastTextKeyedVectors  # deferred: gensim is optional and slow to import
 
     words = kv.key_to_index
     known = {w: np.asarray(kv.get_vector(w), dtype=np.float32) for w in (keep if keep is not None else words)
@@ -172,7 +173,7 @@ def train_fasttext(sentences: list[list[str]], vector_size: int, seed: int = 0, 
                    window: int = 5, min_count: int = 1, bucket: int = 200_000) -> VectorSource:
     """FastText vectors trained with gensim (one worker: reproducible for a seed). ``bucket``
     n-gram slots instead of FastText's 2M: at d_model 256 the default would take 2 GB."""
-    from gensim.models import FastText
+    from gensim.models import FastText  # deferred: gensim is optional and slow to import
 
     if not sentences or not any(sentences):
         raise TinyLMError("cannot train FastText vectors on an empty corpus")
@@ -318,8 +319,6 @@ def apply_pretrained_embeddings(model, tokenizer, emb_cfg, train_ids: np.ndarray
                                 out_dir: str | Path | None = None) -> EmbeddingReport | None:
     """Fill ``model.tok_emb`` from the source ``emb_cfg`` describes (None when kind is "none");
     writes ``embeddings.json`` (the coverage report) into ``out_dir`` when given."""
-    import torch
-
     kind = emb_cfg.kind
     if kind == "none":
         return None

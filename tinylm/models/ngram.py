@@ -32,15 +32,19 @@ keys never overflow (distinct n-grams <= stream length).
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from tinylm.constants import EOS_ID, SOS_ID
 from tinylm.errors import TinyLMError
+from tinylm.generation.processors import GenerationConfig
+from tinylm.generation.sampling import sample_from_context
 
 SMOOTHINGS = ("add_k", "interpolated", "kneser_ney")
 MAX_ORDER = 5
@@ -187,8 +191,6 @@ class NGramLM:
 
     def smoothed(self, smoothing: str, k: float | None = None) -> "NGramLM":
         """The same counts under another smoothing (no recount): a shallow copy."""
-        import copy
-
         other = NGramLM(self.order, self.V, smoothing, self.k if k is None else k, self.fixed_discounts)
         if hasattr(self, "levels"):
             state = {key: val for key, val in self.__dict__.items() if key not in ("smoothing", "k", "lambdas")}
@@ -428,26 +430,12 @@ class NGramLM:
         return math.exp(nll / n)
 
     def generate(self, prompt_ids, max_new_tokens: int = 50, temperature: float = 1.0, seed: int = 0,
-                 eos_id: int | None = EOS_ID) -> list[int]:
-        """Sample continuation ids; ``temperature`` rescales log-probabilities (0 = greedy)."""
-        if temperature < 0:
-            raise TinyLMError(f"temperature must be >= 0 (got {temperature})")
-        rng = np.random.default_rng(seed)
-        ctx, out = [int(t) for t in prompt_ids], []
-        for _ in range(max_new_tokens):
-            p = self.distribution(ctx)
-            p[SOS_ID] = 0.0  # never sample a document start inside a document
-            if temperature == 0:
-                nxt = int(np.argmax(p))
-            else:
-                logits = np.log(np.maximum(p, 1e-300)) / temperature
-                q = np.exp(logits - logits.max())
-                nxt = int(rng.choice(self.V, p=q / q.sum()))
-            if eos_id is not None and nxt == eos_id:
-                break
-            out.append(nxt)
-            ctx.append(nxt)
-        return out
+                 eos_id: int | None = EOS_ID, top_k: int | None = None, top_p: float | None = None) -> list[int]:
+        """Sample continuation ids from the log-probabilities, shaped as the GPT's logits are
+        (temperature 0 = greedy, top-k, top-p); see ``sample_from_context``."""
+        cfg = GenerationConfig(max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                               stop_ids=() if eos_id is None else (eos_id,))
+        return sample_from_context(lambda ctx: torch.from_numpy(self.distribution(ctx)).log(), prompt_ids, cfg)
 
     # ----------------------------------------------------------------------------- save/load
     def save(self, path: str | Path) -> Path:

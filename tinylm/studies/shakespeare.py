@@ -22,7 +22,6 @@ Outputs in the run directory: ``results.csv``, ``results.md`` (all tables), ``le
 
 from __future__ import annotations
 
-import csv
 import dataclasses
 import logging
 import math
@@ -30,9 +29,12 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
+import torch
+
 from tinylm.config import ModelConfig, RunConfig, apply_updates, parse_overrides, read_config
 from tinylm.constants import SOS_ID, UNK_ID
-from tinylm.data.cleaning import CleanOptions, clean_documents
+from tinylm.data.cleaning import clean_documents
 from tinylm.data.prepare import load_raw_documents, prepare
 from tinylm.errors import TinyLMError
 from tinylm.evaluation.perplexity import evaluate_split, metrics
@@ -41,6 +43,7 @@ from tinylm.models.checkpoint import load_checkpoint
 from tinylm.models.ngram import NGramLM
 from tinylm.pipeline import sample_prompts
 from tinylm.studies.shakespeare_report import write_outputs
+from tinylm.training.metrics import read_metrics
 from tinylm.training.trainer import train
 
 log = logging.getLogger(__name__)
@@ -157,8 +160,6 @@ def _sample_text(tokenizer, prompt: str, new_ids: list[int]) -> str:
 
 def study_tokenizer(cfg: StudyConfig, tok_name: str, tok_type: str, vocab: int, out: Path, state: dict, say) -> None:
     """All four stages for one tokenizer; rows, curves and samples go into ``state``."""
-    import numpy as np
-
     tok_dir = out / tok_name
     rc = run_config(cfg, tok_type, vocab, tok_dir)
     t0 = time.perf_counter()
@@ -174,7 +175,7 @@ def study_tokenizer(cfg: StudyConfig, tok_name: str, tok_type: str, vocab: int, 
 
     # Task 1: tokens per word and reconstruction on the validation documents
     raw = load_raw_documents(rc.data)["valid"]
-    valid_docs, _ = clean_documents(raw, CleanOptions.from_data_config(rc.data))
+    valid_docs, _ = clean_documents(raw, rc.data)
     exact = sum(tok.decode(tok.encode(d)) == d for d in valid_docs)
     vs = splits["valid"]
     state["tokenizers"].append({
@@ -243,15 +244,11 @@ def study_tokenizer(cfg: StudyConfig, tok_name: str, tok_type: str, vocab: int, 
 
     # Task 4: the GPT, through the tinylm trainer
     if cfg.gpt:
-        import torch
-
         torch.set_num_threads(cfg.threads)
         run_gpt(cfg, rc, prepared, tok_name, V, tok_dir / "gpt", state, say)
 
 
 def run_gpt(cfg: StudyConfig, rc, prepared, tok_name: str, V: int, gpt_dir: Path, state: dict, say) -> None:
-    import torch
-
     check_context_fits(prepared.splits, rc.model.context_length)
     t0 = time.perf_counter()
     result = train(rc, prepared, gpt_dir)
@@ -260,11 +257,8 @@ def run_gpt(cfg: StudyConfig, rc, prepared, tok_name: str, V: int, gpt_dir: Path
     ev = {name: evaluate_split(model, prepared.splits[name]) for name in ("valid", "test")}
     state["rows"].append(_row(tok_name, V, "gpt", None, f"{rc.model.n_layers}x{rc.model.d_model} ctx {rc.model.context_length}",
                               model.num_parameters(), ev["valid"], ev["test"], time.perf_counter() - t0))
-    curve = []
-    with open(gpt_dir / "metrics.csv") as f:
-        for r in csv.DictReader(f):
-            if r.get("val_loss"):
-                curve.append({"step": int(r["step"]), "train_loss": float(r["train_loss"]), "val_loss": float(r["val_loss"])})
+    curve = [{"step": r["step"], "train_loss": r["train_loss"], "val_loss": r["val_loss"]}
+             for r in read_metrics(gpt_dir / "metrics.csv") if r["val_loss"] is not None]
     state["curves"]["gpt"].append((tok_name, curve))
     for s in sample_prompts(model, tokenizer, rc.sample):
         state["samples"].append((tok_name, "GPT", s["prompt"], s["prompt"] + s["continuation"]))
@@ -281,8 +275,6 @@ def run_study(cfg: StudyConfig) -> dict:
         log.info(f"{time.perf_counter() - start:7.1f}s {msg}")
     state = {"rows": [], "tokenizers": [], "samples": [], "bigram_best": None, "bigram_sweep": [],
              "curves": {"gpt": [], "bigram": [], "bigram-sweep": []}}
-    import torch
-
     torch.set_num_threads(cfg.threads)
     for name, kind, vocab in tokenizer_settings(cfg):
         study_tokenizer(cfg, name, kind, vocab, out, state, say)

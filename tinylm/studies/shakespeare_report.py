@@ -9,6 +9,8 @@ import json
 import platform
 from pathlib import Path
 
+from tinylm.evaluation.plots import pyplot
+
 RESULT_COLUMNS = ["tokenizer", "vocab_size", "model", "order", "smoothing", "parameters", "valid_ppl", "test_ppl",
                   "valid_bpb", "test_bpb", "valid_tokens", "test_tokens", "seconds"]
 COMPARABILITY_NOTE = (
@@ -86,7 +88,7 @@ def write_markdown(cfg, state: dict, out: Path) -> None:
         for s in state["bigram_sweep"]:
             lines.append(f"| {s['d_embed']} | {s['weight_decay']} | {s['best_val_loss']:.4f} | {s['steps']} | {s['stopped']} |")
         lines += ["", "The best setting (first row) is used for every tokenizer."]
-    lines += ["", "Smoothings: laplace = add-1; add_0.1 = add-k with k = 0.1 (seed 004's); interpolated = "
+    lines += ["", "Smoothings: laplace = add-1; add_0.1 = add-k with k = 0.1; interpolated = "
               "Jelinek-Mercer with EM weights fitted on the validation split; kneser_ney = interpolated modified "
               "Kneser-Ney (D1, D2, D3+ per order, as KenLM). Learning curves: learning_curves.png; samples: samples.md.", ""]
     (out / "results.md").write_text("\n".join(lines), encoding="utf-8")
@@ -100,10 +102,7 @@ def write_samples(state: dict, out: Path) -> None:
 
 
 def plot_curves(state: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     panels = [(key, title) for key, title in (("gpt", "GPT validation loss"), ("bigram", "neural bigram validation loss"),
                                                ("bigram-sweep", "bigram sweep (first tokenizer)"))

@@ -3,7 +3,7 @@
 Each part is a function that writes its own file into the run directory and returns its results;
 the runner stores them as ``<part>.json`` with a key (a hash of the settings the part depends
 on). A re-run skips every part whose file holds the same key, so an interrupted run resumes. The
-report (tinylm.evaluation.report) only reads files.
+report (tinylm.studies.tinystories_report) only reads files.
 
     baseline        prepare + train + evaluate + sample (tinylm.pipeline)   eval.json, metrics.csv, ...
     bleu            BLEU protocol at each sampling temperature               bleu.json, bleu_samples_T*.csv
@@ -37,16 +37,16 @@ import numpy as np
 import torch
 
 from tinylm.config import RunConfig, apply_updates, parse_overrides, read_config
-from tinylm.data.cleaning import CleanOptions, clean_documents
+from tinylm.data.cleaning import clean_documents
 from tinylm.data.prepare import load_raw_documents, prepare
 from tinylm.errors import TinyLMError
 from tinylm.evaluation.plots import attention_html, attention_maps, plot_curves, save_attention_pngs
 from tinylm.evaluation.protocol import SAMPLING_TEMPERATURES, BleuProtocol, Decoding, run_bleu
-from tinylm.evaluation.report import write_report
 from tinylm.generation.generate import complete, generate
 from tinylm.generation.processors import GenerationConfig
 from tinylm.models.checkpoint import load_checkpoint
 from tinylm.pipeline import run_pipeline
+from tinylm.studies.tinystories_report import write_report
 from tinylm.studies.tradeoffs import Tradeoffs, alternated_runs
 
 log = logging.getLogger(__name__)
@@ -138,14 +138,13 @@ class Context:
             raw = load_raw_documents(self.cfg.data)
             if "valid" not in raw:
                 raise TinyLMError("no validation stories: give data.valid=PATH or a data.valid_fraction > 0")
-            self._valid_texts, _ = clean_documents(raw["valid"], CleanOptions.from_data_config(self.cfg.data))
+            self._valid_texts, _ = clean_documents(raw["valid"], self.cfg.data)
         return self._valid_texts
 
 
 # ----------------------------------------------------------------------------------------- parts
 def part_baseline(ctx: Context) -> dict:
-    for stale in ("metrics.csv", "eval.json"):  # a fresh training run must not append to an old log
-        (ctx.run_dir / stale).unlink(missing_ok=True)
+    (ctx.run_dir / "eval.json").unlink(missing_ok=True)  # a failed training run must not leave the old one
     summary = run_pipeline(ctx.cfg, ctx.run_dir)
     model, _ = ctx.model()
     return {"summary": summary, "parameters_total": model.num_parameters(),
@@ -254,16 +253,11 @@ def part_curves(ctx: Context) -> dict:
 
 
 def machine_info(threads: int | None = None) -> dict:
-    cpu = platform.processor() or ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    import cpuinfo  # deferred: slow to import, and get_cpu_info() probes the CPU in a subprocess
+
     info = {"platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
-            "cpu": cpu, "cpu_count": os.cpu_count(), "torch_threads": threads or torch.get_num_threads(),
+            "cpu": cpuinfo.get_cpu_info().get("brand_raw") or platform.processor(), "cpu_count": os.cpu_count(),
+            "torch_threads": threads or torch.get_num_threads(),
             "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
             "date_utc": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
     if hasattr(os, "getloadavg"):

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import csv
 import logging
 import statistics
 from dataclasses import dataclass
@@ -25,6 +24,7 @@ from tinylm.data.prepare import Prepared
 from tinylm.data.tokens import Batches
 from tinylm.training.grad_checkpoint import enable_grad_checkpointing
 from tinylm.training.memory import measure_step_activation_bytes
+from tinylm.training.metrics import read_metrics
 from tinylm.training.trainer import build_model, train
 
 log = logging.getLogger(__name__)
@@ -71,7 +71,7 @@ def _tradeoff_config(ctx: Tradeoffs, accum: int, checkpointing: bool) -> RunConf
 
 
 def _activation_bytes(ctx: Tradeoffs, cfg: RunConfig, checkpointing: bool) -> int:
-    """Peak bytes autograd saves in one forward + backward of one micro-batch (issue 3's meter)."""
+    """Peak bytes autograd saves in one forward + backward of one micro-batch (tinylm.training.memory's meter)."""
     prepared = ctx.prepared
     torch.manual_seed(cfg.train.seed)
     model = build_model(cfg, prepared.tokenizer.vocab_size).train()
@@ -86,7 +86,6 @@ def _tradeoff_run(ctx: Tradeoffs, name: str, accum: int, checkpointing: bool) ->
     cfg = _tradeoff_config(ctx, accum, checkpointing)
     out = ctx.out_dir / name
     out.mkdir(parents=True, exist_ok=True)
-    (out / "metrics.csv").unlink(missing_ok=True)
     prepared = ctx.prepared
     with quiet(trainer_log):
         result = train(cfg, prepared, out)
@@ -97,9 +96,8 @@ def _tradeoff_run(ctx: Tradeoffs, name: str, accum: int, checkpointing: bool) ->
         per_epoch = split.n_tokens / (cfg.train.batch_size * cfg.model.context_length)
     M = ctx.micro_batches
     # training time only: the metrics row of the last step is written before its validation and saves
-    with open(out / "metrics.csv", newline="") as f:
-        last = list(csv.DictReader(f))[-1]
-    seconds, tok_s = float(last["elapsed_s"]), float(last["tokens_per_s"])
+    last = read_metrics(out / "metrics.csv")[-1]
+    seconds, tok_s = last["elapsed_s"], last["tokens_per_s"]
     row = {"name": name, "accum_steps": accum, "grad_checkpointing": checkpointing, "micro_batch": cfg.train.batch_size,
            "effective_batch": cfg.train.batch_size * accum, "optimizer_steps": result.steps, "micro_batches": M,
            "final_train_loss": result.final_train_loss, "final_val_loss": result.best_val_loss,

@@ -34,6 +34,7 @@ import regex
 from tinylm.constants import SPECIAL_TOKENS
 from tinylm.errors import TinyLMError
 from tinylm.tokenizers.base import Tokenizer
+from tinylm.tokenizers.merges import merge_pairs
 
 GPT2_SPLIT = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 GPT4_SPLIT = (
@@ -76,6 +77,7 @@ class BPETokenizer(Tokenizer):
         self._split = compile_split(pattern)
         self.merges = [tuple(int(x) for x in m) for m in (merges or [])]
         self.ranks = {pair: i for i, pair in enumerate(self.merges)}
+        self._pair_merges = {pair: (i, FIRST_MERGE_ID + i) for i, pair in enumerate(self.merges)}
         self.token_bytes: list[bytes] = [s.encode() for s in SPECIAL_TOKENS] + [bytes([b]) for b in range(256)]
         for i, (a, b) in enumerate(self.merges):
             if not (0 <= a < FIRST_MERGE_ID + i and 0 <= b < FIRST_MERGE_ID + i) or a < BYTE_BASE or b < BYTE_BASE:
@@ -129,7 +131,7 @@ class BPETokenizer(Tokenizer):
         if n < 2:
             return tuple(ids)
         if n > _LONG_PIECE:
-            return tuple(merge_by_rank(ids, self.ranks))
+            return tuple(merge_pairs(ids, self._pair_merges.get))
         get, big = self.ranks.get, _NO_RANK
         ranks = list(map(get, zip(ids, ids[1:]), repeat(big, n - 1)))  # rank of pair (i, i+1)
         while True:
@@ -261,43 +263,6 @@ def learn_merges(words: list[list[int]], freqs: list[int], n_merges: int) -> lis
                 pair_counts.pop(p, None)
                 where.pop(p, None)
     return merges
-
-
-def merge_by_rank(ids: list[int], ranks: dict[tuple[int, int], int]) -> list[int]:
-    """Apply merges by rank (lowest first, leftmost first) in O(n log n) with a heap over a linked
-    list; the same result as repeatedly merging the lowest-ranked pair left to right, because a
-    merge only creates pairs of higher rank."""
-    n = len(ids)
-    tok = list(ids)
-    nxt = list(range(1, n + 1))
-    prv = list(range(-1, n - 1))
-    alive = [True] * n
-    heap = [(ranks[(tok[i], tok[i + 1])], i, tok[i], tok[i + 1]) for i in range(n - 1) if (tok[i], tok[i + 1]) in ranks]
-    heapq.heapify(heap)
-    while heap:
-        rank, i, a, b = heapq.heappop(heap)
-        j = nxt[i]
-        if not alive[i] or tok[i] != a or j >= n or tok[j] != b:
-            continue
-        new = FIRST_MERGE_ID + rank
-        tok[i] = new
-        alive[j] = False
-        k = nxt[i] = nxt[j]
-        if k < n:
-            prv[k] = i
-            r = ranks.get((new, tok[k]))
-            if r is not None:
-                heapq.heappush(heap, (r, i, new, tok[k]))
-        p = prv[i]
-        if p >= 0:
-            r = ranks.get((tok[p], new))
-            if r is not None:
-                heapq.heappush(heap, (r, p, tok[p], new))
-    out, i = [], 0
-    while i < n:
-        out.append(tok[i])
-        i = nxt[i]
-    return out
 
 
 def _merge(ids: list[int], pair: tuple[int, int], new_id: int) -> list[int]:

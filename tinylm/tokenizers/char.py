@@ -75,4 +75,7 @@ class CharTokenizer(Tokenizer):
 
     @classmethod
     def _from_state(cls, state: dict) -> "CharTokenizer":
-        return cls(state["chars"])
+        chars = state.get("chars")
+        if not isinstance(chars, list) or any(not isinstance(c, str) or len(c) != 1 for c in chars):
+            raise TinyLMError("char tokenizer file: \"chars\" must be a list of single characters")
+        return cls(chars)

@@ -49,7 +49,7 @@ def _visible(raw: bytes, table: dict[int, str]) -> str:
 def to_hf_tokenizer(tok: BPETokenizer):
     """A ``tokenizers.Tokenizer`` equivalent to ``tok`` (needs the ``tokenizers`` package)."""
     try:
-        from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+        from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers  # optional dependency
     except ImportError as exc:
         raise TinyLMError("exporting to Hugging Face needs the `tokenizers` package (pip install tokenizers)") from exc
     if not isinstance(tok, BPETokenizer):

@@ -51,7 +51,7 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
         return Llama2cTokenizer.from_file(path)
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
         raise TinyLMError(f"tokenizer file {path} is not a tinylm JSON tokenizer ({exc})") from exc
     if isinstance(data, dict) and "model" in data and "pre_tokenizer" in data:
         return import_hf(path)  # a Hugging Face tokenizer.json
@@ -63,6 +63,11 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
             f"this tinylm reads version {FORMAT_VERSION}"
         )
     kind = data.get("type")
-    if kind not in TOKENIZER_TYPES:
+    if not isinstance(kind, str) or kind not in TOKENIZER_TYPES:
         raise TinyLMError(f"unknown tokenizer type {kind!r} in {path} (known: {', '.join(TOKENIZER_TYPES)})")
-    return TOKENIZER_TYPES[kind]._from_state(data)
+    try:
+        return TOKENIZER_TYPES[kind]._from_state(data)
+    except TinyLMError as exc:
+        raise TinyLMError(f"tokenizer file {path} is corrupt: {exc}") from exc
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:  # a field of the wrong shape
+        raise TinyLMError(f"tokenizer file {path} is corrupt ({type(exc).__name__}: {exc})") from exc

@@ -16,9 +16,9 @@ Encoding (run.c ``encode``), reproduced rule for rule:
    loop like any other token, as in run.c;
 5. optional EOS (id 2).
 
-run.c rescans the whole sequence for every merge (quadratic); here a heap over a linked list
-gives the same merge order in O(n log n) (ties broken by position, which is run.c's leftmost
-rule because merging never reorders tokens). The tests compare both on random input.
+run.c rescans the whole sequence for every merge (quadratic); here ``merges.merge_pairs`` gives
+the same merge order in O(n log n), with the negated score as priority (ties go to the leftmost
+pair, as in run.c). The tests compare both on random input.
 
 Deviations, all on input run.c cannot receive or cannot resolve: a NUL character (run.c reads
 a C string and would stop there) is encoded as the byte piece ``<0x00>``; when two pieces have
@@ -28,7 +28,6 @@ the ``" "`` piece uses byte fallback for the dummy prefix (run.c would emit id -
 
 from __future__ import annotations
 
-import heapq
 import re
 import struct
 from pathlib import Path
@@ -36,6 +35,7 @@ from typing import Iterable
 
 from tinylm.errors import TinyLMError
 from tinylm.tokenizers.base import Tokenizer
+from tinylm.tokenizers.merges import merge_pairs
 
 UNK, BOS, EOS = 0, 1, 2
 BYTE_FALLBACK_BASE = 3  # id of <0x00>
@@ -43,6 +43,23 @@ _MIN_SCORE = -1e10  # run.c starts its best score here and compares with ">"
 # run.c's byte loop: a chunk is any byte followed by continuation bytes, at most 4 bytes long
 _CHUNK = re.compile(rb"[^\x80-\xbf][\x80-\xbf]{0,3}|[\x80-\xbf]{1,4}", re.DOTALL)
 _BYTE_PIECE = re.compile(rb"<0x([0-9A-Fa-f]{1,2})")  # what run.c's sscanf("<0x%02hhX>") accepts
+
+
+class _PairMerges(dict):
+    """(left id, right id) -> (-score, id) of the piece the two spell, or None when there is no
+    such piece with a score above run.c's floor. The score is negated because ``merge_pairs``
+    merges the lowest priority first. Filled on first use, so a repeated pair costs one dict
+    lookup and no Python call."""
+
+    def __init__(self, lookup: dict[bytes, int], cstr: list[bytes], scores: list[float]):
+        super().__init__()
+        self.lookup, self.cstr, self.scores = lookup, cstr, scores
+
+    def __missing__(self, pair: tuple[int, int]) -> tuple[float, int] | None:
+        i = self.lookup.get(self.cstr[pair[0]] + self.cstr[pair[1]])
+        hit = (-self.scores[i], i) if i is not None and self.scores[i] > _MIN_SCORE else None
+        self[pair] = hit
+        return hit
 
 
 class Llama2cTokenizer(Tokenizer):
@@ -82,7 +99,7 @@ class Llama2cTokenizer(Tokenizer):
             m = _BYTE_PIECE.match(p)
             if m:
                 self._byte_of_id[i] = int(m.group(1), 16)
-        self._pair_cache: dict[tuple[int, int], tuple[float, int] | None] = {}
+        self._pair_merges = _PairMerges(self._lookup, self._cstr, self.scores)
         self._chunk_cache: dict[bytes, tuple[int, ...]] = {}
 
     # ------------------------------------------------------------------------------- file io
@@ -120,6 +137,9 @@ class Llama2cTokenizer(Tokenizer):
             offset += length
         if vocab_size is not None and len(pieces) < vocab_size:
             raise TinyLMError(f"{name} holds {len(pieces)} pieces, fewer than the vocab_size {vocab_size} asked for")
+        if len(pieces) < BYTE_FALLBACK_BASE + 256:  # encode falls back to ids 3..258 for any byte
+            raise TinyLMError(f"{name} holds {len(pieces)} pieces; a llama2.c tokenizer.bin has at least "
+                              f"{BYTE_FALLBACK_BASE + 256} (<unk>, <s>, </s> and the 256 byte pieces)")
         return cls(pieces, scores, max_len)
 
     def to_bytes(self) -> bytes:
@@ -149,17 +169,6 @@ class Llama2cTokenizer(Tokenizer):
             self._chunk_cache[chunk] = ids
         return ids
 
-    def _pair(self, a: int, b: int) -> tuple[float, int] | None:
-        """(score, id) of the piece spelled by ``a`` then ``b``, or None (cached)."""
-        key = (a, b)
-        hit = self._pair_cache.get(key, False)
-        if hit is False:
-            i = self._lookup.get(self._cstr[a] + self._cstr[b])
-            score = self.scores[i] if i is not None else None
-            hit = (score, i) if score is not None and score > _MIN_SCORE else None
-            self._pair_cache[key] = hit
-        return hit
-
     def initial_ids(self, text: str | bytes, bos: bool = False) -> list[int]:
         """The ids before any merge: BOS, dummy prefix, one id per chunk (or per byte)."""
         data = text.encode("utf-8") if isinstance(text, str) else bytes(text)
@@ -172,50 +181,10 @@ class Llama2cTokenizer(Tokenizer):
         return ids
 
     def encode(self, text: str | bytes, bos: bool = False, eos: bool = False) -> list[int]:
-        ids = self._merge(self.initial_ids(text, bos))
+        ids = merge_pairs(self.initial_ids(text, bos), self._pair_merges.__getitem__)
         if eos:
             ids.append(EOS)
         return ids
-
-    def _merge(self, ids: list[int]) -> list[int]:
-        n = len(ids)
-        if n < 2:
-            return ids
-        tok = list(ids)
-        nxt = list(range(1, n + 1))  # n marks the end
-        prv = list(range(-1, n - 1))
-        heap = []
-        pair = self._pair
-        for i in range(n - 1):
-            hit = pair(tok[i], tok[i + 1])
-            if hit is not None:
-                heap.append((-hit[0], i, tok[i], tok[i + 1], hit[1]))
-        heapq.heapify(heap)
-        alive = [True] * n
-        while heap:
-            _, i, a, b, new = heapq.heappop(heap)
-            j = nxt[i]
-            if not alive[i] or tok[i] != a or j >= n or tok[j] != b:
-                continue  # stale entry: one of the two tokens changed since it was pushed
-            tok[i] = new
-            alive[j] = False
-            k = nxt[j]
-            nxt[i] = k
-            if k < n:
-                prv[k] = i
-                hit = pair(new, tok[k])
-                if hit is not None:
-                    heapq.heappush(heap, (-hit[0], i, new, tok[k], hit[1]))
-            p = prv[i]
-            if p >= 0:
-                hit = pair(tok[p], new)
-                if hit is not None:
-                    heapq.heappush(heap, (-hit[0], p, tok[p], new, hit[1]))
-        out, i = [], 0
-        while i < n:
-            out.append(tok[i])
-            i = nxt[i]
-        return out
 
     # ------------------------------------------------------------------------------- decode
     def decode_piece(self, prev_id: int, token_id: int) -> bytes:

@@ -155,7 +155,7 @@ class WordTokenizer(Tokenizer):
 
     @classmethod
     def _from_state(cls, state: dict) -> "WordTokenizer":
-        if not isinstance(state.get("words"), list):
+        if not isinstance(state.get("words"), list) or any(not isinstance(w, str) for w in state["words"]):
             raise TinyLMError("word tokenizer file: \"words\" must be a list of strings")
         return cls(state["words"], state.get("lowercase", False), state.get("pattern", WORD_PATTERN),
                    state.get("keep_punctuation", True), state.get("splitter", "regex"))
@@ -169,7 +169,7 @@ def _spacy_tokenizer():
     global _NLP
     if _NLP is None:
         try:
-            import spacy
+            import spacy  # deferred: optional, and slow to import; only splitter=spacy needs it
         except ImportError as exc:
             raise TinyLMError("splitter 'spacy' needs spaCy (pip install spacy); the default 'regex' needs nothing") from exc
         _NLP = spacy.blank("en").tokenizer

@@ -110,7 +110,7 @@ def cleanup(ctx: DistContext) -> None:
 def wrap_ddp(model: torch.nn.Module, ctx: DistContext, device: torch.device) -> torch.nn.Module:
     if not ctx.enabled:
         return model
-    from torch.nn.parallel import DistributedDataParallel
+    from torch.nn.parallel import DistributedDataParallel  # deferred: only multi-process runs wrap the model
 
     device_ids = [device.index] if device.type == "cuda" else None
     return DistributedDataParallel(model, device_ids=device_ids)

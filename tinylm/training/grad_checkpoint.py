@@ -73,7 +73,7 @@ def tinylm_checkpoint(block: nn.Module, x: torch.Tensor, rope=None, mask=None) -
 
 def torch_checkpoint(block: nn.Module, x: torch.Tensor, rope=None, mask=None) -> torch.Tensor:
     """The reference: PyTorch's non-reentrant checkpoint (also restores RNG state)."""
-    from torch.utils.checkpoint import checkpoint
+    from torch.utils.checkpoint import checkpoint  # deferred: only the reference implementation uses it
 
     return checkpoint(block, x, rope, mask, use_reentrant=False, preserve_rng_state=True)
 

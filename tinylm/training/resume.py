@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import random
-import re
 from pathlib import Path
 
 import numpy as np
@@ -38,7 +38,7 @@ from tinylm.config import (
     parse_overrides,
 )
 from tinylm.errors import TinyLMError
-from tinylm.models.checkpoint import REQUIRED_FILES, STEP_PREFIX
+from tinylm.models.checkpoint import REQUIRED_FILES, STEP_PREFIX, checkpoint_model_config, read_checkpoint_meta
 
 STATE_FILES = ("training_state.json", "optimizer.safetensors", "rng.safetensors")
 STATE_VERSION = 1
@@ -137,10 +137,11 @@ def find_resume_checkpoint(path: str | Path) -> Path:
     candidates = []
     for d in root.iterdir():
         if d.is_dir() and not d.name.endswith((".tmp", ".old")) and is_resumable(d):
-            meta = json.loads((d / "training_state.json").read_text())
+            step = read_training_state(d).get("step")
+            step = step if isinstance(step, int) and not isinstance(step, bool) else -1  # corrupt: named on load
             # newest step first; for one step prefer step-N, then last, then best
             rank = 2 if d.name.startswith(STEP_PREFIX) else 1 if d.name == "last" else 0
-            candidates.append((meta.get("step", -1), rank, d))
+            candidates.append((step, rank, d))
     if not candidates:
         raise TinyLMError(f"resume: {path} holds no complete resumable checkpoint "
                           f"(a directory with {', '.join(REQUIRED_FILES + STATE_FILES)})")
@@ -152,36 +153,107 @@ def run_dir_of(ckpt: Path) -> Path:
     return ckpt.parent.parent if ckpt.parent.name == "checkpoints" else ckpt.parent
 
 
+def read_training_state(ckpt: Path) -> dict:
+    """``training_state.json`` of a resumable checkpoint, as a JSON object; errors name the file."""
+    where = ckpt / "training_state.json"
+    try:
+        state = json.loads(where.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError) as exc:  # ValueError: not JSON, or not UTF-8
+        raise TinyLMError(f"resume: {where} is corrupt ({exc})") from exc
+    if not isinstance(state, dict):
+        raise TinyLMError(f"resume: {where} is corrupt (a JSON {type(state).__name__}, not an object)")
+    return state
+
+
+COUNTERS = {"step": int, "tokens_seen": int, "best_val": (int, float), "bad_evals": int, "world_size": int,
+            "data_position": int}
+
+
 def load_resume_state(path: str | Path) -> ResumeState:
     ckpt = find_resume_checkpoint(path)
+    checkpoint_model_config(*read_checkpoint_meta(ckpt))  # a damaged checkpoint.json: named now, not after training
+    state = read_training_state(ckpt)
     try:
-        state = json.loads((ckpt / "training_state.json").read_text())
         opt_tensors = load_file(str(ckpt / "optimizer.safetensors"))
         rng_tensors = load_file(str(ckpt / "rng.safetensors"))
     except Exception as exc:
         raise TinyLMError(f"resume: the training state in {ckpt} is unreadable ({exc})") from exc
     if state.get("version") != STATE_VERSION:
         raise TinyLMError(f"resume: {ckpt} has training-state version {state.get('version')}, expected {STATE_VERSION}")
-    opt_json = state["optimizer"]
-    entries: dict[int, dict] = {}
-    for key, value in [*opt_tensors.items(), *opt_json["scalars"].items()]:
-        idx, name = key.split(".", 1)
-        entries.setdefault(int(idx), {})[name] = value
-    groups = [{k: (tuple(v) if k == "betas" else v) for k, v in g.items()} for g in opt_json["param_groups"]]
-    rng_per_rank = []
-    for rank, info in enumerate(state["rng"]):
-        version, internal, gauss = info["python"]
-        name, pos, has_gauss, cached = info["numpy"]
-        rng_per_rank.append({
-            "torch_cpu": rng_tensors[f"rank{rank}.torch_cpu"],
-            "torch_cuda": [rng_tensors[f"rank{rank}.torch_cuda.{d}"] for d in range(info["cuda_devices"])],
-            "python": (version, internal, gauss),
-            "numpy": (name, rng_tensors[f"rank{rank}.numpy_key"], pos, has_gauss, cached),
-        })
-    counters = {k: state[k] for k in ("step", "tokens_seen", "best_val", "bad_evals", "world_size", "data_position")}
+    try:  # a damaged file of the three fails here, named, rather than in the middle of training
+        opt_json = state["optimizer"]
+        entries: dict[int, dict] = {}
+        for key, value in [*opt_tensors.items(), *opt_json["scalars"].items()]:
+            idx, name = key.split(".", 1)
+            entries.setdefault(int(idx), {})[name] = value
+        groups = [{k: (tuple(v) if k == "betas" else v) for k, v in g.items()} for g in opt_json["param_groups"]]
+        rng_per_rank = []
+        for rank, info in enumerate(state["rng"]):
+            version, internal, gauss = info["python"]
+            name, pos, has_gauss, cached = info["numpy"]
+            rng_per_rank.append({
+                "torch_cpu": rng_tensors[f"rank{rank}.torch_cpu"],
+                "torch_cuda": [rng_tensors[f"rank{rank}.torch_cuda.{d}"] for d in range(info["cuda_devices"])],
+                "python": (version, internal, gauss),
+                "numpy": (name, rng_tensors[f"rank{rank}.numpy_key"], pos, has_gauss, cached),
+            })
+        current = capture_rng()
+        try:  # every saved RNG state must be one this process can restore
+            for rng in rng_per_rank:
+                restore_rng(rng)
+        finally:
+            restore_rng(current)
+        counters = {k: state[k] for k in COUNTERS}
+        for k, kind in COUNTERS.items():
+            if isinstance(counters[k], bool) or not isinstance(counters[k], kind):
+                raise TypeError(f"{k} is {counters[k]!r}")
+        if len(rng_per_rank) != counters["world_size"]:
+            raise ValueError(f"{len(rng_per_rank)} RNG states for world_size {counters['world_size']}")
+        if not isinstance(state.get("scaler", {}), dict):
+            raise TypeError(f"scaler is {state['scaler']!r}")
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError, RuntimeError, OverflowError) as exc:
+        raise TinyLMError(f"resume: the training state in {ckpt} ({', '.join(STATE_FILES)}) is corrupt "
+                          f"({type(exc).__name__}: {exc})") from exc
     run_config = load_config_file(ckpt / "config.yaml") if (ckpt / "config.yaml").is_file() else {}
-    return ResumeState(ckpt, int(state["step"]), counters, {"state": entries, "param_groups": groups},
+    return ResumeState(ckpt, state["step"], counters, {"state": entries, "param_groups": groups},
                        state.get("scaler", {}), rng_per_rank, run_config)
+
+
+def _same_kind(fresh, saved) -> bool:
+    """Whether a saved optimizer setting can stand in for the fresh optimizer's value."""
+    if fresh is None:
+        return saved is None or isinstance(saved, bool)
+    if isinstance(fresh, (bool, str)):
+        return type(saved) is type(fresh)
+    if isinstance(fresh, (int, float)):
+        return isinstance(saved, (int, float)) and not isinstance(saved, bool) and math.isfinite(saved)
+    if isinstance(fresh, (tuple, list)):
+        return isinstance(saved, (tuple, list)) and len(saved) == len(fresh) and all(map(_same_kind, fresh, saved))
+    return True
+
+
+def restore_optimizer(optimizer: torch.optim.Optimizer, state: ResumeState) -> None:
+    """Load the saved optimizer state, checked against this model's parameters and settings first:
+    a moment of the wrong shape or a setting of the wrong type would otherwise fail only inside
+    a later optimizer step."""
+    where = f"resume: the optimizer state in {state.path}"
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    for idx, entry in state.optimizer_state["state"].items():
+        if not 0 <= idx < len(params):
+            raise TinyLMError(f"{where} is for parameter {idx}; the model has {len(params)}")
+        for name, value in entry.items():
+            if isinstance(value, torch.Tensor) and value.dim() and value.shape != params[idx].shape:
+                raise TinyLMError(f"{where} does not fit the model: {idx}.{name} has shape {tuple(value.shape)}, "
+                                  f"the parameter {tuple(params[idx].shape)}")
+    saved_groups = state.optimizer_state["param_groups"]
+    for fresh, saved in zip(optimizer.param_groups, saved_groups):
+        bad = [k for k, v in fresh.items() if k != "params" and k in saved and not _same_kind(v, saved[k])]
+        if bad:
+            raise TinyLMError(f"{where} has a bad {bad[0]} ({saved[bad[0]]!r})")
+    try:
+        optimizer.load_state_dict(state.optimizer_state)
+    except (ValueError, KeyError, TypeError, RuntimeError) as exc:
+        raise TinyLMError(f"{where} does not fit the model ({exc})") from exc
 
 
 # --------------------------------------------------------------------------------- config check
@@ -226,6 +298,9 @@ def resume_run_config(resume: str | Path, config_path: str | None, overrides: li
     if not (state_dir / "config.yaml").is_file():
         raise TinyLMError(f"resume: {state_dir} has no config.yaml")
     saved = load_config_file(state_dir / "config.yaml")
+    missing = [k for k in ("data", "tokenizer", "model", "train") if not isinstance(saved.get(k), dict)]
+    if missing:  # else every key would be reported as a change the user asked for
+        raise TinyLMError(f"resume: {state_dir / 'config.yaml'} is damaged (no {', '.join(missing)} section)")
     if config_path is not None:
         requested = build_config(config_path, overrides, quick=quick)
     else:
@@ -239,8 +314,3 @@ def resume_run_config(resume: str | Path, config_path: str | None, overrides: li
 
 def step_dir_name(step: int) -> str:
     return f"{STEP_PREFIX}{step:07d}"
-
-
-def step_of(name: str) -> int | None:
-    m = re.fullmatch(rf"{STEP_PREFIX}(\d+)", name)
-    return int(m.group(1)) if m else None

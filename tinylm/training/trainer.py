@@ -13,12 +13,11 @@ Determinism, which exact resume and the data-parallel equivalence rest on:
 from __future__ import annotations
 
 import contextlib
-import csv
 import dataclasses
 import logging
 import math
-import os
 import random
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,27 +30,26 @@ from tinylm.constants import IGNORE_INDEX
 from tinylm.data.prepare import Prepared
 from tinylm.data.tokens import Batches
 from tinylm.errors import TinyLMError
-from tinylm.models.checkpoint import prune_step_checkpoints, save_checkpoint
+from tinylm.models.checkpoint import load_model_state, prune_step_checkpoints, read_model_state, save_checkpoint
 from tinylm.models.embeddings import apply_pretrained_embeddings
 from tinylm.models.gpt import GPT, eval_mode
 from tinylm.training import distributed as dist_utils
 from tinylm.training.distributed import DistContext, all_reduce_sum, shard_rows
 from tinylm.training.grad_checkpoint import enable_grad_checkpointing, make_checkpoint_fn
+from tinylm.training.metrics import MetricsLog
 from tinylm.training.optim import lr_at, make_optimizer, wall_schedule_enabled
 from tinylm.training.precision import autocast, check_precision, make_grad_scaler
 from tinylm.training.resume import (
     capture_rng,
     check_resume_config,
     load_resume_state,
+    restore_optimizer,
     restore_rng,
     state_payload,
     step_dir_name,
 )
 
 log = logging.getLogger(__name__)
-
-METRICS_COLUMNS = ["step", "tokens", "lr", "train_loss", "val_loss", "val_ppl", "tokens_per_s", "elapsed_s"]
-
 
 @dataclass
 class TrainResult:
@@ -174,34 +172,9 @@ def validation_loss(model, batches: Batches, cfg: RunConfig, device, precision: 
     return total / max(count, 1)
 
 
-class MetricsLog:
-    def __init__(self, path: Path, columns=METRICS_COLUMNS):
-        self.path, self.columns = path, columns
-        if not path.exists():
-            with open(path, "w", newline="") as f:
-                csv.writer(f).writerow(columns)
-
-    def write(self, row: dict) -> None:
-        with open(self.path, "a", newline="") as f:
-            csv.writer(f).writerow(["" if row.get(c) is None else row[c] for c in self.columns])
-
-    def truncate_after(self, step: int) -> int:
-        """Drop rows logged after ``step`` (a resumed run writes them again); returns rows dropped."""
-        with open(self.path, newline="") as f:
-            rows = list(csv.reader(f))
-        if not rows:
-            return 0
-        keep = [rows[0]] + [r for r in rows[1:] if r and r[0].isdigit() and int(r[0]) <= step]
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        with open(tmp, "w", newline="") as f:
-            csv.writer(f).writerows(keep)
-        os.replace(tmp, self.path)
-        return len(rows) - len(keep)
-
-
 def _tensorboard_writer(out_dir: Path):
     try:
-        from torch.utils.tensorboard import SummaryWriter
+        from torch.utils.tensorboard import SummaryWriter  # deferred: optional, and slow to import
     except ImportError as exc:
         raise TinyLMError("train.tensorboard=true needs the tensorboard package (pip install tensorboard)") from exc
     return SummaryWriter(log_dir=str(out_dir / "tensorboard"))
@@ -253,20 +226,15 @@ def _train(cfg: RunConfig, prepared: Prepared, out_dir: Path, say, resume, force
         enable_grad_checkpointing(model, tc.checkpoint_impl)
 
     start_step, tokens_seen, best_val, bad_evals = 0, 0, math.inf, 0
-    metrics = MetricsLog(out_dir / "metrics.csv") if ctx.is_main else None
+    metrics = MetricsLog(out_dir / "metrics.csv", fresh=resume is None) if ctx.is_main else None
     if resume is not None:
         state = load_resume_state(resume)
         check_resume_config(state.run_config, cfg.to_dict(), force)
         if state.counters["world_size"] != ctx.world_size:
             raise TinyLMError(f"resume: {state.path} was written by {state.counters['world_size']} process(es) and "
                               f"this run has {ctx.world_size}; resume with the same number of processes")
-        from safetensors.torch import load_file
-
-        weights = load_file(str(state.path / "model.safetensors"))
-        if model.config.tie_weights:
-            weights["lm_head.weight"] = weights["tok_emb.weight"]
-        model.load_state_dict(weights)
-        optimizer.load_state_dict(state.optimizer_state)
+        load_model_state(model, state.path, read_model_state(state.path, model.config))
+        restore_optimizer(optimizer, state)
         if state.scaler_state:
             scaler.load_state_dict(state.scaler_state)
         start_step = state.step
@@ -294,7 +262,7 @@ def _train(cfg: RunConfig, prepared: Prepared, out_dir: Path, say, resume, force
     session_tokens, start = 0, time.perf_counter()
     progress = None
     if tc.progress and ctx.is_main:
-        from tqdm.auto import tqdm
+        from tqdm.auto import tqdm  # deferred: only runs with a progress bar need it
 
         progress = tqdm(total=tc.max_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True,
                         leave=False, disable=None)  # None: off when stderr is not a terminal (CI logs)
@@ -379,7 +347,10 @@ def _train(cfg: RunConfig, prepared: Prepared, out_dir: Path, say, resume, force
                 save("best", step + 1, val)
             msg = (f"step {step + 1}: train {last_loss:.4f}, valid {val:.4f} (ppl {math.exp(min(val, 50)):.2f}), "
                    f"{tok_s:,.0f} tok/s")
-            (progress.write if progress is not None else say)(msg)
+            if progress is not None:  # above the bar, on stderr with it
+                progress.write(msg, file=sys.stderr)
+            else:
+                say(msg)
             if tc.early_stopping_patience and bad_evals >= tc.early_stopping_patience:
                 stopped = "early_stopping"
                 say(f"train: early stopping at step {step + 1}: no validation improvement in {bad_evals} evaluations")

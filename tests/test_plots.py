@@ -7,15 +7,16 @@ import re
 import numpy as np
 import pytest
 import torch
-
 from conftest import make_stories
+
 from tinylm.cli import main
 from tinylm.config import ModelConfig
 from tinylm.errors import TinyLMError
+from tinylm.evaluation.plots import attention_html, attention_maps, plot_curves, save_attention_pngs
+from tinylm.models.checkpoint import save_checkpoint
 from tinylm.models.gpt import GPT
 from tinylm.tokenizers import WordTokenizer
-from tinylm.models.checkpoint import save_checkpoint
-from tinylm.evaluation.plots import attention_html, attention_maps, plot_curves, read_metrics, save_attention_pngs
+from tinylm.training.metrics import read_metrics
 
 TEXT = "Tom had a red ball. He threw the ball to his dog."
 
@@ -77,6 +78,7 @@ def test_text_longer_than_the_context_is_a_clear_error(model_and_tokenizer):
         attention_maps(model, tok, "   ")
 
 
+@pytest.mark.slow  # draws a PNG per head
 def test_png_grid_and_self_contained_html(model_and_tokenizer, tmp_path):
     model, tok = model_and_tokenizer
     maps = attention_maps(model, tok, TEXT)
@@ -88,27 +90,38 @@ def test_png_grid_and_self_contained_html(model_and_tokenizer, tmp_path):
     assert not re.search(r"(src|href)=['\"]?(https?:)?//", page)  # no CDN, no remote anything
     data = json.loads(re.search(r'<script type="application/json" id="data">(.*?)</script>', page, re.S).group(1))
     assert data["tokens"][3] == "</script><b>"
+    maps.text = "a <b>bold</b> & plain text"
+    page = attention_html(maps, tmp_path / "b.html").read_text()
+    assert "a &lt;b&gt;bold&lt;/b&gt; &amp; plain text" in page and "<b>bold" not in page  # autoescaped
     w = np.array(data["weights"][1][2])  # layer 1, head 2
     np.testing.assert_allclose(w, maps.weights[1][2], atol=1e-4)
 
 
+@pytest.mark.slow  # draws a PNG
 def test_curves_from_metrics_csv(tmp_path):
     csv_path = tmp_path / "metrics.csv"
     csv_path.write_text("step,tokens,lr,train_loss,val_loss,val_ppl,tokens_per_s,elapsed_s\n"
                         "10,100,1e-3,5.0,,,10,1\n20,200,1e-3,4.0,4.5,90.0,10,2\n30,300,1e-3,3.5,,,10,3\n"
                         "40,400,1e-3,3.0,3.6,36.6,10,4\n")
-    series = read_metrics(csv_path)
-    assert series["train_loss"] == [(10, 5.0), (20, 4.0), (30, 3.5), (40, 3.0)]
-    assert series["val_loss"] == [(20, 4.5), (40, 3.6)]
+    rows = read_metrics(csv_path)
+    assert [(r["step"], r["train_loss"]) for r in rows] == [(10, 5.0), (20, 4.0), (30, 3.5), (40, 3.0)]
+    assert [(r["step"], r["val_loss"]) for r in rows if r["val_loss"] is not None] == [(20, 4.5), (40, 3.6)]
+    assert rows[0]["val_loss"] is None and rows[0]["val_ppl"] is None and rows[1]["lr"] == 1e-3  # empty cell: None
     png = plot_curves(csv_path, tmp_path / "curves.png")
     assert png.read_bytes()[:4] == b"\x89PNG"
     with pytest.raises(TinyLMError, match="no metrics file"):
         plot_curves(tmp_path / "nope.csv", tmp_path / "x.png")
+    with pytest.raises(TinyLMError, match="no metrics file"):
+        read_metrics(tmp_path / "nope.csv")
     (tmp_path / "empty.csv").write_text("step,train_loss,val_loss\n")
     with pytest.raises(TinyLMError, match="no loss values"):
-        read_metrics(tmp_path / "empty.csv")
+        plot_curves(tmp_path / "empty.csv", tmp_path / "x.png")
+    (tmp_path / "bad.csv").write_text("step,train_loss,val_loss\n10,oops,\n")
+    with pytest.raises(TinyLMError, match="not a number"):
+        read_metrics(tmp_path / "bad.csv")
 
 
+@pytest.mark.slow  # draws a PNG per head
 def test_attention_cli(model_and_tokenizer, tmp_path, capsys):
     model, tok = model_and_tokenizer
     ckpt = save_checkpoint(tmp_path / "ckpt", model, tok)

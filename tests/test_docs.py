@@ -1,0 +1,307 @@
+"""Every command the documentation shows is checked against the real CLI.
+
+The pages are README.md and docs/*.md (docs/notes/ is a record of past work and is left alone).
+Commands live in fenced ```bash blocks; a line continued with a backslash is one command.
+
+* `tinylm ...` (or `.venv/bin/tinylm ...`, or `torchrun ... -m tinylm.cli ...`) is parsed by the
+  real parser (`tinylm.cli.build_parser`), and its configuration is built and checked the way the
+  command builds it: `build_config` for demo/prepare/train (then the model's shapes are resolved),
+  `load_experiment_config` for experiments, `load_study_config` for study, a validated
+  `GenerationConfig` for generate. A renamed flag, an unknown preset or a bad override key in the
+  docs fails here.
+* `make TARGET` must name a Makefile target (and `make demo ARGS="..."` must parse as `tinylm demo`).
+* `.venv/bin/python benchmarks/X.py --flag ...` must name a script that defines each flag.
+* A block whose fence follows the line `<!-- tested: runs -->` is also run end to end, as a bash
+  script in a temporary directory with the virtualenv's `bin` first on PATH (the slow test):
+  README.md's blocks first (they make `runs/demo-quick`), then docs/*.md in name order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import functools
+import io
+import os
+import re
+import shlex
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+RUNS_MARK = "<!-- tested: runs -->"
+# the programs a documented command line may start with; anything else in a bash block is a typo
+PROGRAMS = ("tinylm", ".venv/bin/tinylm", "make", "torchrun", ".venv/bin/python", "python", "bash", "printf")
+FENCE = re.compile(r"^(\s*)(`{3,})\s*([\w+-]*)")
+# a command line (not an error message such as "tinylm train: error: ...") outside a bash block
+STRAY_COMMAND = re.compile(r"^\s*(\$\s+)?(\.venv/bin/)?tinylm\s+(?![\w-]+:)[\w-]+")
+
+
+@dataclass
+class Block:
+    page: Path
+    line: int  # 1-based line of the opening fence
+    lang: str
+    text: str
+    runs: bool
+
+
+@dataclass
+class Command:
+    where: str  # page:line
+    text: str
+    argv: list[str]
+
+
+def read_blocks(page: Path) -> tuple[list[Block], list[tuple[int, str]]]:
+    """Fenced blocks of a page, and the lines outside them (with their numbers)."""
+    blocks, outside = [], []
+    lines = page.read_text(encoding="utf-8").splitlines()
+    i = 0
+    while i < len(lines):
+        m = FENCE.match(lines[i])
+        if not m:
+            outside.append((i + 1, lines[i]))
+            i += 1
+            continue
+        ticks, lang, start = m.group(2), m.group(3).lower(), i
+        prev = next((lines[j].strip() for j in range(i - 1, -1, -1) if lines[j].strip()), "")
+        body = []
+        i += 1
+        while i < len(lines) and lines[i].strip() != ticks:
+            body.append(lines[i])
+            i += 1
+        assert i < len(lines), f"{page.name}:{start + 1}: code block never closed"
+        blocks.append(Block(page, start + 1, lang, "\n".join(body), prev == RUNS_MARK))
+        i += 1
+    return blocks, outside
+
+
+def block_commands(block: Block) -> list[Command]:
+    """Logical command lines of a bash block: continuations joined, comments and blanks skipped."""
+    out, pending, first = [], "", 0
+    for n, raw in enumerate(block.text.splitlines(), start=block.line + 1):
+        line = raw.strip()
+        if not pending and (not line or line.startswith("#")):
+            continue
+        if not pending:
+            first = n
+        if line.endswith("\\"):
+            pending += line[:-1] + " "
+            continue
+        text = (pending + line).strip()
+        pending = ""
+        out.append(Command(f"{block.page.name}:{first}", text, shlex.split(text, comments=True)))
+    assert not pending, f"{block.page.name}:{first}: command ends with a backslash"
+    return out
+
+
+ALL_BLOCKS = [b for page in PAGES for b in read_blocks(page)[0]]
+BASH_BLOCKS = [b for b in ALL_BLOCKS if b.lang in ("bash", "sh", "shell")]
+COMMANDS = [c for b in BASH_BLOCKS for c in block_commands(b)]
+RUN_BLOCKS = [b for b in BASH_BLOCKS if b.runs]
+
+
+# ------------------------------------------------------------------------------- the checks
+@functools.lru_cache(maxsize=None)
+def parser():
+    from tinylm.cli import build_parser
+
+    return build_parser()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _presets_read_once():
+    """About 80 commands name the same five presets; read each file once (a fresh copy per call)."""
+    import tinylm.config as config
+
+    cached = functools.lru_cache(maxsize=None)(config.load_config_file)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(config, "load_config_file", lambda spec: copy.deepcopy(cached(str(spec))))
+        yield
+
+
+def parse_tinylm(argv: list[str]):
+    """(namespace, overrides) the way `tinylm.cli.main` reads argv; fails on what it would refuse."""
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            ns, extra = parser().parse_known_args(argv)
+    except SystemExit as exc:
+        if exc.code in (0, None) and any(a in ("-h", "--help", "--version") for a in argv):
+            return None, []
+        pytest.fail(f"the parser refused it: {err.getvalue().strip()}")
+    overrides = list(getattr(ns, "overrides", None) or [])
+    if extra:
+        if not hasattr(ns, "overrides") or not all("=" in a and not a.startswith("-") for a in extra):
+            pytest.fail(f"unrecognized arguments: {' '.join(extra)}")
+        overrides += extra
+    return ns, overrides
+
+
+def check_model_shapes(cfg) -> None:
+    model = cfg.model
+    if not model.vocab_size:
+        model = dataclasses.replace(model, vocab_size=max(cfg.tokenizer.vocab_size, 300))
+    model.resolved()
+
+
+def check_config(ns, overrides: list[str]) -> None:
+    """Build and check the configuration the command would run with."""
+    from tinylm.config import build_config
+
+    name = ns.command
+    if name in ("demo", "prepare", "train"):
+        if getattr(ns, "resume", None):  # the checkpoint's config, then these overrides
+            cfg = build_config(ns.config, overrides, quick=ns.quick) if ns.config else build_config(None, overrides)
+        else:
+            cfg = build_config(ns.config, overrides, quick=ns.quick)
+        check_model_shapes(cfg)
+    elif name == "experiments":
+        from tinylm.studies.tinystories import load_experiment_config
+
+        cfg, _ = load_experiment_config(ns.config, overrides, quick=ns.quick)
+        check_model_shapes(cfg)
+    elif name == "study":
+        from tinylm.studies.shakespeare import load_study_config
+
+        load_study_config(ns.config, overrides, quick=ns.quick)
+    elif name == "generate":
+        from tinylm.cli import GenerateOptions, options_from
+        from tinylm.generation.processors import GenerationConfig
+
+        a = options_from(ns, GenerateOptions)
+        shared = {f.name for f in dataclasses.fields(GenerationConfig)} & {f.name for f in dataclasses.fields(a)}
+        GenerationConfig(**{k: getattr(a, k) for k in shared}, stop_strings=tuple(a.stop),
+                         use_cache=not a.no_cache).validate()
+        assert a.prompt or a.prompts_file, "generate needs --prompt or --prompts-file"
+        assert not (a.stream and a.beam_width > 1), "--stream does not work with --beam-width > 1"
+
+
+def check_tinylm(argv: list[str]) -> None:
+    ns, overrides = parse_tinylm(argv)
+    if ns is not None:
+        check_config(ns, overrides)
+
+
+def makefile_targets() -> set[str]:
+    text = (ROOT / "Makefile").read_text(encoding="utf-8")
+    return set(re.findall(r"^([\w-]+)\s*:(?!=)", text, re.M))
+
+
+def check_command(cmd: Command) -> None:
+    argv = cmd.argv
+    program = argv[0]
+    assert program in PROGRAMS, f"unexpected program {program!r} (a typo, or add it to PROGRAMS)"
+    if program in ("tinylm", ".venv/bin/tinylm"):
+        check_tinylm(argv[1:])
+    elif program == "torchrun":
+        assert "-m" in argv and argv[argv.index("-m") + 1] == "tinylm.cli", "torchrun must run -m tinylm.cli"
+        check_tinylm(argv[argv.index("-m") + 2:])
+    elif program == "make":
+        targets = [a for a in argv[1:] if "=" not in a]
+        vars_ = dict(a.split("=", 1) for a in argv[1:] if "=" in a)
+        missing = [t for t in targets if t not in makefile_targets()]
+        assert targets and not missing, f"no Makefile target {missing or '(none given)'}"
+        if "demo" in targets and "ARGS" in vars_:
+            check_tinylm(["demo", *shlex.split(vars_["ARGS"])])
+    elif program in (".venv/bin/python", "python", "bash") and len(argv) > 1 and argv[1].startswith("benchmarks/"):
+        script = ROOT / argv[1]
+        assert script.is_file(), f"{argv[1]} does not exist"
+        source = script.read_text(encoding="utf-8")
+        for flag in (a.split("=")[0] for a in argv[2:] if a.startswith("--")):
+            assert f'"{flag}"' in source, f"{argv[1]} has no option {flag}"
+    elif program in (".venv/bin/python", "python"):
+        pytest.fail("a python command that is not a benchmark script: document it as a ```python block")
+
+
+# ------------------------------------------------------------------------------------ tests
+def test_pages_exist_and_are_linked_from_the_readme():
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    stages = ["data", "tokenizers", "models", "training", "generation", "evaluation", "studies", "interop",
+              "tinystories-cpu-1h"]
+    for stage in stages:
+        assert (ROOT / "docs" / f"{stage}.md").is_file(), stage
+        assert f"(docs/{stage}.md" in readme, f"README.md does not link docs/{stage}.md"
+    assert len(readme.splitlines()) < 200
+
+
+def anchors(page: Path) -> set[str]:
+    """GitHub's heading anchors: lowercased, punctuation other than '-' dropped, spaces to '-'."""
+    heads = re.findall(r"^#+\s+(.*)$", page.read_text(encoding="utf-8"), re.M)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in heads}
+
+
+def test_relative_links_resolve():
+    broken = []
+    for page in PAGES:
+        text = re.sub(r"```.*?```", "", page.read_text(encoding="utf-8"), flags=re.S)
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"[a-z]+:", target):
+                continue
+            path, _, anchor = target.partition("#")
+            dest = (page.parent / path).resolve() if path else page
+            if not dest.exists() or (anchor and dest.suffix == ".md" and anchor not in anchors(dest)):
+                broken.append(f"{page.name}: {target}")
+    assert not broken, "broken links: " + ", ".join(broken)
+
+
+def test_every_command_is_in_a_checked_block():
+    """A command shown outside a ```bash block would escape these tests."""
+    stray = []
+    for page in PAGES:
+        blocks, outside = read_blocks(page)
+        for b in blocks:
+            if b.lang not in ("bash", "sh", "shell"):
+                stray += [f"{page.name}:{b.line} ({b.lang or 'no language'})" for line in b.text.splitlines()
+                          if STRAY_COMMAND.match(line)]
+        stray += [f"{page.name}:{n} (indented code)" for n, line in outside
+                  if line.startswith("    ") and STRAY_COMMAND.match(line)]
+    assert not stray, "commands outside ```bash blocks: " + ", ".join(stray)
+
+
+def test_commands_were_found():
+    programs = {c.argv[0] for c in COMMANDS}
+    assert len(COMMANDS) > 40 and {"tinylm", "make", "torchrun"} <= programs
+    assert RUN_BLOCKS and RUN_BLOCKS[0].page.name == "README.md"
+
+
+@pytest.mark.parametrize("cmd", COMMANDS, ids=[c.where for c in COMMANDS])
+def test_documented_command(cmd):
+    check_command(cmd)
+
+
+@pytest.mark.parametrize("argv, fails", [
+    ("tinylm train --config no-such-preset", "no-such-preset"),
+    ("tinylm train --config demo model.no_such_key=1", "no_such_key"),
+    ("tinylm generate --checkpoint runs/demo --prompt x --tmperature 0", "--tmperature"),
+    ("tinylm study shakespeare --quick no_such_field=1", "no_such_field"),
+    ("tinylm experiments --config tinystories-assignment experiments.no_such=1", "no_such"),
+    ("make no-such-target", "no-such-target"),
+    (".venv/bin/python benchmarks/bench_training.py --no-such-flag", "--no-such-flag"),
+])
+def test_the_checks_catch_mistakes(argv, fails):
+    cmd = Command("self-test", argv, shlex.split(argv))
+    with pytest.raises((Exception, pytest.fail.Exception)) as info:
+        check_command(cmd)
+    assert fails in str(info.value)
+
+
+@pytest.mark.slow
+def test_runnable_blocks_run_end_to_end(tmp_path):
+    """The blocks marked `<!-- tested: runs -->`, in order, in one temporary directory."""
+    (tmp_path / ".venv").symlink_to(ROOT / ".venv")
+    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
+    order = sorted(RUN_BLOCKS, key=lambda b: (b.page.name != "README.md", b.page.name, b.line))
+    for block in order:
+        done = subprocess.run(["bash", "-e", "-o", "pipefail", "-c", block.text], cwd=tmp_path, env=env,
+                              capture_output=True, text=True, timeout=900)
+        assert done.returncode == 0, (f"{block.page.name}:{block.line} failed ({done.returncode}):\n"
+                                      f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+        assert done.stdout.strip(), f"{block.page.name}:{block.line} printed nothing on stdout"

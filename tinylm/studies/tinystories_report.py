@@ -1,0 +1,208 @@
+"""`report.md` and `report.html` of a `tinylm experiments` run (it has ``experiments.json``): the
+training run's sections (tinylm.evaluation.report) plus every table and figure of the TinyStories
+assignment. Every number is read from the parts' files; a part that has not run, failed or is
+stale is listed at the top as missing.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tinylm.evaluation import report
+from tinylm.evaluation.report import Doc, safely
+
+
+def _mib(n) -> str:
+    return "missing" if n is None else f"{n / 2**20:.2f} MiB"
+
+
+def _bleu_rows(settings):
+    rows = []
+    for s in settings:
+        if "missing" in s:
+            rows.append((s["name"], *(["missing"] * 5), "missing: " + s["missing"]))
+            continue
+        rows.append((s["name"], s["bleu1"], s["bleu2"], s["bleu3"], s["bleu4"], f"{s['sacrebleu']['bleu']:.2f}",
+                     f"{s['tokens_per_s']:.0f}"))
+    return rows
+
+
+def _part_ok(doc: Doc, part, name: str, what: str) -> bool:
+    if part is None:
+        doc.lack(f"{name}.json ({what}: this part has not run)")
+        return False
+    if part.get("error"):
+        doc.lack(f"{what}: the part failed: {part['error']}")
+        return False
+    return True
+
+
+def _section_bleu(doc: Doc, run: Path, bleu, ev):
+    doc.h("BLEU and perplexity")
+    if not _part_ok(doc, bleu, "bleu", "the BLEU protocol"):
+        return
+    pr = bleu["protocol"]
+    doc.p(f"{bleu['samples']} validation stories (of {bleu['requested']} requested), prompt = their first "
+          f"{pr['prompt_tokens']} tokens, continuation = the next tokens up to {pr['max_continuation']}; seed {pr['seed']}. "
+          f"BLEU-1..4: cumulative, uniform weights, NLTK-style corpus BLEU with smoothing `{pr['smoothing']}` "
+          f"(SmoothingFunction().method1: zero counts become 0.1) on tokens `{bleu['bleu_tokenization']}`. "
+          f"sacreBLEU: 0-100, signature `{(bleu['settings'] or [{}])[0].get('sacrebleu', {}).get('signature', 'missing')}`.")
+    doc.p(bleu["meaning"])
+    for note in bleu.get("notes", []):
+        doc.p(f"**note:** {note}")
+    doc.table(["temperature", "BLEU-1", "BLEU-2", "BLEU-3", "BLEU-4", "sacreBLEU", "tokens/s"], _bleu_rows(bleu["settings"]))
+    valid = (ev or {}).get("eval", {}).get("valid", {})
+    doc.table(["perplexity", "value", "meaning"], [
+        ("validation token ppl", valid.get("token_ppl"), "every validation story, from <sos>"),
+        ("validation word ppl", valid.get("word_ppl"), "same NLL per whitespace word"),
+        ("reference continuation ppl", bleu["reference_ppl"],
+         f"the {bleu['reference_tokens']:,} real continuation tokens given their prompts (not the model's own samples)"),
+        ("mean per-sample ppl", bleu["mean_per_sample_ppl"], "mean of the CSV's per_sample_ppl column")])
+    files = ", ".join(f"`{s['csv']}`" for s in bleu["settings"] if s.get("csv"))
+    doc.p(f"Per-sample CSVs (prompt, reference_continuation, hypothesis_continuation, per_sample_ppl): {files}")
+
+
+def _section_generations(doc: Doc, generations, run_samples):
+    doc.h("Example generations")
+    if generations and not generations.get("error"):
+        doc.p(f"top-k {generations['top_k']}, top-p {generations['top_p']}, "
+              f"at most {generations['max_new_tokens']} new tokens.")
+        for s in generations["samples"]:
+            doc.p(f"**T={s['temperature']}**, prompt `{s['prompt']}`")
+            doc.code(s.get("text") or f"{s['prompt_as_tokenized']} {s['continuation']}".strip())
+        return
+    doc.lack("generations.json (example generations at several temperatures)")
+    report.sample_blocks(doc, run_samples)  # the baseline's own samples, when it wrote them
+
+
+def _section_decoding(doc: Doc, dec):
+    doc.h("Decoding comparison")
+    if not _part_ok(doc, dec, "decoding", "the decoding comparison"):
+        return
+    doc.p(f"The same {dec['samples']} prompts; BLEU as above; tokens/s = new tokens / generation time, "
+          f"torch threads: {dec.get('threads')}, one prompt at a time.")
+    rows = []
+    for s, base in zip(dec["settings"], _bleu_rows(dec["settings"])):
+        rows.append((*base, f"{s['speed_vs_sampling']:.2f}x" if "speed_vs_sampling" in s else "missing"))
+    doc.table(["decoding", "BLEU-1", "BLEU-2", "BLEU-3", "BLEU-4", "sacreBLEU", "tokens/s", "speed vs sampling"], rows)
+    for s in dec["settings"]:
+        if "missing" in s:
+            doc.missing.append(f"decoding {s['name']}: {s['missing']}")
+
+
+def _section_kv(doc: Doc, kv):
+    doc.h("KV cache")
+    if not _part_ok(doc, kv, "kv_cache", "the KV-cache timing"):
+        return
+    doc.p(f"Greedy decoding, torch threads: {kv['threads']}, median of {kv['repeats']} alternated runs (cache, no cache, ...); "
+          f"context {kv['context_length']}. Past the context the two paths slide differently (the cache is "
+          "re-filled with the last half context, the uncached path keeps the last full context), so their tokens "
+          "may differ there.")
+    doc.table(["prompt", "new tokens", "with cache tok/s", "without tok/s", "speed-up", "same tokens", "beyond context"],
+              [(r["prompt_tokens"], r["new_tokens"], f"{r['cache_tokens_per_s']:.0f}", f"{r['nocache_tokens_per_s']:.0f}",
+                f"{r['speedup']:.2f}x", r["same_tokens"], r["beyond_context"]) for r in kv["rows"]])
+
+
+def _each(row) -> str:
+    return ", ".join(f"{x:.1f}" for x in row.get("seconds_each", [row["seconds"]]))
+
+
+def _section_accum(doc: Doc, acc):
+    doc.h("Gradient accumulation")
+    if not _part_ok(doc, acc, "accumulation", "the accumulation runs"):
+        return
+    r0 = acc["rows"][0] if acc["rows"] else {}
+    doc.p(f"Each run trains a fresh model on the same {r0.get('micro_batches')} micro-batches of {r0.get('micro_batch')} "
+          f"sequences (torch threads: {acc['threads']}; seconds and tokens/s: median of {acc.get('repeats', 1)} runs in "
+          "alternated rounds, training steps only); accumulation k makes "
+          f"{r0.get('micro_batches')}/k optimizer steps of an "
+          "effective batch k times larger. Epoch time is projected from the measured time per micro-batch. Activation "
+          "memory is per micro-batch (bytes autograd saves), so accumulation does not change it.")
+    doc.table(["accumulation", "effective batch", "steps", "final train loss", "final valid loss", "seconds",
+               "each run (s)", "tokens/s", "projected s / epoch", "peak activation memory"],
+              [(r["accum_steps"], r["effective_batch"], r["optimizer_steps"], r["final_train_loss"], r["final_val_loss"],
+                f"{r['seconds']:.1f}", _each(r), f"{r['tokens_per_s']:.0f}", f"{r['projected_epoch_seconds']:.0f}",
+                _mib(r["peak_activation_bytes"])) for r in acc["rows"]])
+    if acc.get("missing"):
+        doc.lack(acc["missing"])
+
+
+def _section_ckpt(doc: Doc, ck):
+    doc.h("Gradient checkpointing")
+    if not _part_ok(doc, ck, "checkpointing", "the checkpointing runs"):
+        return
+    if ck.get("missing"):
+        doc.lack(ck["missing"])
+        doc.table(["run", "peak activation memory"], [(r["name"], _mib(r["peak_activation_bytes"])) for r in ck["rows"]])
+        return
+    doc.p(f"Plain vs `{ck['impl']}` checkpointing (every block recomputed in backward), the same micro-batches, "
+          f"torch threads: {ck['threads']}, median of {ck.get('repeats', 1)} runs each in alternated rounds. Memory: peak bytes autograd holds for backward "
+          "in one micro-batch step.")
+    doc.table(["run", "peak activation memory", "memory vs plain", "seconds", "each run (s)", "time vs plain",
+               "tokens/s", "final train loss"],
+              [(r["name"], _mib(r["peak_activation_bytes"]),
+                f"{r['memory_ratio']:.2f}" if "memory_ratio" in r else "missing", f"{r['seconds']:.1f}", _each(r),
+                f"{r['time_ratio']:.2f}", f"{r['tokens_per_s']:.0f}", r["final_train_loss"]) for r in ck["rows"]])
+
+
+def _section_attention(doc: Doc, run: Path, att):
+    doc.h("Attention maps")
+    if not _part_ok(doc, att, "attention", "the attention maps"):
+        return
+    for t in att["texts"]:
+        if "missing" in t:
+            doc.lack(f"attention map for `{t['text']}`: {t['missing']}")
+            continue
+        doc.p(f"`{t['text']}`: {t['layers']} layers x {t['heads']} heads; rows sum to 1 within "
+              f"{t['max_row_sum_error']:.1e}, largest weight above the diagonal {t['max_weight_above_diagonal']:.1e}. "
+              f"Browse every layer and head: [{t['html']}]({t['html']})")
+        for png in t["pngs"]:
+            if (run / png).is_file():
+                doc.img(png, png)
+            else:
+                doc.lack(f"{png}")
+
+
+def _section_machine(doc: Doc, machine):
+    doc.h("Machine")
+    if machine and not machine.get("error"):
+        threads = (f"{machine.get('train_threads', machine['torch_threads'])} / "
+                   f"{machine.get('decode_threads', machine['torch_threads'])}")
+        doc.table(["machine", "value"], [
+            ("CPU", machine["cpu"]), ("cores", machine["cpu_count"]), ("torch threads (training / decoding)", threads),
+            ("CUDA", machine["cuda"] or "no"), ("platform", machine["platform"]),
+            ("Python / torch", f"{machine['python']} / {machine['torch']}"),
+            ("load average (1 min) at the end", str(machine.get("load_average_1m"))), ("date", machine["date_utc"])])
+    else:
+        doc.p(f"(no machine.json; the machine writing this report:) {report.this_machine()}")
+
+
+def build_report(run_dir: str | Path) -> Doc:
+    run = report.open_run(run_dir, (*report.RUN_FILES, "experiments.json"))
+    read = lambda name: report.read_json(run / name)  # noqa: E731
+    ev, manifest = read("eval.json"), read("experiments.json") or {}
+    doc = Doc()
+    safely(doc, report.section_config, run, ev, read("baseline.json"), read("prepare.json"))
+    safely(doc, report.section_training, run, ev, want_curves=True)
+    safely(doc, report.section_eval, ev)
+    safely(doc, _section_bleu, run, read("bleu.json"), ev)
+    safely(doc, _section_generations, read("generations.json"), read("samples.json"))
+    safely(doc, _section_decoding, read("decoding.json"))
+    safely(doc, _section_kv, read("kv_cache.json"))
+    safely(doc, _section_accum, read("accumulation.json"))
+    safely(doc, _section_ckpt, read("checkpointing.json"))
+    safely(doc, _section_attention, run, read("attention.json"))
+    safely(doc, _section_machine, read("machine.json"))
+    for part, status in (manifest.get("parts") or {}).items():
+        if status == "stale":  # left alone by --only although its settings changed
+            doc.missing.append(f"{part}.json is stale (computed with other settings; re-run without --only)")
+    intro = None
+    if manifest.get("command"):
+        intro = (f"Produced by `{manifest['command']}`{' (quick)' if manifest.get('quick') else ''}; "
+                 "every number below is read from the files in this directory.")
+    return report.with_head(doc, f"tinylm experiments: {run.name}", intro)
+
+
+def write_report(run_dir: str | Path) -> tuple[Path, Path, list[str]]:
+    """Write report.md and report.html of an experiments run; returns both paths and what the report lacks."""
+    return report.save_report(build_report(run_dir), Path(run_dir))

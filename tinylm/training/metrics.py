@@ -1,0 +1,55 @@
+"""`metrics.csv`: one row per logged training step; the validation columns are filled on the steps
+that ran a validation only. The trainer writes it through ``MetricsLog``; the report, the curves and
+the studies read it through ``read_metrics``.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+from pathlib import Path
+
+from tinylm.errors import TinyLMError
+
+METRICS_COLUMNS = ["step", "tokens", "lr", "train_loss", "val_loss", "val_ppl", "tokens_per_s", "elapsed_s"]
+
+
+class MetricsLog:
+    """``fresh``: a new run starts a new file (a resumed run keeps the rows up to its step)."""
+
+    def __init__(self, path: Path, columns=METRICS_COLUMNS, fresh: bool = True):
+        self.path, self.columns = path, columns
+        if fresh or not path.exists():
+            with open(path, "w", newline="") as f:
+                csv.writer(f).writerow(columns)
+
+    def write(self, row: dict) -> None:
+        with open(self.path, "a", newline="") as f:
+            csv.writer(f).writerow(["" if row.get(c) is None else row[c] for c in self.columns])
+
+    def truncate_after(self, step: int) -> int:
+        """Drop rows logged after ``step`` (a resumed run writes them again); returns rows dropped."""
+        with open(self.path, newline="") as f:
+            rows = list(csv.reader(f))
+        if not rows:
+            return 0
+        keep = [rows[0]] + [r for r in rows[1:] if r and r[0].isdigit() and int(r[0]) <= step]
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        with open(tmp, "w", newline="") as f:
+            csv.writer(f).writerows(keep)
+        os.replace(tmp, self.path)
+        return len(rows) - len(keep)
+
+
+def read_metrics(path: str | Path) -> list[dict]:
+    """Every row of a metrics.csv, numbers as int or float, an empty cell as None."""
+    path = Path(path)
+    if not path.is_file():
+        raise TinyLMError(f"no metrics file {path}: this run has not logged any training step")
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    try:
+        return [{k: None if v in (None, "") else int(v) if v.isdigit() else float(v) for k, v in row.items()}
+                for row in rows]
+    except ValueError as exc:
+        raise TinyLMError(f"{path} holds a cell that is not a number ({exc})") from exc
