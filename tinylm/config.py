@@ -246,48 +246,35 @@ def _coerce(key: str, value: Any, annotation: Any) -> Any:
         if not isinstance(value, list):
             raise TinyLMError(f"config key {key} expects a list, got {value!r}")
         return [_coerce(key, v, args[0]) for v in value] if args else value
-    if annotation is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.lower() in ("true", "yes", "1", "on"):
-            return True
-        if isinstance(value, str) and value.lower() in ("false", "no", "0", "off"):
-            return False
-        raise TinyLMError(f"config key {key} expects true/false, got {value!r}")
-    if annotation is int:
-        if isinstance(value, bool):
-            raise TinyLMError(f"config key {key} expects an integer, got {value!r}")
-        if isinstance(value, int):
-            return value
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
-        if isinstance(value, str):
-            try:
-                return int(value.replace("_", ""))
-            except ValueError:
-                pass
-        raise TinyLMError(f"config key {key} expects an integer, got {value!r}")
-    if annotation is float:
-        if isinstance(value, bool):
-            raise TinyLMError(f"config key {key} expects a number, got {value!r}")
-        number = None
-        if isinstance(value, (int, float)):
-            number = float(value)
-        elif isinstance(value, str):
-            try:
-                number = float(value)
-            except ValueError:
-                pass
-        if number is None:
-            raise TinyLMError(f"config key {key} expects a number, got {value!r}")
-        if not math.isfinite(number):
+    if annotation in _EXPECTS:
+        result = _scalar(annotation, value)
+        if result is None:
+            raise TinyLMError(f"config key {key} expects {_EXPECTS[annotation]}, got {value!r}")
+        if annotation is float and not math.isfinite(result):
             raise TinyLMError(f"config key {key} must be a finite number, got {value!r}")
-        return number
-    if annotation is str:
-        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
-            return str(value)
-        raise TinyLMError(f"config key {key} expects a string, got {value!r}")
+        return result
     return value
+
+
+_EXPECTS = {bool: "true/false", int: "an integer", float: "a number", str: "a string"}
+_BOOL_WORDS = {"true": True, "yes": True, "1": True, "on": True, "false": False, "no": False, "0": False, "off": False}
+
+
+def _scalar(annotation: type, value: Any) -> Any:
+    """``value`` as a bool, int, float or str (strings from the command line converted), or None."""
+    if annotation is bool:
+        return value if isinstance(value, bool) else _BOOL_WORDS.get(value.lower()) if isinstance(value, str) else None
+    if isinstance(value, bool):  # true/false is no number and no string here
+        return None
+    if annotation is str:
+        return str(value) if isinstance(value, (str, int, float)) else None
+    if annotation is int and isinstance(value, float):
+        return int(value) if value.is_integer() else None
+    try:
+        return annotation(value.replace("_", "") if isinstance(value, str) else value) \
+            if isinstance(value, (str, int, float)) else None
+    except (ValueError, OverflowError):  # OverflowError: an int too large for a float
+        return None
 
 
 def apply_updates(obj: Any, updates: dict[str, Any], prefix: str = "") -> None:

@@ -19,7 +19,6 @@ from tinylm.tokenizers import Tokenizer, load_tokenizer, train_from_config
 
 log = logging.getLogger(__name__)
 
-SPLITS = ("train", "valid", "test")
 
 
 @dataclass

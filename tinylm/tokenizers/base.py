@@ -65,9 +65,6 @@ class Tokenizer:
         full = self.decode(list(prompt_ids) + list(new_ids))
         return full[len(prompt_text):] if full.startswith(prompt_text) else self.decode(new_ids)
 
-    def encode_batch(self, texts: Iterable[str]) -> list[list[int]]:
-        return [self.encode(t) for t in texts]
-
     def save(self, path: str | Path) -> None:
         data = {"format": FORMAT_NAME, "version": FORMAT_VERSION, "type": self.type_name,
                 "special_tokens": list(self.special_tokens), **self._state()}

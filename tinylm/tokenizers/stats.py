@@ -17,9 +17,6 @@ from tabulate import tabulate
 from tinylm.errors import TinyLMError
 from tinylm.tokenizers.io import new_tokenizer
 
-COLUMNS = ("tokenizer", "split", "vocab_size", "documents", "words", "tokens", "tokens_per_word",
-           "bytes_per_token", "unk_rate", "roundtrip_exact")
-
 
 def split_stats(tokenizer, docs: list[str]) -> dict:
     """The statistics of one tokenizer on one list of documents."""
