@@ -9,6 +9,7 @@ from tinylm.data.prepare import prepare
 from tinylm.errors import TinyLMError
 from tinylm.models.checkpoint import load_checkpoint, model_state, save_checkpoint
 from tinylm.training.precision import check_precision, make_grad_scaler
+from tinylm.training.metrics import read_metrics
 from tinylm.training.trainer import build_model, train
 
 
@@ -153,3 +154,12 @@ def test_cli_bad_training_inputs_are_one_line_errors(tmp_path, stories_file, cap
         err = capsys.readouterr().err
         errors = [line for line in err.splitlines() if ": error: " in line]  # after the prepare lines
         assert len(errors) == 1 and match in errors[0] and "Traceback" not in err, err
+
+
+@pytest.mark.slow
+def test_a_fresh_run_into_an_old_directory_starts_a_new_metrics_log(prepared_run, tmp_path):
+    base, prepared = prepared_run
+    for steps in (6, 4):  # the second run must not append to the first one's rows
+        train(_cfg(base, max_steps=steps, eval_interval=2, log_interval=1, progress=False), prepared, tmp_path)
+    rows = read_metrics(tmp_path / "metrics.csv")
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
