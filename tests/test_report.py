@@ -68,6 +68,13 @@ def test_report_command_picks_the_experiments_report_when_the_run_has_one(tmp_pa
     assert "# tinylm experiments:" in md and "## KV cache" in md and "INCOMPLETE" in capsys.readouterr().out
 
 
+def test_a_binary_eval_json_makes_its_section_missing_not_a_crash(tmp_path, capsys):
+    write_training_run(tmp_path)
+    (tmp_path / "eval.json").write_bytes(b"\xff\xfe\x00binary")
+    assert main(["report", str(tmp_path)]) == 0
+    assert "eval.json (perplexity of the best checkpoint)" in capsys.readouterr().out
+
+
 def test_run_without_metrics_is_reported_incomplete(tmp_path, capsys):
     write_training_run(tmp_path, metrics=False)
     doc = build_report(tmp_path)

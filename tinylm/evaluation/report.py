@@ -33,9 +33,10 @@ _templates = Environment(loader=PackageLoader("tinylm", "evaluation/templates"),
 
 
 def read_json(path: Path):
+    """A run file's JSON, or None when it is missing or damaged (its section then says missing)."""
     try:
-        return json.loads(path.read_text()) if path.is_file() else None
-    except json.JSONDecodeError:
+        return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
+    except (ValueError, RecursionError):  # not JSON, not UTF-8, nested too deeply
         return None
 
 

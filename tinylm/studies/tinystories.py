@@ -42,6 +42,7 @@ from tinylm.data.prepare import load_raw_documents, prepare
 from tinylm.errors import TinyLMError
 from tinylm.evaluation.plots import attention_html, attention_maps, plot_curves, save_attention_pngs
 from tinylm.evaluation.protocol import SAMPLING_TEMPERATURES, BleuProtocol, Decoding, run_bleu
+from tinylm.evaluation.report import read_json
 from tinylm.generation.generate import complete, generate
 from tinylm.generation.processors import GenerationConfig
 from tinylm.models.checkpoint import load_checkpoint
@@ -312,16 +313,6 @@ def part_key(ctx: Context, name: str, baseline_stamp: str | None, finished: dict
     return _hash(payload)
 
 
-def read_part(run_dir: Path, name: str) -> dict | None:
-    path = Path(run_dir) / f"{name}.json"
-    if not path.is_file():
-        return None
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError:
-        return None
-
-
 def run_experiments(cfg: RunConfig, exp: ExperimentsConfig, run_dir: str | Path, quick: bool = False,
                     only: list[str] | None = None, command: str | None = None) -> dict:
     """Run (or resume) every part, then write report.md and report.html. Returns the manifest."""
@@ -337,7 +328,8 @@ def run_experiments(cfg: RunConfig, exp: ExperimentsConfig, run_dir: str | Path,
     stamp, finished = None, {}
     for name, fn in PARTS.items():
         key = part_key(ctx, name, stamp, finished)
-        cached = read_part(run_dir, name)
+        cached = read_json(run_dir / f"{name}.json")
+        cached = cached if isinstance(cached, dict) else None  # a damaged part file is run again
         if only and name not in only and name != "baseline":
             manifest["parts"][name] = "not requested" if not cached else ("done" if cached.get("key") == key else "stale")
             continue
