@@ -129,13 +129,34 @@ def test_short_stories_are_skipped_and_counted_and_fewer_samples_said(model_and_
     _, tok, stories = model_and_tokenizer
     texts = ["the cat", stories[0], "one two three four five", stories[1]]  # 2 and 5 words: nothing after the prompt
     sset = select_samples(tok, texts, BleuProtocol(n_samples=10, prompt_tokens=5), 32)
-    assert [s.index for s in sset.samples] == [1, 3]
+    assert sorted(s.index for s in sset.samples) == [1, 3]
     assert sset.skipped_too_short == 2
     assert any("only 2 usable" in n for n in sset.notes) and any("skipped 2" in n for n in sset.notes)
     with pytest.raises(TinyLMError, match="longer than the 5-token prompt"):
         select_samples(tok, ["the cat"], BleuProtocol(prompt_tokens=5), 32)
     with pytest.raises(TinyLMError, match="no room"):
         select_samples(tok, texts, BleuProtocol(prompt_tokens=31), 32)
+
+
+def test_stories_are_drawn_with_the_seed_and_first_n_is_an_option(model_and_tokenizer):
+    _, tok, stories = model_and_tokenizer
+    pick = lambda **kw: [s.index for s in select_samples(tok, stories, BleuProtocol(n_samples=10, **kw), 32).samples]  # noqa: E731
+    assert pick(selection="first") == list(range(10))
+    drawn = pick(seed=1)
+    assert drawn == pick(seed=1) and drawn != pick(seed=2)  # reproducible, and the seed matters
+    assert drawn != list(range(10)) and len(set(drawn)) == 10 and max(drawn) < len(stories)
+
+
+def test_the_reference_is_the_rest_of_the_story_unless_capped(model_and_tokenizer):
+    _, tok, _ = model_and_tokenizer
+    long_story = " ".join(["the cat sat on the mat ."] * 10)  # 70 tokens
+    rest = select_samples(tok, [long_story], BleuProtocol(n_samples=1, prompt_tokens=5), 200).samples[0]
+    assert len(rest.reference_ids) == len(tok.encode(long_story)) - 5
+    capped = select_samples(tok, [long_story], BleuProtocol(n_samples=1, prompt_tokens=5, max_continuation=12), 200)
+    assert len(capped.samples[0].reference_ids) == 12
+    in_context = select_samples(tok, [long_story], BleuProtocol(n_samples=1, prompt_tokens=5), 32)
+    assert len(in_context.samples[0].reference_ids) == 32 - 1 - 5 and in_context.cut_to_context == 1
+    assert any("cut to 26 tokens" in n for n in in_context.notes)
 
 
 @pytest.mark.slow  # two whole BLEU runs

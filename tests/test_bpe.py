@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 
 from tinylm.errors import TinyLMError
 from tinylm.tokenizers import load_tokenizer
-from tinylm.tokenizers.bpe import BYTE_BASE, FIRST_MERGE_ID, GPT2_SPLIT, BPETokenizer, _merge
+from tinylm.tokenizers.bpe import BYTE_BASE, FIRST_MERGE_ID, GPT2_SPLIT, BPETokenizer
+from tinylm.tokenizers.merges import merge_pair as _merge
 from tinylm.tokenizers.merges import merge_pairs
 
 

@@ -179,4 +179,4 @@ def test_every_subcommand_has_help_listing_every_option(capsys):
             shown = f.name if f.metadata["positional"] else "--" + f.name.replace("_", "-")
             assert shown in out or (f.metadata["metavar"] or "@") in out, (name, f.name)
     assert set(COMMANDS) == {"demo", "prepare", "train", "generate", "evaluate", "export-hf", "report", "attention",
-                             "experiments", "study", "tokenizer-stats"}
+                             "serve", "experiments", "study", "tokenizer-stats"}

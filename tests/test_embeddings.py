@@ -2,6 +2,7 @@
 matrix (pad zero, specials noise, OOV subword or noise), freeze and projection, trainer hook."""
 from __future__ import annotations
 
+import json
 import logging
 
 import numpy as np
@@ -226,3 +227,13 @@ def test_trainer_hook_trains_fasttext_and_keeps_frozen_rows(tmp_path, stories_fi
     expected, _ = build_embedding_matrix(prepared.tokenizer, source)
     np.testing.assert_allclose(rows[4:], expected[4:], atol=1e-6)
     assert (result.steps, result.stopped_because) == (3, "max_steps")
+    # the trained vectors are kept next to the token cache: a second run reads them back, same rows
+    first = json.loads(report)
+    assert first["cached"] is None and first["train_seconds"] > 0 and first["kind"] == "train"
+    caches = list(prepared.data_dir.glob("fasttext-trained-*.npz"))
+    assert len(caches) == 1
+    train(cfg, prepared, tmp_path / "run2")
+    second = json.loads((tmp_path / "run2" / "embeddings.json").read_text())
+    assert second["cached"] == caches[0].name and second["found"] == first["found"]
+    again = load_checkpoint(tmp_path / "run2" / "checkpoints" / "last")[0].tok_emb.weight.detach().numpy()
+    np.testing.assert_array_equal(again, rows)

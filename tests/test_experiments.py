@@ -16,7 +16,7 @@ CONFIG = """
 out_dir: runs/should-be-overridden
 data: {source: tinystories, train: MISSING.txt, valid: MISSING.txt, batching: stories}
 tokenizer: {type: word, vocab_size: 300, lowercase: true}
-model: {context_length: 32, n_layers: 2, n_heads: 2, d_model: 32, d_ff: 64}
+model: {context_length: 32, n_layers: 2, n_heads: 2, d_model: 32, d_ff: 64, tie_weights: false}
 train: {batch_size: 8, max_steps: 500, eval_interval: 10, eval_batches: 2, warmup_steps: 2, lr: 3.0e-3, threads: 1,
         progress: false}
 sample: {prompts: ["Once upon a time", "The dog"], max_new_tokens: 12}
@@ -24,11 +24,15 @@ experiments:
   bleu_samples: 6
   prompt_tokens: 5
   max_continuation: 10
+  bleu_selection: first       # the too-short first story is always among them
   temperatures: [0.7, 1.2]
   beam_widths: [2]
   kv_new_tokens: [12]
   kv_prompt_tokens: 4
   kv_repeats: 1
+  kv_batch: 3
+  generation_table_stories: 2
+  embedding_micro_batches: 4
   accum_steps: [1, 2]
   tradeoff_micro_batches: 2
   attention_texts: ["Tom had a red ball.", "the dog ran fast and the cat ran fast and the dog ran fast and the cat ran fast and the dog ran fast and the cat ran fast and the dog ran fast and the cat ran fast"]
@@ -81,12 +85,30 @@ def test_runner_writes_every_part_and_resumes_from_cache(corpus, tmp_path, capsy
     dec = json.loads((run / "decoding.json").read_text())
     beam = dec["settings"][-1]
     assert beam["name"] == "beam2" and "bleu4" in beam
-    kv = json.loads((run / "kv_cache.json").read_text())["rows"][0]
+    kv_rows = json.loads((run / "kv_cache.json").read_text())["rows"]
+    assert [r["decoding"] for r in kv_rows] == ["greedy", "top-k 50, T=0.8"]
+    kv = kv_rows[0]
     assert kv["new_tokens"] == 12 and kv["same_tokens"] and kv["prompt_tokens"] == 4 + 1  # kv_prompt_tokens + <sos>
-    # rates are the 12 new tokens over the logged times (one repeat), the speed-up their ratio
-    assert kv["cache_tokens_per_s"] == pytest.approx(12 / kv["cache_seconds"][0])
-    assert kv["nocache_tokens_per_s"] == pytest.approx(12 / kv["nocache_seconds"][0])
+    # rates are the batch's 3 x 12 new tokens over the logged times (one repeat), the speed-up their ratio
+    assert kv["batch"] == 3 and kv["cache_tokens_per_s"] == pytest.approx(36 / kv["cache_seconds"][0])
+    assert kv["nocache_tokens_per_s"] == pytest.approx(36 / kv["nocache_seconds"][0])
     assert kv["speedup"] == pytest.approx(kv["cache_tokens_per_s"] / kv["nocache_tokens_per_s"])
+    # keys + values: 2 x layers x batch x heads x slots x head width x 4 bytes
+    assert kv["cache_bytes"] == 2 * 2 * 3 * 2 * (5 + 12) * 16 * 4
+    gens = json.loads((run / "generations.json").read_text())["table"]
+    assert len(gens["rows"]) == 2 and gens["temperatures"] == ["T=0.7", "T=1"]
+    assert all(r["ground_truth"] and "T=0.7" in r for r in gens["rows"])
+    emb = json.loads((run / "embedding_init.json").read_text())
+    assert [r["name"] for r in emb["rows"]] == ["fasttext_frozen", "fasttext_finetuned", "random_init"]
+    assert emb["rows"][0]["coverage"] > 0.9 and emb["rows"][2]["coverage"] is None
+    ck = json.loads((run / "checkpointing.json").read_text())["rows"]
+    assert [r["checkpoint_impl"] for r in ck] == [None, "tinylm", "torch"]
+    assert ck[1]["final_train_loss"] == pytest.approx(ck[0]["final_train_loss"], rel=1e-5)
+    tk = json.loads((run / "tokenizers.json").read_text())["rows"]
+    assert [r["oov"] for r in tk] == ["unk", "bpe"] and tk[1]["unk_rate"] < tk[0]["unk_rate"]
+    assert tk[1]["stories_restored"] == 1.0 and tk[0]["vocab_size"] < tk[1]["vocab_size"]
+    for png in ("accumulation.png", "checkpointing.png", "decoding.png", "embedding_init.png"):
+        assert (run / png).stat().st_size > 10_000, png
     acc = json.loads((run / "accumulation.json").read_text())["rows"]
     assert [(r["accum_steps"], r["optimizer_steps"], r["micro_batches"]) for r in acc] == [(1, 2, 2), (2, 1, 2)]
     att = json.loads((run / "attention.json").read_text())["texts"]
@@ -98,6 +120,8 @@ def test_runner_writes_every_part_and_resumes_from_cache(corpus, tmp_path, capsy
     md = (run / "report.md").read_text()
     for heading in ("## Configuration", "## Training", "## BLEU and perplexity", "## Example generations",
                     "## Decoding comparison", "## KV cache", "## Gradient accumulation", "## Gradient checkpointing",
+                    "## Token embeddings: FastText vs random initialisation", "| prompt | ground truth |",
+                    "## Out-of-vocabulary words: <unk> or BPE pieces", "## Beside the reports",
                     "## Attention maps", "## Machine"):
         assert heading in md, heading
     assert f"{bleu['settings'][0]['bleu4']:.4f}" in md  # the report's numbers are the files' numbers

@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from tinylm.config import ModelConfig
+from tinylm.errors import TinyLMError
 from tinylm.models.gpt import GPT, LayerNorm, RMSNorm
 
 
@@ -143,3 +144,26 @@ def test_attn_dropout_zero_leaves_the_attention_weights_alone(attention):
     assert not torch.allclose(both(x), train_out, atol=1e-3)  # the negative control: weights were dropped
     with pytest.raises(Exception, match="model.attn_dropout"):
         ModelConfig(attn_dropout=1.0, **kw).resolved()
+
+
+def test_relu_feed_forward_is_relu_and_gelu_is_gpt2s_tanh_gelu():
+    torch.manual_seed(0)
+    x = torch.randn(2, 5, 16)
+    for ffn, act in (("relu", torch.relu), ("gelu", lambda h: torch.nn.functional.gelu(h, approximate="tanh"))):
+        block = GPT(ModelConfig(vocab_size=50, context_length=8, d_model=16, n_layers=1, n_heads=2, ffn=ffn)).blocks[0].ffn
+        expected = block.down(act(block.up(x)))
+        assert torch.allclose(block(x), expected, atol=1e-6)
+
+
+def test_xavier_init_sets_matrices_uniform_in_the_xavier_bound_and_keeps_norms_and_biases():
+    torch.manual_seed(0)
+    model = GPT(ModelConfig(vocab_size=500, context_length=8, d_model=64, n_layers=2, n_heads=4, init="xavier"))
+    w = model.blocks[0].ffn.up.weight  # (256, 64)
+    bound = math.sqrt(6 / (w.shape[0] + w.shape[1]))
+    assert w.abs().max() <= bound and w.abs().max() > 0.95 * bound  # uniform fills the interval
+    assert abs(w.std().item() - bound / math.sqrt(3)) < 0.01
+    gpt2 = GPT(ModelConfig(vocab_size=500, context_length=8, d_model=64, n_layers=2, n_heads=4))
+    assert abs(gpt2.blocks[0].ffn.up.weight.std().item() - 0.02) < 0.002
+    assert torch.all(model.blocks[0].norm1.weight == 1) and torch.all(model.blocks[0].ffn.up.bias == 0)
+    with pytest.raises(TinyLMError, match="model.init"):
+        ModelConfig(vocab_size=50, init="kaiming").resolved()

@@ -263,3 +263,36 @@ def test_a_stream_without_document_markers_is_one_document():
     for ctx in ([], [4], [4, 5], [9, 9]):
         assert lm.distribution(ctx).sum() == pytest.approx(1.0, abs=1e-12)
     assert np.isfinite(lm.perplexity(x, score_eos=True))
+
+
+@pytest.mark.parametrize("smoothing", ["add_k", "interpolated", "kneser_ney"])
+@pytest.mark.parametrize("order", [2, 3, 4])
+def test_padding_with_order_minus_one_start_tokens_still_sums_to_one(smoothing, order):
+    lm = NGramLM(order, V, smoothing, k=0.3, start_padding="order").fit(TRAIN)
+    if smoothing == "interpolated":
+        lm.fit_weights(VALID)
+    for ctx in CONTEXTS + [[SOS_ID, SOS_ID], [SOS_ID, SOS_ID, SOS_ID, 5], [7, EOS_ID, SOS_ID]]:
+        p = lm.distribution(ctx)
+        assert np.all(p > 0) and p.sum() == pytest.approx(1.0, abs=1e-12), ctx
+    assert lm.distribution([SOS_ID])[SOS_ID] < 0.1  # <sos> is never an event, padded or not
+    targets, probs = lm.token_probs(VALID, score_eos=True)
+    expected = [lm.distribution(list(VALID[: t]))[VALID[t]] for t in targets]
+    np.testing.assert_allclose(probs, expected, rtol=1e-12)
+    single = NGramLM(order, V, smoothing, k=0.3).fit(TRAIN)
+    if smoothing == "interpolated":
+        single.lambdas = lm.lambdas
+    _, p_single = single.token_probs(VALID, score_eos=True)
+    if smoothing == "kneser_ney" and order > 2:  # padded lower orders get continuation counts
+        assert not np.allclose(probs, p_single)
+    else:  # the padded counts equal the unpadded ones
+        np.testing.assert_allclose(probs, p_single, rtol=1e-12)
+
+
+def test_fixed_interpolation_weights_are_used_as_given():
+    lm = NGramLM(2, V, "interpolated").fit(TRAIN)
+    assert lm.set_weights([1, 1, 2]).tolist() == [0.25, 0.25, 0.5]
+    ml = np.array([1 / V, lm.ml_unigram[5], 0.0])
+    assert lm.distribution([9])[5] <= 1.0 and lm.distribution([9]).sum() == pytest.approx(1.0)
+    assert lm.distribution([])[5] == pytest.approx(0.25 * ml[0] + 0.75 * ml[1])  # no context: the unigram below
+    with pytest.raises(TinyLMError, match="needs 3 interpolation weights"):
+        lm.set_weights([0.5, 0.5])

@@ -117,9 +117,11 @@ def test_experiment_tables_show_the_files_numbers(tmp_path):
     (tmp_path / "decoding.json").write_text(json.dumps({"samples": 48, "threads": 2, "settings": [
         {**bleu_row, "name": "sample_T1", "speed_vs_sampling": 1.0},
         {"name": "beam5", "beam_width": 5, "missing": "beam search is not available"}]}))
-    (tmp_path / "kv_cache.json").write_text(json.dumps({"threads": 1, "repeats": 3, "context_length": 64, "rows": [
-        {"prompt_tokens": 9, "new_tokens": 32, "cache_tokens_per_s": 812.0, "nocache_tokens_per_s": 203.0,
-         "speedup": 4.0, "same_tokens": True, "beyond_context": False}]}))
+    (tmp_path / "kv_cache.json").write_text(json.dumps({"threads": 1, "repeats": 3, "context_length": 64, "batch": 20,
+                                                        "rows": [
+        {"decoding": "greedy", "batch": 20, "prompt_tokens": 9, "new_tokens": 32, "cache_bytes": 5 * 2**20,
+         "cache_tokens_per_s": 812.0, "nocache_tokens_per_s": 203.0, "speedup": 4.0, "same_tokens": True,
+         "beyond_context": False}]}))
     (tmp_path / "accumulation.json").write_text(json.dumps({"threads": 2, "rows": [
         {"accum_steps": 4, "effective_batch": 128, "optimizer_steps": 16, "micro_batches": 64, "micro_batch": 32,
          "final_train_loss": 4.5678, "final_val_loss": 4.6789, "seconds": 33.3, "tokens_per_s": 999.0,
@@ -127,7 +129,8 @@ def test_experiment_tables_show_the_files_numbers(tmp_path):
     md = tinystories_report.write_report(tmp_path)[0].read_text()
     assert "| T0.7 | 0.4321 | 0.2109 | 0.1098 | 0.0567 | 3.14 | 456 |" in md
     assert "tok:13a" in md and "only 48 usable" in md and "17.2500" in md
-    assert "| 9 | 32 | 812 | 203 | 4.00x | yes | no |" in md
+    assert "| greedy | 20 x 32 | 5.00 MiB | 812 | 203 | 4.00x | yes | no |" in md
+    assert "greedy, batch 20 x 32: 4.00x" in md  # beside the reports' speed-ups
     assert "| 4 | 128 | 16 | 4.5678 | 4.6789 | 33.3 | 33.3 | 999 | 123 | 3.00 MiB |" in md
     assert "decoding beam5: beam search is not available" in md  # listed in the INCOMPLETE banner
 

@@ -27,6 +27,7 @@ def tiny_model(vocab=40):
     (dict(top_k=0), "top_k"), (dict(beam_width=0), "beam_width"), (dict(min_p=2.0), "min_p"),
     (dict(repetition_penalty=0.0), "repetition_penalty"), (dict(min_new_tokens=5, max_new_tokens=2), "min_new_tokens"),
     (dict(no_repeat_ngram_size=-1), "no_repeat_ngram_size"), (dict(num_return_sequences=3, beam_width=2), "num_return_sequences"),
+    (dict(beam_width=2, length_penalty=-1e308), "length_penalty"),
 ])
 def test_invalid_values_raise_valueerror_naming_the_argument(kwargs, name):
     with pytest.raises(ValueError, match=name):

@@ -1,11 +1,14 @@
-"""The study end to end on a tiny corpus the test writes itself (a few seconds), its refusal of a
-split shorter than one context window, and the `tinylm study` command line."""
+"""The study end to end on a tiny corpus the test writes itself (a few seconds), resuming by stage,
+its refusal of a split shorter than one context window, the report preset's quick mode on
+Shakespeare (every stage, under 90 s), and the `tinylm study` command line."""
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 import math
 import random
+import time
 
 import pytest
 
@@ -30,7 +33,7 @@ def corpus(tmp_path):
 def tiny_config(out_dir, corpus, **kw) -> StudyConfig:
     base = dict(out_dir=str(out_dir), source="text", train_path=str(corpus), valid_fraction=0.15, test_fraction=0.15,
                 bpe_merges=[40], word_vocab=40, orders=[1, 2], bigram_d_embeds=[8], bigram_weight_decays=[0.0, 0.1],
-                bigram_max_steps=40, bigram_max_seconds=5.0, context_length=16, d_model=16, n_layers=1, n_heads=2,
+                bigram_max_steps=40, bigram_max_seconds=5.0, context_length=16, gpt_sizes=["t=1x16x2"],
                 dropout=0.0, gpt_batch_size=4, gpt_max_steps=4, gpt_minutes=0.5, gpt_eval_interval=2,
                 gpt_eval_batches=1, prompts=["ROMEO."], sample_tokens=5)
     base.update(kw)
@@ -59,20 +62,72 @@ def test_study_writes_one_table_for_every_model_and_tokenizer(tmp_path, corpus):
     assert kn[("char", "2")] < kn[("char", "1")]  # a bigram context helps on text
     md = (out / "results.md").read_text()
     assert "not comparable across tokenizers" in md and "bits per byte" in md.lower()
-    assert "| GPT |" in md and "neural bigram" in md
+    assert "| GPT t |" in md and "neural bigram" in md
     assert (out / "learning_curves.png").stat().st_size > 10_000
     samples = (out / "samples.md").read_text()
     assert samples.count("ROMEO.") >= 9  # 3 models x 3 tokenizers
     study = json.loads((out / "study.json").read_text())
     assert [t["tokenizer"] for t in study["tokenizers"]] == ["bpe-40", "char", "word"]
-    assert study["tokenizers"][0]["reconstructed"].split("/")[0] == study["tokenizers"][0]["reconstructed"].split("/")[1]
-    assert len(study["bigram_sweep"]) == 2
+    for name in ("train", "valid", "test"):  # byte-level BPE is lossless on every split
+        stats = study["tokenizers"][0]["splits"][name]
+        assert stats["reconstructed"] == stats["documents"] > 0
+    assert len(study["bigram_runs"]) == 2 + 1 + 1  # the sweep on the first tokenizer, its best on the others
+    assert study["gpt_runs"][0]["tokens_per_parameter"] == pytest.approx(
+        study["gpt_runs"][0]["train_tokens"] / study["gpt_runs"][0]["parameters"])
+
+
+@pytest.mark.slow
+def test_a_rerun_resumes_by_stage(tmp_path, corpus, caplog):
+    cfg = tiny_config(tmp_path / "study", corpus, char=False, word=False)
+    first = run_study(cfg)
+    caplog.clear()
+    with caplog.at_level("INFO"):
+        again = run_study(dataclasses.replace(cfg, gpt_max_steps=2))  # only the GPT stage depends on it
+    reused = [r.message.split()[-1] for r in caplog.records if "reusing bpe-40/stage" in r.message]
+    assert reused == ["bpe-40/stage-tokenizer.json", "bpe-40/stage-ngram.json", "bpe-40/stage-bigram.json"]
+    assert again["rows"][:-1] == first["rows"][:-1]
+    assert again["gpt_runs"][0]["steps"] == 2 != first["gpt_runs"][0]["steps"]
 
 
 def test_a_split_shorter_than_the_context_is_an_error_not_infinity(tmp_path, corpus):
     cfg = tiny_config(tmp_path / "study", corpus, context_length=100_000, char=False, word=False)
     with pytest.raises(TinyLMError, match="fewer than one context window"):
         run_study(cfg)
+    # the report's 1% GPT run: its validation stream is shorter than the context
+    cfg = tiny_config(tmp_path / "frac", corpus, context_length=64, gpt_data_fraction=0.01, char=False, word=False)
+    with pytest.raises(TinyLMError, match="fewer than one context window"):
+        run_study(cfg)
+
+
+def test_grids_and_sizes_come_from_the_command_line():
+    cfg = load_study_config("shakespeare-report", ['gpt_sizes=["tiny=2x32x2"]', "bigram_lrs=[1e-3]",
+                                                   "bpe_merges=[50,60]", "model_merges=[50]", "start_padding=single"])
+    assert cfg.gpt_sizes == ["tiny=2x32x2"] and cfg.bigram_lrs == [1e-3] and cfg.start_padding == "single"
+    assert cfg.bpe_type == "word_bpe" and cfg.bigram_d_embeds == [64, 128] and cfg.valid_fraction == 0.05
+    with pytest.raises(TinyLMError, match="name=LAYERSxD_MODELxHEADS"):
+        run_study(load_study_config("shakespeare-report", ["gpt_sizes=[big]", "out_dir=/nonexistent/x"]))
+
+
+@pytest.mark.slow
+def test_the_report_preset_quick_mode_covers_every_stage_under_90_s(tmp_path):
+    cfg = load_study_config("shakespeare-report", [f"out_dir={tmp_path / 'r'}", "compare_with=null"], quick=True)
+    start = time.perf_counter()
+    state = run_study(cfg)
+    assert time.perf_counter() - start < 90
+    out = tmp_path / "r"
+    names = [t["tokenizer"] for t in state["tokenizers"]]
+    assert names == ["word_bpe-100", "word_bpe-200", "word_bpe-100-aggressive", "word_bpe-200-aggressive"]
+    assert {(r["model"], r["smoothing"]) for r in state["rows"] if r["model"] == "ngram" and r["order"] == 3} == {
+        ("ngram", s) for s in ("laplace", "add_0.1", "interpolated", "interpolated_fixed", "kneser_ney")}
+    assert [r["label"] for r in state["bigram_runs"]] == ["lr=0.0005 d=64", "d=16 wd=0.0001"]
+    assert state["gpt_runs"][0]["size"] == "tiny" and state["gpt_runs"][0]["parameters"] > 0
+    assert len(list((out / "bigram_curves").glob("*.png"))) == 2
+    md = (out / "results.md").read_text()
+    for heading in ("## Summary", "## Task 1", "### Compression", "### Verbatim overlap", "## Task 3", "## Task 4"):
+        assert heading in md
+    assert "| 2 n-gram | 1000 merges, 3-gram add_0.1 | 25.47 / 23.49 |" in md  # the report's number, cited
+    samples = (out / "samples.md").read_text()
+    assert samples.count("\n## ") == (3 * 5 + 1 + 1) * 3  # every n-gram, the best bigram, the GPT; 3 prompts each
 
 
 def test_cli_registers_the_study_and_reports_errors_on_one_line(tmp_path, capsys):

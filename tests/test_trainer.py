@@ -163,3 +163,58 @@ def test_a_fresh_run_into_an_old_directory_starts_a_new_metrics_log(prepared_run
         train(_cfg(base, max_steps=steps, eval_interval=2, log_interval=1, progress=False), prepared, tmp_path)
     rows = read_metrics(tmp_path / "metrics.csv")
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
+
+
+@pytest.mark.slow  # trains two epochs
+def test_epochs_stop_after_whole_passes_with_one_row_per_epoch(prepared_run, tmp_path):
+    base, prepared = prepared_run
+    cfg = _cfg(base, epochs=2, max_steps=10_000, eval_interval=1000, eval_batches=1)
+    n_units = (prepared.splits["train"].n_tokens - 1) // cfg.model.context_length  # packed windows
+    per_epoch = n_units // cfg.train.batch_size
+    result = train(cfg, prepared, tmp_path)
+    assert result.steps == 2 * per_epoch
+    rows = read_metrics(tmp_path / "epochs.csv")
+    assert [r["epoch"] for r in rows] == [1, 2] and [r["step"] for r in rows] == [per_epoch, 2 * per_epoch]
+    assert all(math.isclose(r["val_ppl"], math.exp(r["val_loss"]), rel_tol=1e-3) for r in rows)
+    assert all(math.isclose(r["train_ppl"], math.exp(r["train_loss"]), rel_tol=1e-3) for r in rows)
+
+
+def test_an_epoch_visits_every_story_once(prepared_run):
+    from tinylm.data.tokens import Batches
+
+    _, prepared = prepared_run
+    split = prepared.splits["train"]
+    longest = int(max(split.offsets[1:] - split.offsets[:-1]))
+    batches = Batches(split, longest, "stories", seed=3, epoch_rows=4)  # whole stories, no windows
+    per_epoch = batches.steps_per_epoch
+    assert per_epoch == split.n_docs // 4
+    units = lambda epoch: torch.cat([batches.epoch_units(epoch * per_epoch + i, 0, 4)  # noqa: E731
+                                     for i in range(per_epoch)]).tolist()
+    assert len(set(units(0))) == per_epoch * 4  # no story twice in an epoch
+    assert units(0) != units(1)  # a new order each epoch
+    # a step's rows are those stories, from their <sos>
+    x, _ = batches.get(0, 0, 4)
+    starts = split.offsets[units(0)[:4]]
+    assert x[:, 0].tolist() == [int(split.ids[s]) for s in starts]
+    # rank-style slices of a step are the rows of the whole step
+    x_all, _ = batches.get(5, 0, 4)
+    assert torch.equal(torch.cat([batches.get(5, 0, 2)[0], batches.get(5, 2, 2)[0]]), x_all)
+    with pytest.raises(TinyLMError, match="fewer than"):
+        Batches(split, 32, "stories", epoch_rows=split.n_docs + 1)
+
+
+def test_label_smoothing_trains_on_the_smoothed_loss_and_validates_on_the_plain_one(prepared_run):
+    base, prepared = prepared_run
+    torch.manual_seed(0)
+    model = build_model(base, prepared.tokenizer.vocab_size)
+    x = torch.randint(4, 100, (2, 16))
+    y = torch.randint(4, 100, (2, 16))
+    y[0, -3:] = -100
+    logits, loss = model(x, y, loss_reduction="sum", label_smoothing=0.1)
+    expected = torch.nn.functional.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1), ignore_index=-100,
+                                                 reduction="sum", label_smoothing=0.1)
+    assert torch.allclose(loss, expected)
+    _, plain = model(x, y, loss_reduction="sum")
+    assert not torch.allclose(loss, plain)
+    with pytest.raises(TinyLMError, match="label_smoothing"):
+        train(_cfg(base, label_smoothing=1.0), prepared, "unused-dir")

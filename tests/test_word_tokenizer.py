@@ -98,3 +98,50 @@ def test_config_options_reach_the_tokenizer():
     assert tok.words == ["the", "cat", "dog"]  # the x7, cat x5, dog x4; "a" x2 is below min_count
     bpe = train_from_config(TokenizerConfig(type="bpe", vocab_size=270, pattern="gpt4"), TEXTS)
     assert bpe.pattern == "gpt4" and bpe.vocab_size == 270
+
+
+@pytest.mark.parametrize("order,at", [(("<sos>", "<eos>", "<pad>", "<unk>"), "start"),
+                                      (("<pad>", "<unk>", "<sos>", "<eos>"), "end")])
+def test_special_token_order_and_place_round_trip_through_save_and_load(tmp_path, order, at):
+    from tinylm.tokenizers.io import load_tokenizer
+
+    text = "the cat sat on the mat . the dog sat ."
+    tok = WordTokenizer(special_tokens=order, specials_at=at).train([text])
+    n_words = len(tok.words)
+    first = 0 if at == "start" else n_words
+    expected = {name: first + order.index(name) for name in ("<pad>", "<unk>", "<sos>", "<eos>")}
+    assert (tok.pad_id, tok.unk_id, tok.sos_id, tok.eos_id) == tuple(expected.values())
+    assert tok.bos_id == tok.sos_id and tok.stop_ids == (tok.eos_id,)
+    assert tok.id_to_piece(tok.sos_id) == "<sos>" and tok.id_to_piece(tok.unk_id) == "<unk>"
+    ids = tok.encode("the zebra sat")
+    assert ids[1] == tok.unk_id and all(0 <= i < tok.vocab_size for i in ids)
+    assert tok.decode([tok.sos_id, *ids, tok.eos_id, tok.pad_id]) == "the <unk> sat"
+    tok.save(tmp_path / "tok.json")
+    back = load_tokenizer(tmp_path / "tok.json")
+    assert (back.pad_id, back.unk_id, back.sos_id, back.eos_id) == tuple(expected.values())
+    assert back.encode(text) == tok.encode(text) and back.vocab_size == tok.vocab_size == n_words + 4
+
+
+def test_oov_bpe_pieces_spell_every_word_of_the_training_alphabet(tmp_path):
+    from tinylm.tokenizers.io import load_tokenizer
+
+    train = ["the cat sat on the mat.", "a bird sang in the tree, and the cat listened.", "tom ran home."]
+    plain = WordTokenizer(lowercase=True).train(train, vocab_size=10)
+    oov = WordTokenizer(lowercase=True, oov="bpe").train(train, vocab_size=10, oov_merges=20)
+    assert oov.words == plain.words  # the same word vocabulary; pieces come after it
+    unseen = "The cat sang a song to the bird at home."  # "song", "to", "at" are out of the vocabulary
+    assert plain.unk_rate([unseen]) > 0.2 and oov.unk_rate([unseen]) == 0.0
+    ids = oov.encode(unseen)
+    assert oov.decode(ids) == oov.normalize(unseen) == "the cat sang a song to the bird at home."
+    assert max(ids) < oov.vocab_size and plain.decode(plain.encode(unseen)).count("<unk>") >= 3
+    assert oov.unk_rate(["qqq"]) > 0  # a character never seen in training is still <unk>
+    oov.save(tmp_path / "tok.json")
+    assert load_tokenizer(tmp_path / "tok.json").encode(unseen) == ids
+
+
+def test_the_token_cache_uses_the_tokenizers_own_start_and_end_ids(tmp_path):
+    from tinylm.data.tokens import encode_split
+
+    tok = WordTokenizer(special_tokens=("<sos>", "<eos>", "<pad>", "<unk>")).train(["a b c"])
+    split = encode_split("train", ["a b", "c"], tok, tmp_path)
+    assert split.document(0).tolist() == [0, *tok.encode("a b"), 1] and tok.sos_id == 0 and tok.eos_id == 1

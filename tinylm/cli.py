@@ -38,6 +38,9 @@ from tinylm.generation.processors import GenerationConfig
 from tinylm.interop.loading import export_hf, load_any_checkpoint
 from tinylm.models.checkpoint import load_checkpoint
 from tinylm.pipeline import run_pipeline
+from tinylm.serving.app import serve as serve_models
+from tinylm.serving.completions import Limits
+from tinylm.serving.models import load_models
 from tinylm.studies.shakespeare import load_study_config, run_study
 from tinylm.studies.tinystories import PARTS, load_experiment_config, run_experiments
 from tinylm.studies.tinystories_report import write_report as write_experiments_report
@@ -228,6 +231,7 @@ def demo(a: DemoOptions) -> int:
     summary = run_pipeline(cfg, cfg.out_dir)
     print(f"\ndemo finished in {summary['total_seconds']:.0f} s; everything is in {cfg.out_dir}/ "
           f"(report.md, metrics.csv, samples.txt, checkpoints/)")
+    print(f"play with it in a browser: tinylm serve --checkpoint {cfg.out_dir}   (then open http://127.0.0.1:8000)")
     return 0
 
 
@@ -359,8 +363,10 @@ class EvaluateOptions(ModelOptions):
     samples: int = opt("stories to use", BleuProtocol.n_samples, minimum=1, group="BLEU protocol")
     prompt_tokens: int = opt("prompt = the story's first N tokens", BleuProtocol.prompt_tokens, minimum=1,
                              group="BLEU protocol")
-    max_continuation: int = opt("cap on continuation tokens", BleuProtocol.max_continuation, minimum=1,
-                                group="BLEU protocol")
+    max_continuation: int | None = opt("cap on reference/continuation tokens (default: the rest of the story)",
+                                       BleuProtocol.max_continuation, minimum=1, group="BLEU protocol")
+    selection: str = opt("which stories: drawn at random with --seed, or the first N", BleuProtocol.selection,
+                         choices=["random", "first"], group="BLEU protocol")
     temperature: list[float] = opt("sampling temperature, repeatable (default "
                                    f"{', '.join(map(str, SAMPLING_TEMPERATURES))}); 0 is greedy", [], minimum=0,
                                    group="BLEU protocol")
@@ -369,7 +375,7 @@ class EvaluateOptions(ModelOptions):
                                 group="BLEU protocol")
     smoothing: str = opt("for BLEU-1..4", BleuProtocol.smoothing, choices=["method1", "exp", "none"],
                          group="BLEU protocol")
-    seed: int = opt("sample k uses seed + k", BleuProtocol.seed, group="BLEU protocol")
+    seed: int = opt("draws the stories; sample k decodes with seed + k", BleuProtocol.seed, group="BLEU protocol")
     csv_dir: str = opt("where bleu_samples_<setting>.csv go", ".", group="BLEU protocol")
     decode_threads: int = opt("torch threads while decoding (token-by-token decoding is many small ops, which "
                               "slow down with more threads on a busy CPU)", 1, minimum=1, group="BLEU protocol")
@@ -403,7 +409,7 @@ def evaluate(a: EvaluateOptions) -> int:
     bleu = None
     if a.bleu:
         torch.set_num_threads(a.decode_threads)
-        protocol = BleuProtocol(a.samples, a.prompt_tokens, a.max_continuation, a.seed, a.smoothing)
+        protocol = BleuProtocol(a.samples, a.prompt_tokens, a.max_continuation, a.seed, a.smoothing, a.selection)
         settings = [Decoding("greedy" if t == 0 else f"T{t:g}", temperature=t, top_k=a.top_k)
                     for t in (a.temperature or SAMPLING_TEMPERATURES)]
         settings += [Decoding(f"beam{k}", beam_width=k) for k in a.beam_width]
@@ -482,6 +488,35 @@ def attention(a: AttentionOptions) -> int:
     return 0
 
 
+# ------------------------------------------------------------------------------------- serve
+@dataclass
+class ServeOptions:
+    checkpoint: list[str] = opt("any checkpoint `tinylm generate` takes; repeatable (models are chosen by name)", [])
+    tokenizer: list[str] = opt("the i-th goes with the i-th --checkpoint (a llama2.c .bin needs one; 'none' for a "
+                               "checkpoint that brings its own)", [])
+    host: str = opt("address to bind; anything but loopback exposes the API (use --api-key)", "127.0.0.1")
+    port: int = opt("TCP port", 8000, minimum=0)
+    api_key: str | None = opt("require `Authorization: Bearer KEY` on every /v1 call")
+    threads: int | None = opt("torch threads (default: torch's choice)", minimum=1)
+    max_batch: int = opt("rows decoded together at most (requests beyond wait their turn)", 32, minimum=1)
+    max_tokens: int = opt("refuse max_tokens above this", 512, minimum=1)
+    max_choices: int = opt("refuse requests asking for more choices (prompts x n)", 16, minimum=1)
+    max_body_bytes: int = opt("refuse bodies larger than this (413)", 1_000_000, minimum=1)
+
+
+@command("serve")
+def serve(a: ServeOptions) -> int:
+    """The playground page and an OpenAI-compatible API for one or more models (FastAPI + uvicorn)."""
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    if a.host not in ("127.0.0.1", "localhost", "::1"):
+        log.warning("WARNING: serving on %s, reachable from other machines, %s", a.host,
+                    "API calls need the API key" if a.api_key else "WITHOUT AUTHENTICATION (give --api-key)")
+    models = load_models(a.checkpoint, a.tokenizer, a.max_batch)
+    serve_models(models, a.host, a.port, Limits(a.max_tokens, a.max_choices, a.max_body_bytes), a.api_key)
+    return 0
+
+
 # ----------------------------------------------------------------------------------- studies
 @dataclass
 class ExperimentsOptions(RunOptions):
@@ -509,8 +544,9 @@ def experiments(a: ExperimentsOptions) -> int:
 @dataclass
 class StudyOptions:
     corpus: str = opt("the corpus of the study", positional=True, choices=["shakespeare"])
-    config: str = opt("study preset or YAML file of StudyConfig fields", "shakespeare-study")
-    quick: bool = opt("the preset's quick section: 5 plays, under 2 minutes")
+    config: str = opt("study preset (shakespeare-study, shakespeare-report) or YAML file of StudyConfig fields",
+                      "shakespeare-study")
+    quick: bool = opt("the preset's quick section (every stage on a few plays, under 90 s)")
     out: str | None = opt("run directory (default: the preset's out_dir)")
     gpt_minutes: float | None = opt("training budget of each GPT", minimum=0)
     no_gpt: bool = opt("skip the GPT stage")

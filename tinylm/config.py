@@ -51,13 +51,20 @@ class DataConfig(CleanOptions):
 
 @dataclass
 class TokenizerConfig:
-    type: str = "bpe"  # bpe | char | word
+    type: str = "bpe"  # bpe | char | word | word_bpe
     vocab_size: int = 1024
+    merges: int | None = None  # word_bpe: number of merges (None: as many as make vocab_size)
+    normalization: str = "lower_nopunct"  # word_bpe: lower_nopunct | aggressive | none
     lowercase: bool = False  # word-level only
     path: str | None = None  # reuse a saved tokenizer instead of training one
     min_count: int = 1  # word-level: keep only words seen this often (with the vocab_size cap; 0 = no cap)
     keep_punctuation: bool = True  # word-level: punctuation marks are tokens (else dropped)
     splitter: str = "regex"  # word-level: regex | spacy (spaCy's rule-based English tokenizer)
+    # word-level: the order of the special tokens, and whether they come before the words or after them
+    special_tokens: list[str] = field(default_factory=lambda: ["<pad>", "<unk>", "<sos>", "<eos>"])
+    specials_at: str = "start"  # start | end
+    oov: str = "unk"  # word-level: words out of the vocabulary become unk | bpe (character BPE pieces)
+    oov_merges: int = 1000  # word-level with oov=bpe: merges of the pieces' BPE
     pattern: str = "gpt2"  # bpe pre-tokenisation split: gpt2 | gpt4 | a custom regex
 
 
@@ -79,7 +86,8 @@ class ModelConfig:
     rope_theta: float = 10000.0
     norm: str = "layernorm"  # layernorm | rmsnorm
     norm_eps: float = 1e-5
-    ffn: str = "gelu"  # gelu | swiglu
+    ffn: str = "gelu"  # gelu (GPT-2's tanh approximation) | relu | swiglu
+    init: str = "gpt2"  # gpt2: N(0, 0.02), residual projections scaled | xavier: Xavier-uniform matrices
     bias: bool = True
     tie_weights: bool = True
     d_embed: int | None = None  # token embedding width; None = d_model, else a learned projection to d_model
@@ -125,7 +133,8 @@ class ModelConfig:
                 raise TinyLMError(f"model.{name} must be in [0, 1) (got {getattr(cfg, name)})")
         _check_choice("model.positions", cfg.positions, ("learned", "sinusoidal", "rope", "none"))
         _check_choice("model.norm", cfg.norm, ("layernorm", "rmsnorm"))
-        _check_choice("model.ffn", cfg.ffn, ("gelu", "swiglu"))
+        _check_choice("model.ffn", cfg.ffn, ("gelu", "relu", "swiglu"))
+        _check_choice("model.init", cfg.init, ("gpt2", "xavier"))
         _check_choice("model.attention", cfg.attention, ("manual", "sdpa"))
         return cfg
 
@@ -138,6 +147,9 @@ class TrainConfig:
     global_batch_size: int | None = None
     grad_accum_steps: int = 1
     max_steps: int = 1000
+    # passes over the training split instead of max_steps: every story (packed: every context
+    # window) once per epoch in a seeded order; one row per epoch in epochs.csv
+    epochs: int | None = None
     max_minutes: float | None = None  # wall-clock budget, checked every step
     lr: float = 1e-3
     min_lr: float = 1e-4
@@ -150,6 +162,9 @@ class TrainConfig:
     beta1: float = 0.9
     beta2: float = 0.95
     grad_clip: float = 1.0  # 0 disables clipping
+    # training targets mixed with the uniform distribution (F.cross_entropy's label_smoothing);
+    # validation losses and perplexities are always the plain NLL
+    label_smoothing: float = 0.0
     eval_interval: int = 100
     eval_batches: int = 20  # 0: the whole validation split
     log_interval: int = 10

@@ -64,7 +64,7 @@ def run_pipeline(cfg: RunConfig, out_dir: str | Path, *, resume=None, force: boo
     evals = {}
     for name in ("valid", "test"):
         if name in prepared.splits:
-            evals[name] = evaluate_split(model, prepared.splits[name])
+            evals[name] = evaluate_split(model, prepared.splits[name], eos_id=tokenizer.eos_id)
             m = evals[name]
             log.info(f"{name}: token perplexity {m['token_ppl']:.3f}, bits per byte {m['bpb']:.4f}, "
                 f"word perplexity {m['word_ppl']:.2f} ({m['tokens']:,} tokens)")

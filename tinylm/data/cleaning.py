@@ -11,6 +11,11 @@ _EMAIL = re.compile(r"\b[\w.+-]+@[\w-]+\.[\w.-]+\b")
 _HTML = re.compile(r"<(?:/?[a-zA-Z][^<>]*|!--.*?--)>", re.S)
 _SPACES = re.compile(r"[ \t\u00a0\u2000-\u200b\u3000]+")
 _BLANK_LINES = re.compile(r"\n{3,}")
+# a word or a phrase of up to 4 words said again right after itself ("very very very", "la la la")
+_REPEATS = re.compile(r"\b(\w+(?:[ \t]+\w+){0,3}?)(?:[ \t]*[,!]?[ \t]+\1\b)+", re.I)
+# "normal letters and essential punctuation": ASCII letters, digits, whitespace and . , ! ? ' " - : ; ( )
+_NOT_ESSENTIAL = re.compile(r"[^A-Za-z0-9\s.,!?'\"\-:;()]+")
+_DOTS = re.compile(r"[ \t]*(?:(?:\.[ \t]*){2,}|(?:\u2026[ \t]*)+)")
 _PUNCT = str.maketrans({
     "\u2018": "'", "\u2019": "'", "\u201a": "'", "\u201b": "'",
     "\u201c": '"', "\u201d": '"', "\u201e": '"', "\u201f": '"',
@@ -28,6 +33,9 @@ class CleanOptions:
     remove_urls: bool = False
     remove_emails: bool = False
     remove_html: bool = False
+    remove_repeats: bool = False  # a word or phrase repeated right after itself is kept once
+    letters_and_punctuation_only: bool = False  # drop every other character (see _NOT_ESSENTIAL)
+    collapse_dots: bool = False  # "..", "...", ". . ." and "…" become one "."
     deduplicate: bool = True
     min_chars: int = 1
     max_chars: int | None = None
@@ -60,6 +68,12 @@ def clean_text(text: str, opts: CleanOptions, report: CleanReport | None = None)
         steps.append(("remove_emails", lambda t: _EMAIL.sub(" ", t)))
     if opts.standardize_punctuation:
         steps.append(("standardize_punctuation", lambda t: t.translate(_PUNCT)))
+    if opts.remove_repeats:
+        steps.append(("remove_repeats", lambda t: _REPEATS.sub(r"\1", t)))
+    if opts.collapse_dots:
+        steps.append(("collapse_dots", lambda t: _DOTS.sub(". ", t)))
+    if opts.letters_and_punctuation_only:
+        steps.append(("letters_and_punctuation_only", lambda t: _NOT_ESSENTIAL.sub(" ", t)))
     if opts.lowercase:
         steps.append(("lowercase", str.lower))
     if opts.normalize_whitespace:

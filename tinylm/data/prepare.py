@@ -27,6 +27,7 @@ class Prepared:
     tokenizer_path: Path
     splits: dict[str, TokenSplit]
     report: dict
+    data_dir: Path | None = None  # the token caches (and what is derived from them, e.g. trained vectors)
 
 
 def load_raw_documents(data: DataConfig) -> dict[str, list[str]]:
@@ -83,7 +84,7 @@ def prepare(cfg: RunConfig, out_dir: str | Path) -> Prepared:
         if report.get("fingerprint") == fp:
             splits = {name: load_split(data_dir, name) for name in report["splits"]}
             log.info(f"prepare: reusing the token cache in {data_dir}")
-            return Prepared(load_tokenizer(tok_path), tok_path, splits, report)
+            return Prepared(load_tokenizer(tok_path), tok_path, splits, report, data_dir)
 
     raw = load_raw_documents(cfg.data)
     cleaned, clean_reports = {}, {}
@@ -112,4 +113,4 @@ def prepare(cfg: RunConfig, out_dir: str | Path) -> Prepared:
     report_path.write_text(json.dumps(report, indent=2))
     for n, s in splits.items():
         log.info(f"prepare: {n}: {s.n_docs} documents, {s.n_tokens:,} tokens, {s.n_bytes:,} bytes")
-    return Prepared(tokenizer, tok_path, splits, report)
+    return Prepared(tokenizer, tok_path, splits, report, data_dir)

@@ -54,3 +54,17 @@ def split_chunks(docs: list[str], valid_fraction: float, test_fraction: float, c
         if frac > 0 and not out[name]:
             raise TinyLMError(f"the corpus is too small for a {name} split of {frac:.0%} ({len(chunks)} chunks)")
     return out
+
+
+def line_overlap(seen: list[str], query: list[str], sample: int = 100, min_words: int = 1, seed: int = 0) -> dict:
+    """How many lines of ``query`` occur verbatim (stripped) as lines of ``seen``: over a seeded
+    sample of ``sample`` lines (the report's x/100 check) and over all distinct lines. Lines of
+    fewer than ``min_words`` words are left out (a stage direction like "Exit." repeats anyway)."""
+    def lines(docs):
+        return [s for d in docs for s in (line.strip() for line in d.splitlines()) if len(s.split()) >= max(min_words, 1)]
+    seen_set = set(lines(seen))
+    query_lines = lines(query)
+    distinct = set(query_lines)
+    picked = random.Random(seed).sample(query_lines, min(sample, len(query_lines)))
+    return {"sampled": len(picked), "sampled_found": sum(s in seen_set for s in picked),
+            "distinct_lines": len(distinct), "distinct_found": len(distinct & seen_set)}

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tinylm.constants import EOS_ID, IGNORE_INDEX, PAD_ID, SOS_ID
+from tinylm.constants import IGNORE_INDEX, PAD_ID
 from tinylm.errors import TinyLMError
 from tinylm.tokenizers.base import Tokenizer
 
@@ -53,7 +53,7 @@ def encode_split(name: str, docs: list[str], tokenizer: Tokenizer, out_dir: str 
     dtype = np.uint16 if tokenizer.vocab_size <= 65536 else np.uint32
     pieces, offsets, pos = [], [0], 0
     for doc in docs:
-        ids = np.asarray([SOS_ID, *tokenizer.encode(doc), EOS_ID], dtype=dtype)
+        ids = np.asarray([tokenizer.sos_id, *tokenizer.encode(doc), tokenizer.eos_id], dtype=dtype)
         pieces.append(ids)
         pos += len(ids)
         offsets.append(pos)
@@ -61,7 +61,9 @@ def encode_split(name: str, docs: list[str], tokenizer: Tokenizer, out_dir: str 
     _atomic_save(out_dir / f"{name}.bin", stream.tobytes())
     np.save(out_dir / f"{name}.offsets.npy", np.asarray(offsets, dtype=np.int64))
     meta = {"name": name, "dtype": np.dtype(dtype).name, "n_tokens": int(stream.size), "n_docs": len(docs),
-            "n_bytes": sum(len(d.encode("utf-8")) for d in docs), "n_words": sum(len(d.split()) for d in docs),
+            # of the text the tokens stand for (normalised by a normalising tokenizer such as word_bpe)
+            "n_bytes": sum(len(tokenizer.represented(d).encode("utf-8")) for d in docs),
+            "n_words": sum(len(tokenizer.represented(d).split()) for d in docs),
             "vocab_size": tokenizer.vocab_size}
     _atomic_save(out_dir / f"{name}.meta.json", json.dumps(meta, indent=2).encode())
     return load_split(out_dir, name)
@@ -109,9 +111,12 @@ class Batches:
     mode "stories": one document per row from its ``<sos>``, right-padded; padding targets are
     IGNORE_INDEX so they add nothing to the loss. A document longer than the context gives a
     random window of itself.
+    Rows are drawn with replacement at every step, unless ``epoch_rows`` is set (``train.epochs``):
+    then each epoch visits every story (or non-overlapping packed window) once, in a seeded order.
     """
 
-    def __init__(self, split: TokenSplit, context_length: int, mode: str = "packed", seed: int = 0):
+    def __init__(self, split: TokenSplit, context_length: int, mode: str = "packed", seed: int = 0,
+                 epoch_rows: int | None = None):
         if mode not in ("packed", "stories"):
             raise TinyLMError(f"data.batching={mode!r} is not one of packed, stories")
         if split.n_tokens < context_length + 1:
@@ -124,6 +129,27 @@ class Batches:
         lengths = np.diff(split.offsets)
         self._starts = torch.from_numpy(split.offsets[:-1].astype(np.int64))
         self._lengths = torch.from_numpy(lengths.astype(np.int64))
+        # epochs: every unit (a story, or a non-overlapping packed window) once per epoch, in a fresh
+        # seeded order, ``epoch_rows`` units per step; a last partial batch is dropped
+        self.epoch_rows = epoch_rows
+        self._n_units = split.n_docs if mode == "stories" else (split.n_tokens - 1) // context_length
+        self._order: tuple[int, torch.Tensor] | None = None  # (epoch, its permutation of the units)
+        if epoch_rows is not None and not 1 <= epoch_rows <= self._n_units:
+            unit = "stories" if mode == "stories" else "context windows"
+            raise TinyLMError(f"an epoch of the {split.name} split has {self._n_units} {unit}, fewer than the "
+                              f"{epoch_rows} rows of one step; lower train.batch_size")
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return self._n_units // self.epoch_rows if self.epoch_rows else 0
+
+    def epoch_units(self, step: int, row_start: int, n_rows: int) -> torch.Tensor:
+        epoch, i = divmod(step, self.steps_per_epoch)
+        if self._order is None or self._order[0] != epoch:
+            g = torch.Generator().manual_seed(self.seed * 1_000_003 + 2**41 + epoch)
+            self._order = (epoch, torch.randperm(self._n_units, generator=g))
+        first = i * self.epoch_rows + row_start
+        return self._order[1][first : first + n_rows]
 
     def _generator(self, step: int) -> torch.Generator:
         return torch.Generator().manual_seed(self.seed * 1_000_003 + step)
@@ -134,10 +160,16 @@ class Batches:
         n_total = row_start + n_rows
         T = self.T
         if self.mode == "packed":
-            starts = torch.randint(0, self.split.n_tokens - T, (n_total,), generator=g)[row_start:]
+            if self.epoch_rows:
+                starts = self.epoch_units(step, row_start, n_rows) * T
+            else:
+                starts = torch.randint(0, self.split.n_tokens - T, (n_total,), generator=g)[row_start:]
             rows = self._ids[starts[:, None] + torch.arange(T + 1)]
             return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
-        docs = torch.randint(0, self.split.n_docs, (n_total,), generator=g)[row_start:]
+        if self.epoch_rows:
+            docs = self.epoch_units(step, row_start, n_rows)
+        else:
+            docs = torch.randint(0, self.split.n_docs, (n_total,), generator=g)[row_start:]
         # window offsets from their own generator: drawn from ``g`` after the n_total document
         # draws, row r's offset would depend on the batch size (ranks / accumulation would differ)
         g_frac = torch.Generator().manual_seed(self.seed * 1_000_003 + step + 2**40)

@@ -90,17 +90,19 @@ def metrics(total_nll: float, n_tokens: int, n_bytes: int, n_words: int) -> dict
     }
 
 
-def _strip_eos(ids: np.ndarray, score_eos: bool) -> list[int]:
+def _strip_eos(ids: np.ndarray, score_eos: bool, eos_id: int = EOS_ID) -> list[int]:
     ids = [int(i) for i in ids]
-    if not score_eos and ids and ids[-1] == EOS_ID:
+    if not score_eos and ids and ids[-1] == eos_id:
         ids = ids[:-1]
     return ids
 
 
-def evaluate_split(model, split, batch_size: int = 32, score_eos: bool = False, max_docs: int | None = None) -> dict:
-    """Metrics over a prepared TokenSplit (documents stored as ``<sos> ... <eos>``)."""
+def evaluate_split(model, split, batch_size: int = 32, score_eos: bool = False, max_docs: int | None = None,
+                   eos_id: int = EOS_ID) -> dict:
+    """Metrics over a prepared TokenSplit (documents stored as ``<sos> ... <eos>``; ``eos_id``: the
+    tokenizer's, when it orders its special tokens its own way)."""
     n = split.n_docs if max_docs is None else min(max_docs, split.n_docs)
-    docs = [_strip_eos(split.document(i), score_eos) for i in range(n)]
+    docs = [_strip_eos(split.document(i), score_eos, eos_id) for i in range(n)]
     nll, tokens = score_token_documents(model, docs, batch_size=batch_size)
     if n < split.n_docs:  # bytes/words are stored for the whole split; scale to the part scored
         frac = sum(len(d) for d in docs) / max(1, split.n_tokens)

@@ -72,6 +72,12 @@ def attention_maps(model, tokenizer, text: str) -> AttentionMaps:
     if len(ids) > ctx:
         raise TinyLMError(f"the text is {len(ids)} tokens with <sos>, longer than the model's context of {ctx}; "
                           "give a shorter --text")
+    return attention_maps_of_ids(model, tokenizer, ids, text)
+
+
+@torch.no_grad()
+def attention_maps_of_ids(model, tokenizer, ids: list[int], text: str = "") -> AttentionMaps:
+    """Per-layer attention weights of token ids that fit in the context (one forward pass)."""
     device = next(model.parameters()).device
     with eval_mode(model):
         captured: list[torch.Tensor] = []

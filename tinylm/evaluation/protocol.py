@@ -1,9 +1,11 @@
 """The TinyStories BLEU protocol: prompt with the first P tokens of N held-out stories, let the
 model continue, compare with each story's real continuation.
 
+    stories           N drawn at random with the protocol's seed (as the reports did), or the
+                      first N in file order (``selection="first"``)
     prompt            the first ``prompt_tokens`` tokens of the story (after ``<sos>``)
-    reference         the story's next tokens, at most ``max_continuation`` (and what fits in the
-                      context after the prompt)
+    reference         the rest of the story, as far as it fits in the context after the prompt
+                      (or at most ``max_continuation`` tokens when that cap is set)
     hypothesis        the model's continuation, ``len(reference)`` new tokens at most (stops early
                       at ``<eos>``), one seed per sample
     per_sample_ppl    exp(mean NLL) of the *reference* continuation under the model given the
@@ -18,6 +20,7 @@ from __future__ import annotations
 import csv
 import logging
 import math
+import random
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -42,9 +45,10 @@ SAMPLING_TEMPERATURES = (0.7, 1.0, 1.2)  # the reports' temperature sweep
 class BleuProtocol:
     n_samples: int = 50
     prompt_tokens: int = 5
-    max_continuation: int = 60
+    max_continuation: int | None = None  # None: the rest of the story (what fits in the context)
     seed: int = 0
     smoothing: str = "method1"  # for BLEU-1..4 (see tinylm.evaluation.bleu)
+    selection: str = "random"  # random: N stories drawn with `seed` | first: the first N in file order
 
 
 @dataclass
@@ -71,11 +75,17 @@ class SampleSet:
     requested: int
     available: int  # stories in the file
     skipped_too_short: int  # stories with no token after the prompt
+    cut_to_context: int = 0  # references shortened to what fits in the context after the prompt
     notes: list[str] = field(default_factory=list)
 
 
 def select_samples(tokenizer, texts: list[str], protocol: BleuProtocol, context_length: int) -> SampleSet:
-    """The first ``n_samples`` stories long enough to have a continuation, in file order."""
+    """``n_samples`` stories long enough to have a continuation: drawn in a seeded random order, or
+    the first ones in file order."""
+    if protocol.selection not in ("random", "first"):
+        raise TinyLMError(f"BLEU story selection {protocol.selection!r} is not one of random, first")
+    if protocol.max_continuation is not None and protocol.max_continuation < 1:
+        raise TinyLMError(f"max_continuation must be at least 1 (got {protocol.max_continuation})")
     P = protocol.prompt_tokens
     if P < 1:
         raise TinyLMError(f"the BLEU prompt needs at least 1 token (got prompt_tokens={P})")
@@ -84,24 +94,31 @@ def select_samples(tokenizer, texts: list[str], protocol: BleuProtocol, context_
     room = context_length - 1 - P  # <sos> + prompt + continuation must fit in the context
     if room < 1:
         raise TinyLMError(f"a prompt of {P} tokens leaves no room for a continuation in a context of {context_length}")
-    cap = min(protocol.max_continuation, room)
-    samples, skipped = [], 0
-    for i, text in enumerate(texts):
+    cap = room if protocol.max_continuation is None else min(protocol.max_continuation, room)
+    order = list(range(len(texts)))
+    if protocol.selection == "random":
+        random.Random(protocol.seed).shuffle(order)
+    samples, skipped, cut = [], 0, 0
+    for i in order:
         if len(samples) == protocol.n_samples:
             break
-        ids = tokenizer.encode(text)
+        ids = tokenizer.encode(texts[i])
         if len(ids) <= P:
             skipped += 1
             continue
+        cut += protocol.max_continuation is None and len(ids) - P > room
         samples.append(Sample(i, ids[:P], ids[P : P + cap]))
     notes = []
     if skipped:
         notes.append(f"skipped {skipped} stories of at most {P} tokens (prompt length >= story length)")
+    if cut:
+        notes.append(f"{cut} of {len(samples)} references are longer than the context leaves after the prompt; "
+                     f"they are cut to {room} tokens")
     if len(samples) < protocol.n_samples:
         notes.append(f"asked for {protocol.n_samples} samples, only {len(samples)} usable stories exist; using them all")
     if not samples:
         raise TinyLMError(f"no story in the evaluation text is longer than the {P}-token prompt")
-    return SampleSet(samples, protocol.n_samples, len(texts), skipped, notes)
+    return SampleSet(samples, protocol.n_samples, len(texts), skipped, cut, notes)
 
 
 @torch.no_grad()
@@ -180,6 +197,7 @@ def run_bleu(model, tokenizer, texts: list[str], protocol: BleuProtocol, setting
         "protocol": asdict(protocol),
         "samples": len(sample_set.samples), "requested": sample_set.requested,
         "available_stories": sample_set.available, "skipped_too_short": sample_set.skipped_too_short,
+        "cut_to_context": sample_set.cut_to_context,
         "notes": sample_set.notes,
         "reference_ppl": math.exp(total_nll / total_tokens), "reference_tokens": total_tokens,
         "mean_per_sample_ppl": sum(ppls) / len(ppls),

@@ -118,8 +118,23 @@ def section_config(doc: Doc, run: Path, ev, baseline, prep):
             ("vocabulary", m["vocab_size"]), ("d_model", m["d_model"]), ("attention width (d_attn)", m["d_attn"]),
             ("layers", m["n_layers"]), ("heads", m["n_heads"]), ("d_ff", m["d_ff"]),
             ("context length", m["context_length"]), ("dropout", str(m["dropout"])), ("positions", m["positions"]),
+            ("feed-forward / init", f"{m.get('ffn', 'gelu')} / {m.get('init', 'gpt2')}"),
+            ("weights tied (embedding = output layer)", m.get("tie_weights")),
             ("batch x accumulation", f"{t['batch_size']} x {t['grad_accum_steps']}"),
-            ("learning rate", f"{t['lr']} (warmup {t['warmup_steps']}, {t['schedule']} to {t['min_lr']})")]
+            ("learning rate", f"{t['lr']} (warmup {t['warmup_steps']}, {t['schedule']} to {t['min_lr']})"),
+            ("stop", f"{t['epochs']} epochs" if t.get("epochs") else f"{t['max_steps']} steps"
+             + (f" or {t['max_minutes']} minutes" if t.get("max_minutes") else "")),
+            ("label smoothing", t.get("label_smoothing", 0.0))]
+    emb = cfg.get("embeddings") or {}
+    if emb.get("kind", "none") != "none":
+        info = read_json(run / "embeddings.json")
+        where = (f"{info['source']}: {info['found']:,} of {info['vocab_size'] - info['specials']:,} words found "
+                 f"({info['coverage']:.1%}), {info['subword']:,} from subwords, {info['random']:,} random"
+                 + (f"; trained in {info['train_seconds']:.1f} s" if info.get("train_seconds") else "")
+                 + (f" (read back from the cache {info['cached']})" if info.get("cached") else "")
+                 if isinstance(info, dict) and "coverage" in info else "embeddings.json missing")
+        rows.append(("token embeddings", f"{emb['kind']}{' ' + emb['path'] if emb.get('path') else ''}, "
+                                         f"{'frozen' if emb.get('freeze') else 'fine-tuned'}; {where}"))
     total = (baseline or {}).get("parameters_total") or (ev or {}).get("parameters")
     rows.append(("parameters (total)", total))
     if baseline:
@@ -151,6 +166,11 @@ def section_training(doc: Doc, run: Path, ev, want_curves: bool = False):
             doc.lack("validation rows in metrics.csv (training stopped before its first evaluation)")
     else:
         doc.lack("metrics.csv (no training step was logged in this directory)")
+    if (run / "epochs.csv").is_file():
+        doc.p("Per epoch (train loss: the epoch's mean over its steps, with dropout; valid: after the epoch):")
+        doc.table(["epoch", "step", "train loss", "valid loss", "train ppl", "valid ppl", "elapsed s"],
+                  [(r["epoch"], r["step"], _fmt(r["train_loss"]), _fmt(r["val_loss"]), _fmt(r["train_ppl"], 2),
+                    _fmt(r["val_ppl"], 2), _fmt(r["elapsed_s"], 1)) for r in read_metrics(run / "epochs.csv")])
     if (run / "curves.png").is_file():
         doc.img("curves.png", "loss and perplexity curves")
     elif want_curves:

@@ -74,6 +74,8 @@ class GenerationConfig:
             bad("beam_width", self.beam_width, "an integer >= 1")
         if vocab_size is not None and self.beam_width > vocab_size:
             bad("beam_width", self.beam_width, f"at most the vocabulary size {vocab_size}")
+        if not -10.0 <= self.length_penalty <= 10.0:  # lengths ** huge exponents overflow to 0 or inf
+            bad("length_penalty", self.length_penalty, "in [-10, 10]")
         if self.num_return_sequences < 1 or self.num_return_sequences > self.beam_width:
             bad("num_return_sequences", self.num_return_sequences, f"between 1 and beam_width ({self.beam_width})")
         if vocab_size is not None:

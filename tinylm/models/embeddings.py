@@ -27,8 +27,11 @@ gradients into the embedding matrix (the projection still learns).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
+import os
+import time
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -208,14 +211,10 @@ def load_vectors(kind: str, path: str | None, keep: Iterable[str] | None = None)
 # ------------------------------------------------------------------------------------- matrix
 def vocabulary_keys(tokenizer) -> list[str | None]:
     """The string of every token id to look vectors up by; None for special tokens."""
-    n_special = len(tokenizer.special_tokens)
-    keys: list[str | None] = []
-    for i in range(tokenizer.vocab_size):
-        if i < n_special:
-            keys.append(None)
-            continue
-        keys.append(tokenizer.id_to_piece(i))
-    return keys
+    special = {getattr(tokenizer, name, None) for name in ("pad_id", "unk_id", "sos_id", "eos_id")}
+    if not special - {None}:  # a tokenizer without these attributes keeps its specials first
+        special = set(range(len(tokenizer.special_tokens)))
+    return [None if i in special else tokenizer.id_to_piece(i) for i in range(tokenizer.vocab_size)]
 
 
 def _candidates(key: str) -> list[str]:
@@ -296,7 +295,7 @@ def token_sentences(ids: np.ndarray, tokenizer, max_len: int = 1000) -> list[lis
     keys = vocabulary_keys(tokenizer)
     unk = getattr(tokenizer, "unk_id", None)
     if unk is not None and 0 <= unk < len(keys):
-        keys[unk] = tokenizer.special_tokens[unk]
+        keys[unk] = "<unk>"
     sentences, current = [], []
     for i in np.asarray(ids).tolist():
         key = keys[i] if 0 <= i < len(keys) else None
@@ -315,37 +314,73 @@ def embedding_width(model) -> int:
     return int(model.tok_emb.weight.shape[1])
 
 
+def _trained_matrix_cache(cache_dir: Path, train_ids: np.ndarray, tokenizer, width: int, emb_cfg) -> Path:
+    """Where vectors trained on this token stream with these settings are kept (one file per key)."""
+    key = {"ids": zlib.crc32(np.ascontiguousarray(train_ids).tobytes()), "n": int(len(train_ids)),
+           "vocab": zlib.crc32("\n".join(str(k) for k in vocabulary_keys(tokenizer)).encode("utf-8", "replace")),
+           "width": width, "seed": emb_cfg.seed, "epochs": emb_cfg.train_epochs, "window": emb_cfg.train_window,
+           "min_count": emb_cfg.train_min_count, "oov": emb_cfg.oov, "noise_std": emb_cfg.noise_std}
+    digest = zlib.crc32(json.dumps(key, sort_keys=True).encode()) & 0xFFFFFFFF
+    return Path(cache_dir) / f"fasttext-trained-{digest:08x}.npz"
+
+
+def _train_matrix(model, tokenizer, emb_cfg, train_ids, width: int, cache_dir) -> tuple[np.ndarray, EmbeddingReport, dict]:
+    """FastText trained on the training split (or read back from the cache); the matrix, its
+    report, and how it was obtained (seconds spent training, or the cache file)."""
+    if train_ids is None:
+        raise TinyLMError("embeddings.kind=train needs the training token stream")
+    cache = _trained_matrix_cache(cache_dir, train_ids, tokenizer, width, emb_cfg) if cache_dir is not None else None
+    if cache is not None and cache.is_file():
+        with np.load(cache, allow_pickle=False) as f:
+            report = EmbeddingReport(**json.loads(str(f["report"])))
+            info = {"cached": cache.name, "train_seconds": float(f["train_seconds"])}
+            return f["matrix"], report, info
+    t0 = time.perf_counter()
+    source = train_fasttext(token_sentences(train_ids, tokenizer), width, seed=emb_cfg.seed,
+                            epochs=emb_cfg.train_epochs, window=emb_cfg.train_window,
+                            min_count=emb_cfg.train_min_count)
+    seconds = time.perf_counter() - t0
+    matrix, report = build_embedding_matrix(tokenizer, source, emb_cfg.oov, emb_cfg.noise_std, emb_cfg.seed,
+                                            pad_id=getattr(tokenizer, "pad_id", 0))
+    if cache is not None:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache.with_name(f"{cache.stem}.{os.getpid()}.tmp.npz")  # ranks may write at once
+        np.savez(tmp, matrix=matrix, report=json.dumps(dataclasses.asdict(report)), train_seconds=seconds)
+        os.replace(tmp, cache)
+    log.info(f"embeddings: FastText ({width}-d) trained on the training split in {seconds:.1f} s")
+    return matrix, report, {"cached": None, "train_seconds": seconds}
+
+
 def apply_pretrained_embeddings(model, tokenizer, emb_cfg, train_ids: np.ndarray | None = None,
-                                out_dir: str | Path | None = None) -> EmbeddingReport | None:
+                                out_dir: str | Path | None = None,
+                                cache_dir: str | Path | None = None) -> EmbeddingReport | None:
     """Fill ``model.tok_emb`` from the source ``emb_cfg`` describes (None when kind is "none");
-    writes ``embeddings.json`` (the coverage report) into ``out_dir`` when given."""
+    writes ``embeddings.json`` (the coverage report) into ``out_dir`` when given. Vectors trained
+    on the split (kind "train") are kept in ``cache_dir`` and reused by runs on the same tokens."""
     kind = emb_cfg.kind
     if kind == "none":
         return None
     if kind not in KINDS:
         raise TinyLMError(f"embeddings.kind={kind!r} is not one of {', '.join(KINDS)}")
     width = embedding_width(model)
-    if kind == "train":
-        if train_ids is None:
-            raise TinyLMError("embeddings.kind=train needs the training token stream")
-        source = train_fasttext(token_sentences(train_ids, tokenizer), width, seed=emb_cfg.seed,
-                                epochs=emb_cfg.train_epochs, window=emb_cfg.train_window,
-                                min_count=emb_cfg.train_min_count)
-    else:
-        keys = {c for k in vocabulary_keys(tokenizer) if k is not None for c in _candidates(k)}
-        source = load_vectors(kind, emb_cfg.path, keys)
-    if source.dim != width:
-        d_model = getattr(getattr(model, "config", None), "d_model", width)
-        raise TinyLMError(
-            f"the vectors are {source.dim}-dimensional but the model's token embedding is {width}-dimensional; "
-            f"set model.d_embed={source.dim} (a learned projection to d_model={d_model}, needs "
-            f"model.tie_weights=false) or model.d_model={source.dim}"
-        )
-    matrix, report = build_embedding_matrix(tokenizer, source, emb_cfg.oov, emb_cfg.noise_std, emb_cfg.seed,
-                                            pad_id=getattr(tokenizer, "pad_id", 0))
     if emb_cfg.freeze and getattr(model, "lm_head", None) is not None and model.lm_head.weight is model.tok_emb.weight:
         raise TinyLMError("embeddings.freeze=true with model.tie_weights=true would freeze the output layer too; "
                           "set model.tie_weights=false")
+    info: dict = {}
+    if kind == "train":
+        matrix, report, info = _train_matrix(model, tokenizer, emb_cfg, train_ids, width, cache_dir)
+    else:
+        keys = {c for k in vocabulary_keys(tokenizer) if k is not None for c in _candidates(k)}
+        source = load_vectors(kind, emb_cfg.path, keys)
+        if source.dim != width:
+            d_model = getattr(getattr(model, "config", None), "d_model", width)
+            raise TinyLMError(
+                f"the vectors are {source.dim}-dimensional but the model's token embedding is {width}-dimensional; "
+                f"set model.d_embed={source.dim} (a learned projection to d_model={d_model}, needs "
+                f"model.tie_weights=false) or model.d_model={source.dim}"
+            )
+        matrix, report = build_embedding_matrix(tokenizer, source, emb_cfg.oov, emb_cfg.noise_std, emb_cfg.seed,
+                                                pad_id=getattr(tokenizer, "pad_id", 0))
     with torch.no_grad():
         weight = model.tok_emb.weight
         weight.copy_(torch.from_numpy(matrix).to(device=weight.device, dtype=weight.dtype))
@@ -354,5 +389,6 @@ def apply_pretrained_embeddings(model, tokenizer, emb_cfg, train_ids: np.ndarray
     if out_dir is not None:
         Path(out_dir).mkdir(parents=True, exist_ok=True)
         (Path(out_dir) / "embeddings.json").write_text(
-            json.dumps({**report.as_dict(), "freeze": emb_cfg.freeze, "oov": emb_cfg.oov}, indent=1))
+            json.dumps({**report.as_dict(), **info, "kind": kind, "path": emb_cfg.path, "freeze": emb_cfg.freeze,
+                        "oov": emb_cfg.oov}, indent=1))
     return report

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from functools import partial
 
 import torch
 import torch.nn as nn
@@ -156,6 +157,11 @@ class KVCache:
     def batch_size(self) -> int:
         return self.k[0].shape[0]
 
+    @property
+    def nbytes(self) -> int:
+        """Memory the keys and values take (every slot, filled or not)."""
+        return sum(t.numel() * t.element_size() for t in (*self.k, *self.v))
+
     def reorder(self, rows: torch.Tensor) -> None:
         """Keep / duplicate batch rows (beam search): row i becomes old row ``rows[i]``.
 
@@ -269,11 +275,12 @@ class CausalSelfAttention(nn.Module):
 
 # --------------------------------------------------------------------------------- feed-forward
 class FeedForward(nn.Module):
-    """GELU MLP (GPT-2) or SwiGLU (Llama: w2(silu(w1 x) * w3 x))."""
+    """GELU MLP (GPT-2), ReLU MLP (the original Transformer) or SwiGLU (Llama: w2(silu(w1 x) * w3 x))."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.swiglu = cfg.ffn == "swiglu"
+        self.activation = F.relu if cfg.ffn == "relu" else partial(F.gelu, approximate="tanh")  # tanh: GPT-2's gelu_new
         self.up = nn.Linear(cfg.d_model, cfg.d_ff, bias=cfg.bias)
         self.gate = nn.Linear(cfg.d_model, cfg.d_ff, bias=cfg.bias) if self.swiglu else None
         self.down = nn.Linear(cfg.d_ff, cfg.d_model, bias=cfg.bias)
@@ -285,12 +292,12 @@ class FeedForward(nn.Module):
                 g, u = linear_t(x, *inference_weights(self, "in", (self.gate, self.up))).chunk(2, dim=-1)
                 h = F.silu(g) * u
             else:
-                h = F.gelu(linear_t(x, *inference_weights(self, "in", (self.up,))), approximate="tanh")
+                h = self.activation(linear_t(x, *inference_weights(self, "in", (self.up,))))
             return linear_t(h, *inference_weights(self, "down", (self.down,)))
         if self.swiglu:
             h = F.silu(self.gate(x)) * self.up(x)
         else:
-            h = F.gelu(self.up(x), approximate="tanh")  # GPT-2's gelu_new
+            h = self.activation(self.up(x))
         return self.dropout(self.down(h))
 
 
@@ -337,9 +344,12 @@ class GPT(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        """GPT-2 init: N(0, 0.02), residual output projections scaled by 1/sqrt(2 * n_layers)."""
+        """GPT-2 init: N(0, 0.02), residual output projections scaled by 1/sqrt(2 * n_layers); or
+        Xavier-uniform for every matrix (embeddings included). Biases 0, norm weights 1."""
         for name, p in self.named_parameters():
-            if p.dim() >= 2:
+            if p.dim() >= 2 and self.config.init == "xavier":
+                nn.init.xavier_uniform_(p)
+            elif p.dim() >= 2:
                 std = 0.02 / math.sqrt(2 * self.config.n_layers) if name.endswith(("out_proj.weight", "down.weight")) else 0.02
                 nn.init.normal_(p, mean=0.0, std=std)
             elif name.endswith("bias"):
@@ -362,6 +372,7 @@ class GPT(nn.Module):
         kv_cache: KVCache | None = None,
         position_ids: torch.Tensor | None = None,
         loss_reduction: str = "mean",
+        label_smoothing: float = 0.0,
         attention_out: list | None = None,
         last_logits_only: bool = False,
     ):
@@ -424,6 +435,7 @@ class GPT(nn.Module):
                 targets.reshape(-1),
                 ignore_index=IGNORE_INDEX,
                 reduction=loss_reduction,
+                label_smoothing=label_smoothing,
             )
         return logits, loss
 

@@ -24,6 +24,13 @@ tinylm.evaluation.perplexity for the GPT). For Kneser-Ney, an occurrence with no
 (an n-gram that starts with ``<sos>``, or the first token of a stream without one) counts as its own
 left extension; this is KenLM's rule that n-grams beginning with ``<s>`` keep their raw counts.
 
+``start_padding="order"`` pads instead, as the Shakespeare four-stage report does: each ``<sos>``
+becomes n-1 of them, so the first token is predicted from ``<sos> ... <sos>`` at the highest order.
+Windows then may start with a run of ``<sos>``; an all-``<sos>`` window is kept as a context with
+count 0 (never an event). Add-k and Jelinek-Mercer give the same probabilities either way (the
+padded counts equal the unpadded ones); Kneser-Ney does not, since the padded lower-order n-grams
+get continuation counts instead of raw ones.
+
 Counting: an n-gram is an int64 key ``dense_id(its first n-1 tokens) * V + last token``, where the
 dense id of an (n-1)-gram is its rank among the distinct (n-1)-grams. ``np.unique`` gives counts
 and dense ids one order after the other; queries are ``np.searchsorted`` in the sorted keys. The
@@ -47,6 +54,7 @@ from tinylm.generation.processors import GenerationConfig
 from tinylm.generation.sampling import sample_from_context
 
 SMOOTHINGS = ("add_k", "interpolated", "kneser_ney")
+START_PADDINGS = ("single", "order")
 MAX_ORDER = 5
 
 
@@ -62,14 +70,18 @@ class _Level:
     ctx_gamma: np.ndarray | None = None  # per context id: Kneser-Ney back-off weight
 
 
-def _ok_windows(x: np.ndarray, order: int) -> list[np.ndarray]:
-    """ok[k][i]: the window x[i : i + k] lies in one document and does not end with <sos>."""
+def _ok_windows(x: np.ndarray, order: int, sos_prefix: bool = False) -> list[np.ndarray]:
+    """ok[k][i]: the window x[i : i + k] lies in one document and does not end with <sos>; with
+    ``sos_prefix`` (padded streams) it may also hold a leading run of <sos>, or be all <sos>."""
     n = x.shape[0]
     not_sos, not_eos = x != SOS_ID, x != EOS_ID
-    ok = [np.zeros(0, bool), not_sos.copy()]
+    ok = [np.zeros(0, bool), np.ones(n, bool) if sos_prefix else not_sos.copy()]
     for k in range(2, order + 1):
         m = max(n - k + 1, 0)
-        here = not_eos[k - 2 : k - 2 + m] & not_sos[k - 1 : k - 1 + m]
+        last_ok = not_sos[k - 1 : k - 1 + m]
+        if sos_prefix:  # a <sos> may follow a <sos>
+            last_ok = last_ok | ~not_sos[k - 2 : k - 2 + m]
+        here = not_eos[k - 2 : k - 2 + m] & last_ok
         if k > 2:
             here &= ok[k - 1][:m]
         ok.append(here)
@@ -130,8 +142,11 @@ class NGramLM:
     """An n-gram LM over ids ``0 .. vocab_size - 1``; ``fit`` a stream, then score or sample."""
 
     def __init__(self, order: int, vocab_size: int, smoothing: str = "kneser_ney", k: float = 1.0,
-                 discounts: list[float] | None = None):
+                 discounts: list[float] | None = None, start_padding: str = "single"):
         _check_order(order)
+        if start_padding not in START_PADDINGS:
+            raise TinyLMError(f"n-gram start_padding {start_padding!r} is not one of {', '.join(START_PADDINGS)}")
+        self.start_padding = start_padding
         if smoothing not in SMOOTHINGS:
             raise TinyLMError(f"n-gram smoothing {smoothing!r} is not one of {', '.join(SMOOTHINGS)}")
         if not (isinstance(k, (int, float)) and math.isfinite(k) and k > 0):
@@ -146,11 +161,23 @@ class NGramLM:
         self.n_train_tokens = 0
 
     # ------------------------------------------------------------------------------ counting
+    @property
+    def _padded(self) -> bool:
+        return self.start_padding == "order" and self.order > 2
+
+    def _pad(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(the stream with each <sos> repeated order-1 times when padding, the original position
+        of each of its tokens)."""
+        if not self._padded:
+            return x, np.arange(x.shape[0])
+        reps = np.where(x == SOS_ID, self.order - 1, 1)
+        return np.repeat(x, reps), np.repeat(np.arange(x.shape[0]), reps)
+
     def fit(self, ids) -> "NGramLM":
-        x = _as_stream(ids, self.V, "training stream")
+        x, _ = self._pad(_as_stream(ids, self.V, "training stream"))
         V, N = self.V, self.order
-        ok = _ok_windows(x, N)
-        self.unigram_counts = np.bincount(x[ok[1]], minlength=V).astype(np.int64)
+        ok = _ok_windows(x, N, self._padded)
+        self.unigram_counts = np.bincount(x[x != SOS_ID], minlength=V).astype(np.int64)
         if self.unigram_counts.sum() == 0:
             raise TinyLMError("the training stream holds no token to predict (only <sos>)")
         self.n_train_tokens = int(x.shape[0])
@@ -162,6 +189,7 @@ class NGramLM:
             pos = np.flatnonzero(ok[k])
             keys = ids_prev[pos] * V + x[pos + k - 1]
             uniq, first, inverse, counts = _group(keys)
+            counts[uniq % V == SOS_ID] = 0  # all-<sos> windows (padding only): contexts, not events
             ids_k = np.full(x.shape[0], -1, dtype=np.int64)
             ids_k[pos] = inverse
             levels.append(_Level(uniq, counts.astype(np.int64), counts.astype(np.int64)))
@@ -177,8 +205,12 @@ class NGramLM:
             has_left = np.zeros(ok[k].shape[0], bool)  # the (k+1)-gram one step to the left is ok
             m = min(ok[k + 1].shape[0], ok[k].shape[0] - 1)
             has_left[1 : m + 1] = ok[k + 1][:m]
-            lonely = np.flatnonzero(ok[k] & ~has_left)
+            lonely = np.flatnonzero(ok[k] & ~has_left & ((x != SOS_ID) if k == 1 else True))
             adjusted += np.bincount(dense[k][lonely], minlength=n_types)
+            if k == 1:
+                adjusted[SOS_ID] = 0
+            else:
+                adjusted[levels[k].keys % V == SOS_ID] = 0
             if k == 1:
                 self.unigram_adjusted = adjusted.astype(np.int64)
             else:
@@ -191,7 +223,8 @@ class NGramLM:
 
     def smoothed(self, smoothing: str, k: float | None = None) -> "NGramLM":
         """The same counts under another smoothing (no recount): a shallow copy."""
-        other = NGramLM(self.order, self.V, smoothing, self.k if k is None else k, self.fixed_discounts)
+        other = NGramLM(self.order, self.V, smoothing, self.k if k is None else k, self.fixed_discounts,
+                        self.start_padding)
         if hasattr(self, "levels"):
             state = {key: val for key, val in self.__dict__.items() if key not in ("smoothing", "k", "lambdas")}
             other.__dict__.update(copy.copy(state))
@@ -211,7 +244,8 @@ class NGramLM:
             lv.ctx_adjusted = np.bincount(ctx, weights=lv.adjusted, minlength=n_ctx)
             d = self._discounts(lv.adjusted)
             self.discounts.append(d)
-            mass = np.bincount(ctx, weights=d[np.minimum(lv.adjusted, 3) - 1], minlength=n_ctx)
+            mass = np.bincount(ctx, weights=np.where(lv.adjusted > 0, d[np.clip(lv.adjusted, 1, 3) - 1], 0.0),
+                               minlength=n_ctx)
             lv.ctx_gamma = np.divide(mass, lv.ctx_adjusted, out=np.zeros(n_ctx), where=lv.ctx_adjusted > 0)
         # the unigram level: discounted adjusted counts + the freed mass spread uniformly over V
         d1 = self.discounts[1]
@@ -259,7 +293,7 @@ class NGramLM:
     # --------------------------------------------------------------------------- probabilities
     def _components(self, x: np.ndarray, targets: np.ndarray) -> dict:
         """For each target position: per order k, (context available, context id, k-gram index)."""
-        ok = _ok_windows(x, self.order)
+        ok = _ok_windows(x, self.order, self._padded)
         qid = self._query_ids(x, ok)
         out = {}
         for k in range(2, self.order + 1):
@@ -276,7 +310,7 @@ class NGramLM:
         """(target positions, probability of each target) over a stream: every position that is
         not ``<sos>`` (and not ``<eos>`` unless ``score_eos``)."""
         self._check_fitted()
-        x = _as_stream(ids, self.V, "query stream")
+        x, original = self._pad(_as_stream(ids, self.V, "query stream"))
         keep = x != SOS_ID
         if not score_eos:
             keep &= x != EOS_ID
@@ -294,7 +328,7 @@ class NGramLM:
                 d = np.where(a > 0, self.discounts[k][np.clip(a, 1, 3) - 1], 0.0)
                 denom = np.where(seen, lv.ctx_adjusted[ctx_c], 1.0)
                 p = np.where(seen, np.maximum(a - d, 0.0) / denom + lv.ctx_gamma[ctx_c] * p, p)
-            return targets, p
+            return original[targets], p
         if self.smoothing == "add_k":
             num = self.unigram_counts[w].astype(np.float64)
             den = np.full(w.shape, float(self.unigram_total))
@@ -304,8 +338,8 @@ class NGramLM:
                 c = np.where(idx >= 0, lv.counts[np.maximum(idx, 0)], 0)
                 tot = np.where(ctx >= 0, lv.ctx_total[np.maximum(ctx, 0)], 0.0)
                 num, den = np.where(avail, c, num), np.where(avail, tot, den)
-            return targets, (num + self.k) / (den + self.k * self.V)
-        return targets, self._mixture(self._ml_matrix(w, comp))
+            return original[targets], (num + self.k) / (den + self.k * self.V)
+        return original[targets], self._mixture(self._ml_matrix(w, comp))
 
     def _ml_matrix(self, w: np.ndarray, comp: dict) -> np.ndarray:
         """Rows j = 0..order: ML_j of each target (see the module docstring)."""
@@ -322,10 +356,20 @@ class NGramLM:
     def _mixture(self, ml: np.ndarray) -> np.ndarray:
         return self.lambdas @ ml
 
+    def set_weights(self, weights) -> np.ndarray:
+        """Fixed interpolation weights instead of fitted ones: one per component j = 0..order
+        (0 is the uniform 1/V, 1 the unigram, ...), scaled to sum to 1."""
+        w = np.asarray(weights, dtype=np.float64)
+        if w.shape != (self.order + 1,) or np.any(w < 0) or not np.isfinite(w).all() or w.sum() <= 0:
+            raise TinyLMError(f"an order-{self.order} model needs {self.order + 1} interpolation weights >= 0 "
+                              f"(uniform, unigram, ...), not all 0 (got {list(weights)})")
+        self.lambdas = w / w.sum()
+        return self.lambdas
+
     def fit_weights(self, ids, iterations: int = 50, tol: float = 1e-6) -> np.ndarray:
         """EM for the interpolation weights on held-out ids (the validation split)."""
         self._check_fitted()
-        x = _as_stream(ids, self.V, "held-out stream")
+        x, _ = self._pad(_as_stream(ids, self.V, "held-out stream"))
         targets = np.flatnonzero(x != SOS_ID)
         if targets.size == 0:
             raise TinyLMError("the held-out stream holds no token to predict")
@@ -344,9 +388,10 @@ class NGramLM:
 
     def distribution(self, context) -> np.ndarray:
         """P(w | context) for every w in the vocabulary. As in the streams, the context starts at
-        its last ``<sos>`` and nothing before an ``<eos>`` is context."""
+        its last ``<sos>`` (padded to order - 1 of them with ``start_padding="order"``) and nothing
+        before an ``<eos>`` is context."""
         self._check_fitted()
-        ctx = [int(t) for t in context][-(self.order - 1):] if self.order > 1 else []
+        ctx = [int(t) for t in context]
         if ctx and (min(ctx) < 0 or max(ctx) >= self.V):
             raise TinyLMError(f"context token ids must be in 0..{self.V - 1} (the model's vocabulary)")
         for i in range(len(ctx) - 1, -1, -1):
@@ -354,8 +399,9 @@ class NGramLM:
                 ctx = ctx[i + 1:]
                 break
             if ctx[i] == SOS_ID:
-                ctx = ctx[i:]
+                ctx = [SOS_ID] * (self.order - 1 if self._padded else 1) + ctx[i + 1:]
                 break
+        ctx = ctx[-(self.order - 1):] if self.order > 1 else []
         sfx = {j: self._dense_id(ctx[-j:]) for j in range(1, len(ctx) + 1)}  # -1: unseen
         V = self.V
         if self.smoothing == "add_k":
@@ -448,6 +494,7 @@ class NGramLM:
             arrays.update({f"keys{k}": lv.keys, f"counts{k}": lv.counts, f"adjusted{k}": lv.adjusted})
         meta = {"format": "tinylm-ngram", "version": 1, "order": self.order, "vocab_size": self.V,
                 "smoothing": self.smoothing, "k": self.k, "fixed_discounts": self.fixed_discounts,
+                "start_padding": self.start_padding,
                 "n_train_tokens": self.n_train_tokens}
         arrays["meta"] = np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8)
         tmp = path.with_name(path.name + ".tmp.npz")
@@ -467,7 +514,8 @@ class NGramLM:
             raise TinyLMError(f"{path} is not a tinylm n-gram model file ({exc})") from exc
         if meta.get("format") != "tinylm-ngram":
             raise TinyLMError(f"{path} is not a tinylm n-gram model file")
-        lm = cls(meta["order"], meta["vocab_size"], meta["smoothing"], meta["k"], meta["fixed_discounts"])
+        lm = cls(meta["order"], meta["vocab_size"], meta["smoothing"], meta["k"], meta["fixed_discounts"],
+                 meta.get("start_padding", "single"))
         lm.unigram_counts, lm.unigram_adjusted = data["unigram_counts"], data["unigram_adjusted"]
         lm.lambdas, lm.n_train_tokens = data["lambdas"], meta["n_train_tokens"]
         lm.levels = [None, None] + [_Level(data[f"keys{k}"], data[f"counts{k}"], data[f"adjusted{k}"])

@@ -1,5 +1,7 @@
-"""The study's outputs: results.csv, results.md, learning_curves.png, samples.md, study.json.
-Every number written here comes from the runs of tinylm.studies.shakespeare; nothing is filled in."""
+"""The study's outputs: results.csv, results.md, learning_curves.png, bigram_curves/*.png,
+samples.md, study.json. Every number written here comes from the runs of
+tinylm.studies.shakespeare, except the report's published numbers in the summary
+(tinylm.studies.shakespeare_summary), which say so."""
 
 from __future__ import annotations
 
@@ -7,17 +9,21 @@ import csv
 import dataclasses
 import json
 import platform
+import re
 from pathlib import Path
 
 from tinylm.evaluation.plots import pyplot
+from tinylm.studies.shakespeare_summary import summary_lines
 
 RESULT_COLUMNS = ["tokenizer", "vocab_size", "model", "order", "smoothing", "parameters", "valid_ppl", "test_ppl",
                   "valid_bpb", "test_bpb", "valid_tokens", "test_tokens", "seconds"]
 COMPARABILITY_NOTE = (
     "Token perplexity is per token of each tokenizer, so it is **not comparable across tokenizers** "
     "(a character-level model predicts far easier units than a word-level one). Bits per byte "
-    "(total NLL / (ln 2 x UTF-8 bytes of the same text)) is: compare rows with different tokenizers by "
-    "bpb. Each document is scored from its `<sos>`; every token after it counts, `<eos>` does not.")
+    "(total NLL / (ln 2 x UTF-8 bytes of the text the tokens stand for)) is, between tokenizers of the "
+    "same text: word_bpe tokenizers see the normalised text (lower case, no punctuation), the others "
+    "the raw text. Each document is scored from its `<sos>`; every token after it counts, `<eos>` does not.")
+SPLITS = ("train", "valid", "test")
 
 
 def _f(v, digits=3):
@@ -35,7 +41,11 @@ def _variant(row: dict) -> str:
         return f"{row['order']}-gram {row['smoothing']}"
     if row["model"] == "neural_bigram":
         return "neural bigram"
-    return "GPT"
+    return f"GPT {row['smoothing']}"
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9.-]+", "_", text).strip("_")
 
 
 def write_outputs(cfg, state: dict, out: Path) -> None:
@@ -44,81 +54,201 @@ def write_outputs(cfg, state: dict, out: Path) -> None:
         w = csv.DictWriter(f, fieldnames=RESULT_COLUMNS)
         w.writeheader()
         w.writerows(rows)
+    bigram_runs = [{k: v for k, v in r.items() if k != "history"} for r in state["bigram_runs"]]
     (out / "study.json").write_text(json.dumps(
-        {"config": dataclasses.asdict(cfg), "seconds": state["seconds"], "tokenizers": state["tokenizers"],
-         "rows": rows, "bigram_sweep": state["bigram_sweep"]}, indent=2))
-    write_markdown(cfg, state, out)
-    write_samples(state, out)
+        {"config": dataclasses.asdict(cfg), "seconds": state["seconds"], "stage_seconds": state["stage_seconds"],
+         "tokenizers": state["tokenizers"], "overlap": state["overlap"], "rows": rows, "bigram_runs": bigram_runs,
+         "gpt_runs": state["gpt_runs"]}, indent=2, default=float))
+    curve_files = plot_bigram_runs(state["bigram_runs"], out / "bigram_curves")
+    write_markdown(cfg, state, out, curve_files)
+    write_samples(cfg, state, out)
     plot_curves(state, out / "learning_curves.png")
 
 
-def write_markdown(cfg, state: dict, out: Path) -> None:
-    rows = state["rows"]
-    tok_names = [t["tokenizer"] for t in state["tokenizers"]]
-    lines = ["# Shakespeare study", "",
-             f"Corpus: {cfg.source}" + (f" (first {cfg.max_documents} works)" if cfg.max_documents else " (all works)")
-             + f", split into chunks: valid {cfg.valid_fraction:.0%}, test {cfg.test_fraction:.0%}. "
-             f"Total time {state['seconds']:.0f} s on {platform.machine()} with {cfg.threads} torch thread(s).", "",
-             "## Task 1: tokenizers (validation split)", "",
-             "| tokenizer | vocabulary | tokens per word | bytes per token | <unk> rate | decode(encode(doc)) == doc | train tokens |",
-             "|---|---|---|---|---|---|---|"]
+def tokenizer_lines(state: dict) -> list[str]:
+    lines = ["## Task 1: tokenizers", "",
+             "Tokens per word: for word_bpe the pieces of each word, not the end-of-word token `__` after it "
+             "(the report's definition); for the others every token. Reconstruction: documents for which "
+             "decode(encode(doc)) equals the document (for word_bpe, the normalised document). Tokens in use: "
+             "distinct tokens in the encoded training split.", "",
+             "| tokenizer | normalisation | vocabulary | tokens in use | tokens per word train / valid / test | "
+             "bytes per token (valid) | `<unk>` rate (valid) | reconstruction train / valid / test |",
+             "|---|---|---|---|---|---|---|---|"]
     for t in state["tokenizers"]:
-        lines.append(f"| {t['tokenizer']} | {t['vocab_size']:,} | {t['tokens_per_word']:.3f} | {t['bytes_per_token']:.2f} "
-                     f"| {t['unk_rate']:.2%} | {t['reconstructed']} | {t['train_tokens']:,} |")
-    if any(t["unk_rate"] > 0 for t in state["tokenizers"]):
+        s = t["splits"]
+        lines.append(f"| {t['tokenizer']} | {t['normalization'] or '-'} | {t['vocab_size']:,} | "
+                     f"{s['train']['distinct_tokens']:,} | "
+                     + " / ".join(f"{s[n]['tokens_per_word']:.4f}" for n in SPLITS)
+                     + f" | {s['valid']['bytes_per_token']:.2f} | {s['valid']['unk_rate']:.2%} | "
+                     + " / ".join(f"{s[n]['reconstructed']}/{s[n]['documents']}" for n in SPLITS) + " |")
+    if any(t["splits"]["valid"]["unk_rate"] > 0 for t in state["tokenizers"]):
         lines += ["", "A tokenizer with an `<unk>` rate above 0 is lossy: every rare word becomes one cheap `<unk>` "
                   "prediction, so its bits per byte understate what a lossless model would need (a lower bound, "
-                  "not a fair comparison with the lossless BPE and char rows)."]
-    lines += ["", "## Test bits per byte (comparable across lossless tokenizers; lower is better)", "",
-              "| model | " + " | ".join(tok_names) + " |", "|---|" + "---|" * len(tok_names)]
-    variants = list(dict.fromkeys(_variant(r) for r in rows))
-    for v in variants:
+                  "not a fair comparison with the lossless rows)."]
+    lines += ["", "### Compression between merge counts (validation tokens per word)", "",
+              "| tokenizers | vocabulary growth | tokens per word | reduction |", "|---|---|---|---|"]
+    families: dict[tuple, list[dict]] = {}
+    for t in state["tokenizers"]:
+        if t["merges"] is not None or t["type"] == "bpe":
+            families.setdefault((t["type"], t["normalization"]), []).append(t)
+    for family in families.values():
+        family = sorted(family, key=lambda t: t["vocab_size"])
+        pairs = list(zip(family, family[1:])) + ([(family[0], family[-1])] if len(family) > 2 else [])
+        for a, b in pairs:
+            ta, tb = a["splits"]["valid"]["tokens_per_word"], b["splits"]["valid"]["tokens_per_word"]
+            growth = b["vocab_size"] - a["vocab_size"]
+            lines.append(f"| {a['tokenizer']} -> {b['tokenizer']} | +{growth:,} (+{growth / a['vocab_size']:.0%}) | "
+                         f"{ta:.3f} -> {tb:.3f} | {(ta - tb) / ta:.1%} |")
+    if state["overlap"]:
+        lines += ["", "### Verbatim overlap between splits", "",
+                  "Lines of the second split found as lines of the first: in a seeded sample (the report's "
+                  "x/100 check) and over all distinct lines. Repeated short lines (\"Exit.\", \"My lord?\") "
+                  "overlap in any split of Shakespeare; this is not leakage of passages.", "",
+                  "| splits | sampled lines found | distinct lines found |", "|---|---|---|"]
+        for pair, o in state["overlap"].items():
+            lines.append(f"| {pair} | {o['sampled_found']}/{o['sampled']} | {o['distinct_found']:,}/{o['distinct_lines']:,} "
+                         f"({o['distinct_found'] / max(o['distinct_lines'], 1):.1%}) |")
+    return lines
+
+
+def model_lines(state: dict) -> list[str]:
+    rows = state["rows"]
+    tok_names = list(dict.fromkeys(r["tokenizer"] for r in rows))
+    lines = ["## Test bits per byte (lower is better)", "",
+             "| model | " + " | ".join(tok_names) + " |", "|---|" + "---|" * len(tok_names)]
+    for v in dict.fromkeys(_variant(r) for r in rows):
         by_tok = {r["tokenizer"]: r for r in rows if _variant(r) == v}
         lines.append(f"| {v} | " + " | ".join(_f(by_tok[t]["test_bpb"], 4) if t in by_tok else "-" for t in tok_names) + " |")
-    lines += ["", "## All models: validation and test perplexity and bits per byte", "", COMPARABILITY_NOTE, "",
+    lines += ["", "## Tasks 2-4: every model, validation and test perplexity and bits per byte", "", COMPARABILITY_NOTE, "",
               "| tokenizer | model | order | smoothing / setting | parameters | valid ppl | test ppl | valid bpb | test bpb | seconds |",
               "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['tokenizer']} | {r['model']} | {_f(r['order'])} | {r['smoothing']} | {_f(r['parameters'])} | "
                      f"{_f(r['valid_ppl'], 2)} | {_f(r['test_ppl'], 2)} | {_f(r['valid_bpb'], 4)} | {_f(r['test_bpb'], 4)} | "
                      f"{_f(r['seconds'], 1)} |")
-    if state["bigram_sweep"]:
-        lines += ["", f"## Neural bigram sweep ({state['bigram_sweep'][0]['tokenizer']}, validation loss in nats per token)", "",
-                  "| embedding | weight decay | best valid loss | steps | stopped by |", "|---|---|---|---|---|"]
-        for s in state["bigram_sweep"]:
-            lines.append(f"| {s['d_embed']} | {s['weight_decay']} | {s['best_val_loss']:.4f} | {s['steps']} | {s['stopped']} |")
-        lines += ["", "The best setting (first row) is used for every tokenizer."]
-    lines += ["", "Smoothings: laplace = add-1; add_0.1 = add-k with k = 0.1; interpolated = "
-              "Jelinek-Mercer with EM weights fitted on the validation split; kneser_ney = interpolated modified "
-              "Kneser-Ney (D1, D2, D3+ per order, as KenLM). Learning curves: learning_curves.png; samples: samples.md.", ""]
+    return lines
+
+
+def bigram_lines(cfg, state: dict, curve_files: dict) -> list[str]:
+    if not state["bigram_runs"]:
+        return []
+    lines = ["", "## Task 3: neural bigram runs", "",
+             f"AdamW, batch {cfg.bigram_batch_size} ({cfg.bigram_mode} mode), {cfg.bigram_schedule} learning rate, "
+             f"validation every {cfg.bigram_eval_interval or max(10, cfg.bigram_max_steps // 30)} steps, early stopping "
+             f"after {cfg.bigram_patience} evaluations without improvement, at most {cfg.bigram_max_steps} steps / "
+             f"{cfg.bigram_max_seconds:g} s per run; the weights of the best validation loss are kept. The best run "
+             f"of each tokenizer is its row above" + (" (the sweep ran on the first tokenizer; the others use its best "
+                                                      "setting)." if cfg.bigram_sweep_on == "first" else "."), "",
+             "| tokenizer | run | lr | embedding | weight decay | best valid loss | valid ppl | test ppl | test bpb | steps | stopped by | curves |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in state["bigram_runs"]:
+        link = curve_files.get((r["tokenizer"], r["label"]))
+        lines.append(f"| {r['tokenizer']} | {r['label']} | {r['lr']:g} | {r['d_embed']} | {r['weight_decay']:g} | "
+                     f"{r['best_val_loss']:.4f} | {r['valid_ppl']:.2f} | {r['test_ppl']:.2f} | {r['test_bpb']:.4f} | "
+                     f"{r['steps']} | {r['stopped']} | " + (f"[png](bigram_curves/{link})" if link else "-") + " |")
+    return lines
+
+
+def gpt_lines(state: dict) -> list[str]:
+    if not state["gpt_runs"]:
+        return []
+    lines = ["", "## Task 4: GPTs", "",
+             "| tokenizer | size | layers x d_model x heads | context | parameters | train tokens | tokens per parameter | "
+             "data fraction | steps | stopped by | train tokens/s | train seconds | valid ppl | test ppl |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for g in state["gpt_runs"]:
+        lines.append(f"| {g['tokenizer']} | {g['size']} | {g['layers']} x {g['d_model']} x {g['heads']} | "
+                     f"{g['context_length']} | {g['parameters']:,} | {g['train_tokens']:,} | {g['tokens_per_parameter']:.3f} | "
+                     f"{g['data_fraction']:g} | {g['steps']} | {g['stopped']} | {g['tokens_per_s']:,.0f} | "
+                     f"{g['train_seconds']:.0f} | {g['valid_ppl']:.2f} | {g['test_ppl']:.2f} |")
+    return lines
+
+
+def write_markdown(cfg, state: dict, out: Path, curve_files: dict) -> None:
+    lines = ["# Shakespeare study", "",
+             f"Corpus: {cfg.source}" + (f" (first {cfg.max_documents} works)" if cfg.max_documents else " (all works)")
+             + f", split into chunks: train {1 - cfg.valid_fraction - cfg.test_fraction:.0%}, valid "
+             f"{cfg.valid_fraction:.0%}, test {cfg.test_fraction:.0%}. Wall time per stage, all tokenizers, as "
+             f"computed on {platform.machine()} with {cfg.threads} torch thread(s) for the GPTs (one for the rest): "
+             + ", ".join(f"{k} {v:.0f} s" for k, v in state["stage_seconds"].items())
+             + f"; total {sum(state['stage_seconds'].values()):.0f} s (this invocation: {state['seconds']:.0f} s, "
+             "stages computed earlier are reused).", ""]
+    lines += summary_lines(cfg, state)
+    lines += tokenizer_lines(state) + [""] + model_lines(state) + bigram_lines(cfg, state, curve_files) + gpt_lines(state)
+    lines += ["", "Smoothings: laplace = add-1; add_0.1 = add-k with k = 0.1; interpolated = Jelinek-Mercer with EM "
+              "weights fitted on the validation split; interpolated_fixed = Jelinek-Mercer with the fixed weights "
+              f"{cfg.fixed_weights} (uniform, unigram, bigram, ...; the first order + 1 of them, scaled to sum to 1); "
+              "kneser_ney = interpolated modified Kneser-Ney (D1, D2, D3+ per order, as KenLM). Start of a document: "
+              + ("one `<sos>` (KenLM's convention)." if cfg.start_padding == "single" else "n-1 `<sos>` (the report's padding).")
+              + " Learning curves: learning_curves.png and bigram_curves/; samples (temperature "
+              f"{cfg.temperature:g}): samples.md.", ""]
     (out / "results.md").write_text("\n".join(lines), encoding="utf-8")
 
 
-def write_samples(state: dict, out: Path) -> None:
-    lines = ["# Samples", ""]
+def write_samples(cfg, state: dict, out: Path) -> None:
+    lines = ["# Samples", "", f"Every model, each prompt, {cfg.sample_tokens} new tokens at temperature {cfg.temperature:g} "
+             "(word_bpe prompts are shown normalised, as the model saw them).", ""]
     for tok, model, prompt, text in state["samples"]:
         lines += [f"## {model}, {tok}: {prompt!r}", "", "```", text, "```", ""]
     (out / "samples.md").write_text("\n".join(lines), encoding="utf-8")
 
 
+def plot_bigram_runs(runs: list[dict], folder: Path) -> dict:
+    """One small PNG per bigram run: training and validation loss per step."""
+    if not runs:
+        return {}
+    plt = pyplot()
+    folder.mkdir(exist_ok=True)
+    files = {}
+    for r in runs:
+        hist = r["history"]
+        if not hist:
+            continue
+        name = f"{_slug(r['tokenizer'])}_{_slug(r['label'])}.png"
+        fig, ax = plt.subplots(figsize=(4.2, 3.0))
+        steps = [h["step"] for h in hist]
+        ax.plot(steps, [h["train_loss"] for h in hist], label="train (mean since the last evaluation)")
+        ax.plot(steps, [h["val_loss"] for h in hist], label="valid")
+        ax.set_title(f"neural bigram, {r['tokenizer']}\n{r['label']}", fontsize=9)
+        ax.set_xlabel("step")
+        ax.set_ylabel("loss (nats per token)")
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(folder / name, dpi=80)
+        plt.close(fig)
+        files[(r["tokenizer"], r["label"])] = name
+    return files
+
+
 def plot_curves(state: dict, path: Path) -> None:
     plt = pyplot()
-
-    panels = [(key, title) for key, title in (("gpt", "GPT validation loss"), ("bigram", "neural bigram validation loss"),
-                                               ("bigram-sweep", "bigram sweep (first tokenizer)"))
-              if state["curves"][key]]
+    sweep_tok = state["bigram_runs"][0]["tokenizer"] if state["bigram_runs"] else None
+    best = {}
+    for r in state["bigram_runs"]:
+        if r["tokenizer"] not in best or r["best_val_loss"] < best[r["tokenizer"]]["best_val_loss"]:
+            best[r["tokenizer"]] = r
+    panels = [("GPT: train (dashed) and validation loss", state["gpt_curves"], True),
+              ("neural bigram, best run per tokenizer: validation loss",
+               [[tok, r["history"]] for tok, r in best.items()], False),
+              (f"neural bigram runs on {sweep_tok}: validation loss",
+               [[r["label"], r["history"]] for r in state["bigram_runs"] if r["tokenizer"] == sweep_tok], False)]
+    panels = [p for p in panels if p[1]]
     if not panels:
         return
     fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4), squeeze=False)
-    for ax, (key, title) in zip(axes[0], panels):
-        for label, hist in state["curves"][key]:
-            if hist:
-                ax.plot([h["step"] for h in hist], [h["val_loss"] for h in hist], marker=".", label=label)
-        ax.set_title(title)
+    for ax, (title, curves, with_train) in zip(axes[0], panels):
+        for label, hist in curves:
+            if not hist:
+                continue
+            line, = ax.plot([h["step"] for h in hist], [h["val_loss"] for h in hist], marker=".", label=label)
+            if with_train:
+                ax.plot([h["step"] for h in hist], [h["train_loss"] for h in hist], ls="--", color=line.get_color())
+        ax.set_title(title, fontsize=10)
         ax.set_xlabel("step")
         ax.set_ylabel("nats per token (not comparable across tokenizers)")
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=7)
         ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
     plt.close(fig)

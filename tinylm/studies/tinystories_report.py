@@ -6,10 +6,12 @@ stale is listed at the top as missing.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 from tinylm.evaluation import report
 from tinylm.evaluation.report import Doc, safely
+from tinylm.studies.tinystories_compare import comparison_table
 
 
 def _mib(n) -> str:
@@ -42,8 +44,12 @@ def _section_bleu(doc: Doc, run: Path, bleu, ev):
     if not _part_ok(doc, bleu, "bleu", "the BLEU protocol"):
         return
     pr = bleu["protocol"]
-    doc.p(f"{bleu['samples']} validation stories (of {bleu['requested']} requested), prompt = their first "
-          f"{pr['prompt_tokens']} tokens, continuation = the next tokens up to {pr['max_continuation']}; seed {pr['seed']}. "
+    drawn = ("the first ones in file order" if pr.get("selection") == "first"
+             else f"drawn at random with seed {pr['seed']}")
+    rest = ("the rest of the story, as far as the context holds" if pr.get("max_continuation") is None
+            else f"the next tokens, at most {pr['max_continuation']}")
+    doc.p(f"{bleu['samples']} validation stories (of {bleu['requested']} requested; {drawn}), prompt = their first "
+          f"{pr['prompt_tokens']} tokens, reference = {rest}; sample k decodes with seed {pr['seed']} + k. "
           f"BLEU-1..4: cumulative, uniform weights, NLTK-style corpus BLEU with smoothing `{pr['smoothing']}` "
           f"(SmoothingFunction().method1: zero counts become 0.1) on tokens `{bleu['bleu_tokenization']}`. "
           f"sacreBLEU: 0-100, signature `{(bleu['settings'] or [{}])[0].get('sacrebleu', {}).get('signature', 'missing')}`.")
@@ -65,7 +71,13 @@ def _section_bleu(doc: Doc, run: Path, bleu, ev):
 def _section_generations(doc: Doc, generations, run_samples):
     doc.h("Example generations")
     if generations and not generations.get("error"):
-        doc.p(f"top-k {generations['top_k']}, top-p {generations['top_p']}, "
+        table = generations.get("table")
+        if table and table.get("rows"):
+            doc.p(f"Validation stories drawn as for BLEU: their first tokens as the prompt, the rest of the story as "
+                  f"the ground truth, and one continuation per temperature of the same length (top-k {table['top_k']}).")
+            doc.table(["prompt", "ground truth", *table["temperatures"]],
+                      [(r["prompt"], r["ground_truth"], *(r[t] for t in table["temperatures"])) for r in table["rows"]])
+        doc.p(f"The preset's prompts: top-k {generations['top_k']}, top-p {generations['top_p']}, "
               f"at most {generations['max_new_tokens']} new tokens.")
         for s in generations["samples"]:
             doc.p(f"**T={s['temperature']}**, prompt `{s['prompt']}`")
@@ -75,7 +87,7 @@ def _section_generations(doc: Doc, generations, run_samples):
     report.sample_blocks(doc, run_samples)  # the baseline's own samples, when it wrote them
 
 
-def _section_decoding(doc: Doc, dec):
+def _section_decoding(doc: Doc, run: Path, dec):
     doc.h("Decoding comparison")
     if not _part_ok(doc, dec, "decoding", "the decoding comparison"):
         return
@@ -85,6 +97,7 @@ def _section_decoding(doc: Doc, dec):
     for s, base in zip(dec["settings"], _bleu_rows(dec["settings"])):
         rows.append((*base, f"{s['speed_vs_sampling']:.2f}x" if "speed_vs_sampling" in s else "missing"))
     doc.table(["decoding", "BLEU-1", "BLEU-2", "BLEU-3", "BLEU-4", "sacreBLEU", "tokens/s", "speed vs sampling"], rows)
+    _figure(doc, run, dec, "BLEU and decoding speed of each setting")
     for s in dec["settings"]:
         if "missing" in s:
             doc.missing.append(f"decoding {s['name']}: {s['missing']}")
@@ -94,20 +107,30 @@ def _section_kv(doc: Doc, kv):
     doc.h("KV cache")
     if not _part_ok(doc, kv, "kv_cache", "the KV-cache timing"):
         return
-    doc.p(f"Greedy decoding, torch threads: {kv['threads']}, median of {kv['repeats']} alternated runs (cache, no cache, ...); "
-          f"context {kv['context_length']}. Past the context the two paths slide differently (the cache is "
-          "re-filled with the last half context, the uncached path keeps the last full context), so their tokens "
-          "may differ there.")
-    doc.table(["prompt", "new tokens", "with cache tok/s", "without tok/s", "speed-up", "same tokens", "beyond context"],
-              [(r["prompt_tokens"], r["new_tokens"], f"{r['cache_tokens_per_s']:.0f}", f"{r['nocache_tokens_per_s']:.0f}",
-                f"{r['speedup']:.2f}x", r["same_tokens"], r["beyond_context"]) for r in kv["rows"]])
+    doc.p(f"A batch of {kv.get('batch', 1)} prompts (the first tokens of validation stories) decoded together, "
+          f"torch threads: {kv['threads']}, median of {kv['repeats']} alternated runs (cache, no cache, ...); "
+          f"context {kv['context_length']}; sampling is seeded per row. Cache memory: keys and values of every layer "
+          "for the batch (float32). Past the context the two paths slide differently (the cache is re-filled with "
+          "the last half context, the uncached path keeps the last full context), so their tokens may differ there.")
+    doc.table(["decoding", "batch x new tokens", "cache memory", "with cache tok/s", "without tok/s", "speed-up",
+               "same tokens", "beyond context"],
+              [(r.get("decoding", "greedy"), f"{r.get('batch', 1)} x {r['new_tokens']}", _mib(r.get("cache_bytes")),
+                f"{r['cache_tokens_per_s']:.0f}", f"{r['nocache_tokens_per_s']:.0f}", f"{r['speedup']:.2f}x",
+                r["same_tokens"], r["beyond_context"]) for r in kv["rows"]])
+
+
+def _figure(doc: Doc, run: Path, part: dict, alt: str) -> None:
+    if part.get("png") and (run / part["png"]).is_file():
+        doc.img(part["png"], alt)
+    elif part.get("png"):
+        doc.lack(part["png"])
 
 
 def _each(row) -> str:
     return ", ".join(f"{x:.1f}" for x in row.get("seconds_each", [row["seconds"]]))
 
 
-def _section_accum(doc: Doc, acc):
+def _section_accum(doc: Doc, run: Path, acc):
     doc.h("Gradient accumulation")
     if not _part_ok(doc, acc, "accumulation", "the accumulation runs"):
         return
@@ -123,11 +146,12 @@ def _section_accum(doc: Doc, acc):
               [(r["accum_steps"], r["effective_batch"], r["optimizer_steps"], r["final_train_loss"], r["final_val_loss"],
                 f"{r['seconds']:.1f}", _each(r), f"{r['tokens_per_s']:.0f}", f"{r['projected_epoch_seconds']:.0f}",
                 _mib(r["peak_activation_bytes"])) for r in acc["rows"]])
+    _figure(doc, run, acc, "training loss of each accumulation setting against tokens seen and against updates")
     if acc.get("missing"):
         doc.lack(acc["missing"])
 
 
-def _section_ckpt(doc: Doc, ck):
+def _section_ckpt(doc: Doc, run: Path, ck):
     doc.h("Gradient checkpointing")
     if not _part_ok(doc, ck, "checkpointing", "the checkpointing runs"):
         return
@@ -135,14 +159,63 @@ def _section_ckpt(doc: Doc, ck):
         doc.lack(ck["missing"])
         doc.table(["run", "peak activation memory"], [(r["name"], _mib(r["peak_activation_bytes"])) for r in ck["rows"]])
         return
-    doc.p(f"Plain vs `{ck['impl']}` checkpointing (every block recomputed in backward), the same micro-batches, "
-          f"torch threads: {ck['threads']}, median of {ck.get('repeats', 1)} runs each in alternated rounds. Memory: peak bytes autograd holds for backward "
-          "in one micro-batch step.")
-    doc.table(["run", "peak activation memory", "memory vs plain", "seconds", "each run (s)", "time vs plain",
-               "tokens/s", "final train loss"],
-              [(r["name"], _mib(r["peak_activation_bytes"]),
-                f"{r['memory_ratio']:.2f}" if "memory_ratio" in r else "missing", f"{r['seconds']:.1f}", _each(r),
+    cuda = any(r.get("cuda_peak_bytes") for r in ck["rows"])
+    doc.p(f"Plain training vs tinylm's checkpointing (our autograd.Function) vs `torch.utils.checkpoint`, every block "
+          f"recomputed in backward, the same micro-batches, torch threads: {ck['threads']}, median of "
+          f"{ck.get('repeats', 1)} runs each in alternated rounds. Memory: peak bytes autograd holds for backward in "
+          "one micro-batch step" + ("; CUDA peak: `torch.cuda.max_memory_allocated` over the run." if cuda else
+                                    " (no GPU here, so no CUDA peak memory column)."))
+    doc.table(["run", "peak activation memory", "memory vs plain", *(["CUDA peak"] if cuda else []), "seconds",
+               "each run (s)", "time vs plain", "tokens/s", "final train loss"],
+              [(r.get("label") or r["name"], _mib(r["peak_activation_bytes"]),
+                f"{r['memory_ratio']:.2f}" if "memory_ratio" in r else "missing",
+                *([_mib(r.get("cuda_peak_bytes"))] if cuda else []), f"{r['seconds']:.1f}", _each(r),
                 f"{r['time_ratio']:.2f}", f"{r['tokens_per_s']:.0f}", r["final_train_loss"]) for r in ck["rows"]])
+    _figure(doc, run, ck, "memory and time with and without gradient checkpointing")
+
+
+def _section_embeddings(doc: Doc, run: Path, emb):
+    doc.h("Token embeddings: FastText vs random initialisation")
+    if not _part_ok(doc, emb, "embedding_init", "the embedding comparison"):
+        return
+    doc.p(f"Each run trains a fresh model for {emb['steps']} steps on the same batches; only the token embedding "
+          "rows differ (FastText vectors kept frozen, FastText vectors fine-tuned, or the model's own random "
+          f"initialisation). torch threads: {emb['threads']}.")
+    for note in emb.get("notes", []):
+        doc.p(f"**note:** {note}")
+    doc.table(["embeddings", "vectors", "coverage", "final train loss", "final valid loss", "valid ppl", "seconds"],
+              [(r.get("label") or r["name"], r.get("vectors") or "-",
+                "-" if r.get("coverage") is None else f"{r['coverage']:.1%}", r["final_train_loss"],
+                r["final_val_loss"], f"{math.exp(min(r['final_val_loss'], 50)):.2f}", f"{r['seconds']:.1f}")
+               for r in emb["rows"]])
+    _figure(doc, run, emb, "training loss of each embedding initialisation")
+
+
+def _section_tokenizers(doc: Doc, tk):
+    doc.h("Out-of-vocabulary words: <unk> or BPE pieces")
+    if not _part_ok(doc, tk, "tokenizers", "the tokenizer comparison"):
+        return
+    if tk.get("missing"):
+        doc.lack(tk["missing"])
+        return
+    doc.p(f"The same word vocabulary, trained on the training stories; words outside it become `<unk>`, or are "
+          f"spelled with character BPE pieces ({tk['oov_merges']} merges learned on the training words). On the "
+          f"{tk['stories']:,} validation stories (this run trains with `tokenizer.oov={tk['configured']}`); 'stories "
+          "restored': share of stories whose decoded tokens give back every word.")
+    doc.table(["out-of-vocabulary words", "vocabulary", "<unk> rate", "tokens per word", "stories restored"],
+              [("<unk>" if r["oov"] == "unk" else "BPE pieces", r["vocab_size"], f"{r['unk_rate']:.3%}",
+                f"{r['tokens_per_word']:.3f}", f"{r['stories_restored']:.1%}") for r in tk["rows"]])
+
+
+def _section_reports(doc: Doc, parts: dict):
+    doc.h("Beside the reports")
+    doc.p("The four TinyStories reports' published numbers (as printed; `tinylm/studies/data/tinystories_reports.yaml` "
+          "says where each comes from) beside this run's. Their models trained for hours on GPUs, on more of "
+          "TinyStories, with other vocabularies and sampling settings; this run's budget is in its training-time cell. "
+          "Perplexities and BLEU are comparable only in kind (a different vocabulary changes both); speed-ups and "
+          "memory ratios depend on hardware and batch size, so compare ratios, not absolute rates.")
+    headers, rows = comparison_table(parts)
+    doc.table(headers, rows)
 
 
 def _section_attention(doc: Doc, run: Path, att):
@@ -183,14 +256,19 @@ def build_report(run_dir: str | Path) -> Doc:
     ev, manifest = read("eval.json"), read("experiments.json") or {}
     doc = Doc()
     safely(doc, report.section_config, run, ev, read("baseline.json"), read("prepare.json"))
+    parts = {name: read(f"{name}.json") for name in ("eval", "machine", "bleu", "decoding", "kv_cache", "accumulation",
+                                                     "checkpointing")}
+    safely(doc, _section_reports, {k: v for k, v in parts.items() if isinstance(v, dict) and not v.get("error")})
     safely(doc, report.section_training, run, ev, want_curves=True)
     safely(doc, report.section_eval, ev)
     safely(doc, _section_bleu, run, read("bleu.json"), ev)
     safely(doc, _section_generations, read("generations.json"), read("samples.json"))
-    safely(doc, _section_decoding, read("decoding.json"))
+    safely(doc, _section_decoding, run, read("decoding.json"))
     safely(doc, _section_kv, read("kv_cache.json"))
-    safely(doc, _section_accum, read("accumulation.json"))
-    safely(doc, _section_ckpt, read("checkpointing.json"))
+    safely(doc, _section_accum, run, read("accumulation.json"))
+    safely(doc, _section_ckpt, run, read("checkpointing.json"))
+    safely(doc, _section_embeddings, run, read("embedding_init.json"))
+    safely(doc, _section_tokenizers, read("tokenizers.json"))
     safely(doc, _section_attention, run, read("attention.json"))
     safely(doc, _section_machine, read("machine.json"))
     for part, status in (manifest.get("parts") or {}).items():

@@ -1,11 +1,12 @@
 """Training trade-offs measured through the real trainer: the same micro-batches trained with
-k accumulation steps, or with and without gradient checkpointing (`tinylm experiments` uses it).
+k accumulation steps, with and without gradient checkpointing (tinylm's or torch's), or with
+other embeddings (`tinylm experiments` uses it).
 
 Times are the trainer's own (the metrics row of the last step, written before that step's
 validation and checkpoint saves); every variant runs ``tradeoff_repeats`` times in alternated
 rounds after one untimed warm-up step, and the tables give medians plus each run. Activation
 memory is measured with the training engine's meter (bytes autograd saves for backward in one
-micro-batch step).
+micro-batch step); on CUDA the peak of ``torch.cuda.max_memory_allocated`` over the run too.
 """
 
 from __future__ import annotations
@@ -14,16 +15,16 @@ import contextlib
 import copy
 import logging
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from tinylm.config import RunConfig
+from tinylm.config import RunConfig, apply_updates
 from tinylm.data.prepare import Prepared
 from tinylm.data.tokens import Batches
 from tinylm.training.grad_checkpoint import enable_grad_checkpointing
-from tinylm.training.memory import measure_step_activation_bytes
+from tinylm.training.memory import cuda_peak_bytes, cuda_peak_scope, measure_step_activation_bytes
 from tinylm.training.metrics import read_metrics
 from tinylm.training.trainer import build_model, train
 
@@ -54,41 +55,57 @@ class Tradeoffs:
     threads: int
 
 
-def _tradeoff_config(ctx: Tradeoffs, accum: int, checkpointing: bool) -> RunConfig:
+@dataclass(frozen=True)
+class Variant:
+    """One way to train the same micro-batches."""
+
+    name: str  # also the run directory (name_<repeat>)
+    label: str = ""  # for tables and figures; the name when empty
+    accum: int = 1
+    checkpointing: str | None = None  # None, or the implementation: "tinylm" | "torch"
+    embeddings: dict = field(default_factory=dict)  # EmbeddingsConfig fields for this run
+
+
+def _tradeoff_config(ctx: Tradeoffs, v: Variant) -> RunConfig:
     cfg = copy.deepcopy(ctx.cfg)
     M = ctx.micro_batches
-    steps = M // accum
-    cfg.train.grad_accum_steps = accum
+    steps = M // v.accum
+    cfg.train.grad_accum_steps = v.accum
     cfg.train.max_steps = steps
+    cfg.train.epochs = None
     cfg.train.max_minutes = None
     cfg.train.warmup_steps = max(1, steps // 10)
     cfg.train.eval_interval = steps  # one validation, at the end
-    cfg.train.grad_checkpointing = checkpointing
+    cfg.train.log_interval = 1  # every step's loss: the curves compare the variants step by step
+    cfg.train.grad_checkpointing = v.checkpointing is not None
+    cfg.train.checkpoint_impl = v.checkpointing or cfg.train.checkpoint_impl
     cfg.train.early_stopping_patience = 0
     cfg.train.progress = False
     cfg.train.threads = ctx.threads
+    apply_updates(cfg.embeddings, v.embeddings, prefix="embeddings.")
     return cfg
 
 
-def _activation_bytes(ctx: Tradeoffs, cfg: RunConfig, checkpointing: bool) -> int:
+def _activation_bytes(ctx: Tradeoffs, cfg: RunConfig) -> int:
     """Peak bytes autograd saves in one forward + backward of one micro-batch (tinylm.training.memory's meter)."""
     prepared = ctx.prepared
     torch.manual_seed(cfg.train.seed)
     model = build_model(cfg, prepared.tokenizer.vocab_size).train()
-    if checkpointing:
+    if cfg.train.grad_checkpointing:
         enable_grad_checkpointing(model, cfg.train.checkpoint_impl)
     batches = Batches(prepared.splits["train"], model.config.context_length, cfg.data.batching, seed=cfg.train.seed)
     x, y = batches.get(0, 0, cfg.train.batch_size)
     return int(measure_step_activation_bytes(model, x, y)["peak_activation_bytes"])
 
 
-def _tradeoff_run(ctx: Tradeoffs, name: str, accum: int, checkpointing: bool) -> dict:
-    cfg = _tradeoff_config(ctx, accum, checkpointing)
+def _tradeoff_run(ctx: Tradeoffs, v: Variant, name: str) -> dict:
+    cfg = _tradeoff_config(ctx, v)
     out = ctx.out_dir / name
     out.mkdir(parents=True, exist_ok=True)
     prepared = ctx.prepared
-    with quiet(trainer_log):
+    with quiet(trainer_log), cuda_peak_scope():
         result = train(cfg, prepared, out)
+        cuda_peak = cuda_peak_bytes()
     split = prepared.splits["train"]
     if cfg.data.batching == "stories":
         per_epoch = split.n_docs / cfg.train.batch_size
@@ -98,39 +115,43 @@ def _tradeoff_run(ctx: Tradeoffs, name: str, accum: int, checkpointing: bool) ->
     # training time only: the metrics row of the last step is written before its validation and saves
     last = read_metrics(out / "metrics.csv")[-1]
     seconds, tok_s = last["elapsed_s"], last["tokens_per_s"]
-    row = {"name": name, "accum_steps": accum, "grad_checkpointing": checkpointing, "micro_batch": cfg.train.batch_size,
-           "effective_batch": cfg.train.batch_size * accum, "optimizer_steps": result.steps, "micro_batches": M,
+    row = {"name": name, "label": v.label or v.name, "accum_steps": v.accum, "grad_checkpointing": v.checkpointing is not None,
+           "checkpoint_impl": v.checkpointing, "embeddings": v.embeddings, "run_dir": name,
+           "micro_batch": cfg.train.batch_size, "cuda_peak_bytes": cuda_peak,
+           "effective_batch": cfg.train.batch_size * v.accum, "optimizer_steps": result.steps, "micro_batches": M,
            "final_train_loss": result.final_train_loss, "final_val_loss": result.best_val_loss,
            "seconds": seconds, "tokens_per_s": tok_s, "seconds_with_eval_and_saves": result.seconds,
            "projected_epoch_seconds": seconds / M * per_epoch, "micro_batches_per_epoch": per_epoch}
-    log.info(f"{name}: {result.steps} steps x {accum}, final train loss {result.final_train_loss:.4f}, "
+    log.info(f"{name}: {result.steps} steps x {v.accum}, final train loss {result.final_train_loss:.4f}, "
             f"{seconds:.1f} s of training")
     return row
 
 
 def _warm_up_training(ctx: Tradeoffs) -> None:
     """One untimed step first, so the first timed run does not pay one-time costs (allocator, kernels)."""
-    cfg = _tradeoff_config(ctx, 1, False)
+    cfg = _tradeoff_config(ctx, Variant("warmup"))
     cfg.train.max_steps, cfg.train.eval_interval, cfg.train.eval_batches = 1, 1, 1
     with quiet(trainer_log):
         train(cfg, ctx.prepared, ctx.out_dir / "warmup")
 
 
-def alternated_runs(ctx: Tradeoffs, variants: list[tuple[str, int, bool]]) -> list[dict]:
-    """Train each (name, accumulation, checkpointing) variant ``tradeoff_repeats`` times in rounds
-    (A B C .. A B C ..), so load from other jobs hits every variant alike; report medians."""
+def alternated_runs(ctx: Tradeoffs, variants: list[Variant]) -> list[dict]:
+    """Train each variant ``tradeoff_repeats`` times in rounds (A B C .. A B C ..), so load from
+    other jobs hits every variant alike; report medians."""
     _warm_up_training(ctx)
-    runs: dict[str, list[dict]] = {name: [] for name, _, _ in variants}
+    runs: dict[str, list[dict]] = {v.name: [] for v in variants}
     for rep in range(max(1, ctx.repeats)):
-        for name, accum, ckpt in variants:
-            runs[name].append(_tradeoff_run(ctx, f"{name}_{rep}", accum, ckpt))
+        for v in variants:
+            runs[v.name].append(_tradeoff_run(ctx, v, f"{v.name}_{rep}"))
     rows = []
-    for name, accum, ckpt in variants:
-        rs = runs[name]
-        row = {**rs[0], "name": name, "runs": len(rs), "seconds_each": [r["seconds"] for r in rs],
+    for v in variants:
+        rs = runs[v.name]
+        row = {**rs[0], "name": v.name, "runs": len(rs), "seconds_each": [r["seconds"] for r in rs],
                "seconds": statistics.median(r["seconds"] for r in rs),
                "tokens_per_s": statistics.median(r["tokens_per_s"] for r in rs)}
+        if any(r["cuda_peak_bytes"] is not None for r in rs):
+            row["cuda_peak_bytes"] = max(r["cuda_peak_bytes"] or 0 for r in rs)
         row["projected_epoch_seconds"] = row["seconds"] / row["micro_batches"] * row["micro_batches_per_epoch"]
-        row["peak_activation_bytes"] = _activation_bytes(ctx, _tradeoff_config(ctx, accum, ckpt), ckpt)
+        row["peak_activation_bytes"] = _activation_bytes(ctx, _tradeoff_config(ctx, v))
         rows.append(row)
     return rows

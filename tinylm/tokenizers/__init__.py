@@ -8,6 +8,7 @@ from tinylm.tokenizers.char import CharTokenizer
 from tinylm.tokenizers.io import TOKENIZER_TYPES, load_tokenizer, new_tokenizer, train_from_config
 from tinylm.tokenizers.llama2c import Llama2cTokenizer
 from tinylm.tokenizers.word import WordTokenizer
+from tinylm.tokenizers.word_bpe import WordBPETokenizer
 
-__all__ = ["Tokenizer", "BPETokenizer", "CharTokenizer", "WordTokenizer", "Llama2cTokenizer", "load_tokenizer",
+__all__ = ["Tokenizer", "BPETokenizer", "CharTokenizer", "WordTokenizer", "WordBPETokenizer", "Llama2cTokenizer", "load_tokenizer",
            "new_tokenizer", "train_from_config", "TOKENIZER_TYPES"]

@@ -20,6 +20,7 @@ FORMAT_VERSION = 1
 class Tokenizer:
     type_name = "base"
     lossless = False  # True when decode(encode(s)) == s for every string s
+    normalizes = False  # True when encode works on normalize(text) (word_bpe), see ``represented``
 
     pad_id, unk_id, sos_id, eos_id = PAD_ID, UNK_ID, SOS_ID, EOS_ID
     special_tokens = SPECIAL_TOKENS
@@ -58,6 +59,12 @@ class Tokenizer:
         raise NotImplementedError
 
     # -- shared -------------------------------------------------------------------------------
+    def represented(self, text: str) -> str:
+        """The text the tokens of ``text`` stand for: ``text`` itself, or its normalised form for a
+        tokenizer that normalises before encoding (``normalizes``, as word_bpe does). Bytes and
+        words of a split are counted on it, and it is what a lossless decode gives back."""
+        return self.normalize(text) if self.normalizes else text
+
     def decode_continuation(self, prompt_ids: list[int], new_ids: list[int]) -> str:
         """Text that the new tokens add after the prompt (with the space a word-level tokenizer
         puts between words, which decoding the new tokens alone would lose)."""

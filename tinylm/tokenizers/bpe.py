@@ -24,8 +24,7 @@ by default special strings are ordinary text, which keeps encoding lossless on a
 
 from __future__ import annotations
 
-import heapq
-from collections import Counter, defaultdict
+from collections import Counter
 from itertools import chain, repeat
 from typing import Iterable
 
@@ -34,7 +33,7 @@ import regex
 from tinylm.constants import SPECIAL_TOKENS
 from tinylm.errors import TinyLMError
 from tinylm.tokenizers.base import Tokenizer
-from tinylm.tokenizers.merges import merge_pairs
+from tinylm.tokenizers.merges import learn_merges, merge_pairs
 
 GPT2_SPLIT = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 GPT4_SPLIT = (
@@ -111,7 +110,7 @@ class BPETokenizer(Tokenizer):
             raise TinyLMError("cannot train BPE on an empty corpus")
         words = [[BYTE_BASE + b for b in w.encode("utf-8", "surrogatepass")] for w in counts]
         freqs = list(counts.values())
-        merges = learn_merges(words, freqs, vocab_size - FIRST_MERGE_ID)
+        merges = learn_merges(words, freqs, vocab_size - FIRST_MERGE_ID, FIRST_MERGE_ID)
         self.__init__(merges, self.pattern)
         # the training pre-tokens end up merged exactly as encode would merge them (same merges in
         # the same order), so they seed the piece cache: encoding the training text starts warm
@@ -217,65 +216,3 @@ class BPETokenizer(Tokenizer):
         if not isinstance(merges, list) or any(not isinstance(m, list) or len(m) != 2 for m in merges):
             raise TinyLMError("BPE tokenizer file: \"merges\" must be a list of [left id, right id] pairs")
         return cls([tuple(m) for m in merges], state.get("pattern", "gpt2"))
-
-
-def learn_merges(words: list[list[int]], freqs: list[int], n_merges: int) -> list[tuple[int, int]]:
-    """The merge list for pre-tokens ``words`` (token ids, rewritten in place) seen ``freqs`` times.
-
-    Pair counts are updated incrementally: a merge rewrites only the pre-tokens that hold the
-    pair, subtracting their old pairs and adding their new ones.
-    """
-    pair_counts: dict[tuple[int, int], int] = defaultdict(int)
-    where: dict[tuple[int, int], set[int]] = defaultdict(set)
-    for wi, (w, f) in enumerate(zip(words, freqs)):
-        for pair in zip(w, w[1:]):
-            pair_counts[pair] += f
-            where[pair].add(wi)
-    heap = [(-c, p) for p, c in pair_counts.items()]
-    heapq.heapify(heap)
-
-    merges: list[tuple[int, int]] = []
-    while len(merges) < n_merges and heap:
-        neg, pair = heapq.heappop(heap)
-        if pair_counts.get(pair, 0) != -neg or -neg <= 0:
-            continue  # stale heap entry: the count changed after it was pushed
-        new_id = FIRST_MERGE_ID + len(merges)
-        merges.append(pair)
-        changed: set[tuple[int, int]] = set()
-        for wi in where.pop(pair):
-            w, f = words[wi], freqs[wi]
-            for p in zip(w, w[1:]):  # remove this word's old pairs
-                pair_counts[p] -= f
-                changed.add(p)
-            merged = _merge(w, pair, new_id)
-            words[wi] = merged
-            for p in zip(merged, merged[1:]):
-                pair_counts[p] += f
-                where[p].add(wi)  # may leave stale members elsewhere; rewriting them is a no-op
-                changed.add(p)
-        pair_counts.pop(pair, None)
-        changed.discard(pair)
-        for p in changed:
-            c = pair_counts.get(p, 0)
-            if c > 0:
-                heapq.heappush(heap, (-c, p))
-            else:
-                pair_counts.pop(p, None)
-                where.pop(p, None)
-    return merges
-
-
-def _merge(ids: list[int], pair: tuple[int, int], new_id: int) -> list[int]:
-    """Replace every non-overlapping occurrence of ``pair`` (left to right) with ``new_id``."""
-    a, b = pair
-    if len(ids) == 2:  # the common last step of short pieces
-        return [new_id] if ids[0] == a and ids[1] == b else list(ids)
-    out, i, n = [], 0, len(ids)
-    while i < n:
-        if i < n - 1 and ids[i] == a and ids[i + 1] == b:
-            out.append(new_id)
-            i += 2
-        else:
-            out.append(ids[i])
-            i += 1
-    return out

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from tinylm.constants import SPECIAL_TOKENS
 from tinylm.errors import TinyLMError
 from tinylm.tokenizers.base import FORMAT_NAME, FORMAT_VERSION, Tokenizer
 from tinylm.tokenizers.bpe import BPETokenizer
@@ -17,12 +18,13 @@ from tinylm.tokenizers.char import CharTokenizer
 from tinylm.tokenizers.hf_interop import import_hf
 from tinylm.tokenizers.llama2c import Llama2cTokenizer, is_llama2c_file
 from tinylm.tokenizers.word import WordTokenizer
+from tinylm.tokenizers.word_bpe import WordBPETokenizer
 
-TOKENIZER_TYPES = {"bpe": BPETokenizer, "char": CharTokenizer, "word": WordTokenizer}
+TOKENIZER_TYPES = {"bpe": BPETokenizer, "char": CharTokenizer, "word": WordTokenizer, "word_bpe": WordBPETokenizer}
 
 
 def new_tokenizer(kind: str, **options) -> Tokenizer:
-    """An untrained tokenizer of the named type ("bpe", "char" or "word")."""
+    """An untrained tokenizer of the named type ("bpe", "char", "word" or "word_bpe")."""
     if kind not in TOKENIZER_TYPES:
         raise TinyLMError(f"unknown tokenizer type {kind!r}; choose one of {', '.join(TOKENIZER_TYPES)}")
     return TOKENIZER_TYPES[kind](**options)
@@ -33,10 +35,17 @@ def train_from_config(tok_cfg, texts) -> Tokenizer:
     kind = tok_cfg.type
     if kind == "word":
         tok = new_tokenizer(kind, lowercase=tok_cfg.lowercase, keep_punctuation=tok_cfg.keep_punctuation,
-                            splitter=tok_cfg.splitter)
-        return tok.train(texts, tok_cfg.vocab_size, min_count=tok_cfg.min_count)
+                            splitter=tok_cfg.splitter, special_tokens=tuple(tok_cfg.special_tokens),
+                            specials_at=tok_cfg.specials_at, oov=tok_cfg.oov)
+        return tok.train(texts, tok_cfg.vocab_size, min_count=tok_cfg.min_count, oov_merges=tok_cfg.oov_merges)
+    if tuple(tok_cfg.special_tokens) != SPECIAL_TOKENS or tok_cfg.specials_at != "start" or tok_cfg.oov != "unk":
+        raise TinyLMError(f"tokenizer.special_tokens, tokenizer.specials_at and tokenizer.oov are word-level options; "
+                          f"the {kind} tokenizer keeps <pad> <unk> <sos> <eos> at ids 0-3")
     if kind == "bpe":
         return new_tokenizer(kind, pattern=tok_cfg.pattern).train(texts, tok_cfg.vocab_size)
+    if kind == "word_bpe":
+        return new_tokenizer(kind, normalization=tok_cfg.normalization).train(
+            texts, tok_cfg.vocab_size, merges=tok_cfg.merges)
     return new_tokenizer(kind).train(texts, tok_cfg.vocab_size)
 
 

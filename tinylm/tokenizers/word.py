@@ -5,8 +5,14 @@ are tokens of their own, or dropped); vocabulary = the ``vocab_size`` most frequ
 the words seen at least ``min_count`` times; ``splitter="regex"`` (default, no dependency) or
 ``"spacy"`` (spaCy's rule-based English tokenizer, ``spacy.blank("en")``, when installed).
 
-Not lossless: out-of-vocabulary words become ``<unk>`` and decoding re-joins words with
-spaces (no space before closing punctuation). ``coverage`` reports how much is lost.
+Special tokens: ``<pad> <unk> <sos> <eos>`` at ids 0-3 by default; ``special_tokens`` reorders
+them and ``specials_at="end"`` puts them after the vocabulary (both as seed reports did).
+
+Out-of-vocabulary words become ``<unk>``, or with ``oov="bpe"`` character-level BPE pieces (the
+``word_bpe`` tokenizer's, trained on the training words, each OOV word ending with its ``__``
+piece), so every word spelled with the training alphabet is kept. Decoding re-joins words with
+spaces (no space before closing punctuation): what is lost is the original spacing, and with
+``oov="unk"`` the unknown words (``coverage`` reports how many).
 """
 
 from __future__ import annotations
@@ -16,14 +22,16 @@ from collections import Counter
 from dataclasses import asdict, dataclass
 from typing import Iterable
 
-from tinylm.constants import SPECIAL_TOKENS, UNK_ID
+from tinylm.constants import SPECIAL_TOKENS
 from tinylm.errors import TinyLMError
 from tinylm.tokenizers.base import Tokenizer
+from tinylm.tokenizers.word_bpe import END_OF_WORD, EOW_ID, WordBPETokenizer
 
 WORD_PATTERN = r"\w+(?:'\w+)*|[^\w\s]"
 _NO_SPACE_BEFORE = set(".,!?;:)]}'\"") | {"n't", "'s"}
 _PUNCT = re.compile(r"[^\w\s]+")
 SPLITTERS = ("regex", "spacy")
+OOV_MODES = ("unk", "bpe")
 
 
 @dataclass
@@ -56,26 +64,54 @@ class WordTokenizer(Tokenizer):
     type_name = "word"
 
     def __init__(self, words: list[str] | None = None, lowercase: bool = False, pattern: str = WORD_PATTERN,
-                 keep_punctuation: bool = True, splitter: str = "regex"):
+                 keep_punctuation: bool = True, splitter: str = "regex", special_tokens=SPECIAL_TOKENS,
+                 specials_at: str = "start", oov: str = "unk", oov_bpe: WordBPETokenizer | None = None):
         if splitter not in SPLITTERS:
             raise TinyLMError(f"word splitter {splitter!r} is not one of {', '.join(SPLITTERS)}")
+        if sorted(special_tokens) != sorted(SPECIAL_TOKENS):
+            raise TinyLMError(f"word special_tokens {list(special_tokens)} must be an ordering of {list(SPECIAL_TOKENS)}")
+        if specials_at not in ("start", "end"):
+            raise TinyLMError(f"word specials_at {specials_at!r} is not one of start, end")
+        if oov not in OOV_MODES:
+            raise TinyLMError(f"word oov {oov!r} is not one of {', '.join(OOV_MODES)}")
         self.words = list(words or [])
         self.lowercase = lowercase
         self.pattern = pattern
         self.keep_punctuation = keep_punctuation
         self.splitter = splitter
+        self.special_tokens = tuple(special_tokens)
+        self.specials_at = specials_at
+        self.oov = oov
+        self.oov_bpe = oov_bpe if oov == "bpe" else None
         try:
             self._re = re.compile(pattern)
         except re.error as exc:
             raise TinyLMError(f"word pattern {pattern!r} is not a valid regex ({exc})") from exc
         self._nlp = _spacy_tokenizer() if splitter == "spacy" else None
-        self._word_to_id = {w: len(SPECIAL_TOKENS) + i for i, w in enumerate(self.words)}
+        # id layout: [specials][words][OOV pieces: __, characters, merges], or the specials last
+        n_pieces = self.oov_bpe.vocab_size - EOW_ID if self.oov_bpe is not None else 0
+        first_word = len(SPECIAL_TOKENS) if specials_at == "start" else 0
+        self._piece_offset = first_word + len(self.words) - EOW_ID  # word_bpe id b (>= __) -> b + offset
+        first_special = 0 if specials_at == "start" else len(self.words) + n_pieces
+        ids = {name: first_special + i for i, name in enumerate(self.special_tokens)}
+        self.pad_id, self.unk_id, self.sos_id, self.eos_id = (ids[t] for t in SPECIAL_TOKENS)
+        self.bos_id, self.stop_ids = self.sos_id, (self.eos_id,)
+        self._size = len(SPECIAL_TOKENS) + len(self.words) + n_pieces
+        self._word_to_id = {w: first_word + i for i, w in enumerate(self.words)}
         if len(self._word_to_id) != len(self.words):
             raise TinyLMError("word vocabulary has duplicate entries")
+        self._pieces: list[str] = [""] * self._size  # what each id decodes to ("" for specials but <unk>)
+        for w, i in self._word_to_id.items():
+            self._pieces[i] = w
+        if self.oov_bpe is not None:
+            for b in range(EOW_ID, self.oov_bpe.vocab_size):
+                self._pieces[b + self._piece_offset] = self.oov_bpe.pieces[b]
+        self._pieces[self.unk_id] = "<unk>"
+        self._eow = EOW_ID + self._piece_offset if self.oov_bpe is not None else None
 
     @property
     def vocab_size(self) -> int:
-        return len(SPECIAL_TOKENS) + len(self.words)
+        return self._size
 
     def split(self, text: str) -> list[str]:
         if self.lowercase:
@@ -88,9 +124,12 @@ class WordTokenizer(Tokenizer):
             words = [w for w in words if not _PUNCT.fullmatch(w)]
         return words
 
-    def train(self, texts: Iterable[str], vocab_size: int | None = None, min_count: int = 1) -> "WordTokenizer":
-        """Keep the most frequent words (ties alphabetical): at most ``vocab_size`` ids in all
-        (specials included; None or 0 for no cap), and only words seen ``min_count`` times."""
+    def train(self, texts: Iterable[str], vocab_size: int | None = None, min_count: int = 1,
+              oov_merges: int = 1000) -> "WordTokenizer":
+        """Keep the most frequent words (ties alphabetical): at most ``vocab_size`` ids for the
+        specials and words (None or 0 for no cap), and only words seen ``min_count`` times. With
+        ``oov="bpe"``, ``oov_merges`` BPE merges learned on every training word (by frequency)
+        spell the words left out, after the words' ids."""
         if isinstance(texts, str):
             texts = [texts]
         if vocab_size is not None and 0 < vocab_size <= len(SPECIAL_TOKENS):
@@ -106,28 +145,57 @@ class WordTokenizer(Tokenizer):
         ranked = [w for w, c in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])) if c >= min_count]
         if vocab_size:
             ranked = ranked[: vocab_size - len(SPECIAL_TOKENS)]
-        self.__init__(ranked, self.lowercase, self.pattern, self.keep_punctuation, self.splitter)
+        bpe = None
+        if self.oov == "bpe":  # words never hold whitespace, so word_bpe without normalisation keeps them whole
+            bpe = WordBPETokenizer(normalization="none").train([" ".join([w] * c) for w, c in counts.items()],
+                                                               merges=oov_merges)
+        self.__init__(ranked, self.lowercase, self.pattern, self.keep_punctuation, self.splitter,
+                      self.special_tokens, self.specials_at, self.oov, bpe)
         self.word_counts = counts  # kept for coverage reports right after training (not saved)
         return self
 
     def encode(self, text: str) -> list[int]:
-        get = self._word_to_id.get
-        return [get(w, UNK_ID) for w in self.split(text)]
+        get, out = self._word_to_id.get, []
+        for w in self.split(text):
+            i = get(w)
+            if i is not None:
+                out.append(i)
+            elif self.oov_bpe is not None:
+                out.extend(b + self._piece_offset if b >= EOW_ID else self.unk_id
+                           for b in self.oov_bpe._encode_word(w))
+            else:
+                out.append(self.unk_id)
+        return out
 
     def decode(self, ids: Iterable[int]) -> str:
-        out: list[str] = []
-        for i in ids:
-            i = int(i)
-            if i == UNK_ID:
-                piece = "<unk>"
-            elif i < len(SPECIAL_TOKENS) or i >= self.vocab_size:
+        words: list[str] = []
+        spelled = ""  # an OOV word's pieces until its __
+        for i in map(int, ids):
+            if not 0 <= i < self._size:
                 continue
-            else:
-                piece = self.words[i - len(SPECIAL_TOKENS)]
+            if i == self._eow:
+                words.append(spelled)
+                spelled = ""
+            elif self._eow is not None and i > self._eow and i - self._piece_offset < self.oov_bpe.vocab_size:
+                spelled += self._pieces[i]
+            elif self._pieces[i]:
+                words.append(self._pieces[i])
+        if spelled:  # pieces of a word that was cut before its __
+            words.append(spelled)
+        return self.join(words)
+
+    @staticmethod
+    def join(words: list[str]) -> str:
+        """Words re-joined with single spaces, none before closing punctuation."""
+        out: list[str] = []
+        for piece in words:
             if out and piece not in _NO_SPACE_BEFORE and not piece.startswith("'"):
                 out.append(" ")
             out.append(piece)
         return "".join(out)
+
+    def normalize(self, text: str) -> str:
+        return self.join(self.split(text))
 
     def coverage(self, texts: Iterable[str]) -> Coverage:
         """Share of running words and of distinct words of ``texts`` that are in the vocabulary."""
@@ -144,21 +212,36 @@ class WordTokenizer(Tokenizer):
         )
 
     def unk_rate(self, texts: Iterable[str]) -> float:
-        return self.coverage(texts).unk_rate
+        """Share of the tokens of ``texts`` that are ``<unk>`` (words out of the vocabulary, or with
+        ``oov="bpe"`` only characters out of the training alphabet)."""
+        if self.oov_bpe is None:
+            return self.coverage(texts).unk_rate
+        ids = [i for t in ([texts] if isinstance(texts, str) else texts) for i in self.encode(t)]
+        return sum(i == self.unk_id for i in ids) / len(ids) if ids else 0.0
 
     def id_to_piece(self, i: int) -> str:
-        return SPECIAL_TOKENS[i] if i < len(SPECIAL_TOKENS) else self.words[i - len(SPECIAL_TOKENS)]
+        if i in (self.pad_id, self.unk_id, self.sos_id, self.eos_id):
+            return SPECIAL_TOKENS[(self.pad_id, self.unk_id, self.sos_id, self.eos_id).index(i)]
+        if i == self._eow:
+            return END_OF_WORD
+        return self._pieces[i]
 
     def _state(self) -> dict:
-        return {"lowercase": self.lowercase, "pattern": self.pattern, "keep_punctuation": self.keep_punctuation,
-                "splitter": self.splitter, "words": self.words}
+        state = {"lowercase": self.lowercase, "pattern": self.pattern, "keep_punctuation": self.keep_punctuation,
+                 "splitter": self.splitter, "words": self.words, "specials_at": self.specials_at, "oov": self.oov}
+        if self.oov_bpe is not None:
+            state["oov_bpe"] = self.oov_bpe._state()
+        return state
 
     @classmethod
     def _from_state(cls, state: dict) -> "WordTokenizer":
         if not isinstance(state.get("words"), list) or any(not isinstance(w, str) for w in state["words"]):
             raise TinyLMError("word tokenizer file: \"words\" must be a list of strings")
+        bpe = WordBPETokenizer._from_state(state["oov_bpe"]) if state.get("oov_bpe") else None
         return cls(state["words"], state.get("lowercase", False), state.get("pattern", WORD_PATTERN),
-                   state.get("keep_punctuation", True), state.get("splitter", "regex"))
+                   state.get("keep_punctuation", True), state.get("splitter", "regex"),
+                   state.get("special_tokens", SPECIAL_TOKENS), state.get("specials_at", "start"),
+                   state.get("oov", "unk"), bpe)
 
 
 _NLP = None

@@ -12,6 +12,8 @@ from pathlib import Path
 from tinylm.errors import TinyLMError
 
 METRICS_COLUMNS = ["step", "tokens", "lr", "train_loss", "val_loss", "val_ppl", "tokens_per_s", "elapsed_s"]
+# epochs.csv (train.epochs): the reports' per-epoch table; train_loss is the epoch's token-weighted mean
+EPOCH_COLUMNS = ["step", "epoch", "train_loss", "val_loss", "train_ppl", "val_ppl", "elapsed_s"]
 
 
 class MetricsLog:

@@ -36,7 +36,7 @@ from tinylm.models.gpt import GPT, eval_mode
 from tinylm.training import distributed as dist_utils
 from tinylm.training.distributed import DistContext, all_reduce_sum, shard_rows
 from tinylm.training.grad_checkpoint import enable_grad_checkpointing, make_checkpoint_fn
-from tinylm.training.metrics import MetricsLog
+from tinylm.training.metrics import EPOCH_COLUMNS, MetricsLog
 from tinylm.training.optim import lr_at, make_optimizer, wall_schedule_enabled
 from tinylm.training.precision import autocast, check_precision, make_grad_scaler
 from tinylm.training.resume import (
@@ -120,7 +120,8 @@ def micro_batches(batches: Batches, step: int, batch_size: int, accum: int, ctx:
 
 
 def accumulate_gradients(run_model, micro: list, device, precision: str = "fp32", scaler=None,
-                         ctx: DistContext | None = None, ddp_model=None) -> tuple[float, int]:
+                         ctx: DistContext | None = None, ddp_model=None,
+                         label_smoothing: float = 0.0) -> tuple[float, int]:
     """Forward and backward over the micro-batches; returns (mean loss per target token, targets).
 
     The gradient equals that of one batch holding every micro-batch of every rank: each summed
@@ -137,7 +138,8 @@ def accumulate_gradients(run_model, micro: list, device, precision: str = "fp32"
         no_sync = ddp_model is not None and ctx.enabled and m < len(micro) - 1
         with ddp_model.no_sync() if no_sync else contextlib.nullcontext():
             with autocast(device, precision):
-                _, loss_sum = run_model(x.to(device), y.to(device), loss_reduction="sum")
+                _, loss_sum = run_model(x.to(device), y.to(device), loss_reduction="sum",
+                                        label_smoothing=label_smoothing)
             loss = loss_sum * ctx.world_size / n_targets
             (scaler.scale(loss) if scaler is not None else loss).backward()
         step_loss += float(loss_sum.detach())
@@ -211,15 +213,26 @@ def _train(cfg: RunConfig, prepared: Prepared, out_dir: Path, say, resume, force
     model = build_model(cfg, tokenizer.vocab_size).to(device)  # the same initial weights on every rank
     if getattr(cfg, "embeddings", None) is not None and cfg.embeddings.kind != "none":
         apply_pretrained_embeddings(model, tokenizer, cfg.embeddings, prepared.splits["train"].ids,
-                                    out_dir if ctx.is_main else None)
+                                    out_dir if ctx.is_main else None, cache_dir=prepared.data_dir)
     if ctx.rank:
         torch.manual_seed(tc.seed + 1_000_003 * ctx.rank)  # ranks draw different dropout masks
     cfg = dataclasses.replace(cfg, model=model.config)  # the resolved model config goes on disk
     T = model.config.context_length
     if "valid" not in prepared.splits:
         raise TinyLMError("no validation split was prepared")
-    check_batch_fits(prepared.splits["train"], batch_size * tc.grad_accum_steps * ctx.world_size, T, cfg.data.batching)
-    train_batches = Batches(prepared.splits["train"], T, cfg.data.batching, seed=tc.seed)
+    rows_per_step = batch_size * tc.grad_accum_steps * ctx.world_size
+    check_batch_fits(prepared.splits["train"], rows_per_step, T, cfg.data.batching)
+    if not 0.0 <= tc.label_smoothing < 1.0:
+        raise TinyLMError(f"train.label_smoothing must be in [0, 1) (got {tc.label_smoothing})")
+    if tc.epochs is not None and tc.epochs < 1:
+        raise TinyLMError(f"train.epochs must be at least 1 (got {tc.epochs})")
+    train_batches = Batches(prepared.splits["train"], T, cfg.data.batching, seed=tc.seed,
+                            epoch_rows=rows_per_step if tc.epochs else None)
+    steps_per_epoch = train_batches.steps_per_epoch
+    if tc.epochs:  # the step count follows from the data: the schedule and the saved config use it
+        tc = dataclasses.replace(tc, max_steps=tc.epochs * steps_per_epoch)
+        cfg = dataclasses.replace(cfg, train=tc)
+        say(f"train: {tc.epochs} epoch(s) of {steps_per_epoch} steps ({rows_per_step} rows each) = {tc.max_steps} steps")
     valid_batches = Batches(prepared.splits["valid"], T, cfg.data.batching, seed=tc.seed + 1)
     optimizer = make_optimizer(model, tc)
     if tc.grad_checkpointing:
@@ -227,6 +240,8 @@ def _train(cfg: RunConfig, prepared: Prepared, out_dir: Path, say, resume, force
 
     start_step, tokens_seen, best_val, bad_evals = 0, 0, math.inf, 0
     metrics = MetricsLog(out_dir / "metrics.csv", fresh=resume is None) if ctx.is_main else None
+    epoch_log = (MetricsLog(out_dir / "epochs.csv", EPOCH_COLUMNS, fresh=resume is None)
+                 if ctx.is_main and tc.epochs else None)
     if resume is not None:
         state = load_resume_state(resume)
         check_resume_config(state.run_config, cfg.to_dict(), force)
@@ -243,6 +258,8 @@ def _train(cfg: RunConfig, prepared: Prepared, out_dir: Path, say, resume, force
         restore_rng(state.rng_per_rank[ctx.rank])  # last: nothing below draws random numbers before step 1
         if metrics is not None:
             metrics.truncate_after(start_step)
+        if epoch_log is not None:
+            epoch_log.truncate_after(start_step)
         say(f"train: resuming from {state.path} at step {start_step}")
     if ctx.is_main:
         cfg.save(out_dir / "config.yaml")
@@ -259,6 +276,7 @@ def _train(cfg: RunConfig, prepared: Prepared, out_dir: Path, say, resume, force
     save_every = tc.save_interval or tc.eval_interval
     writer = _tensorboard_writer(out_dir) if tc.tensorboard and ctx.is_main else None
     last_loss, stopped = math.nan, "max_steps"
+    epoch_loss_sum, epoch_targets = 0.0, 0  # the running epoch (a resumed run restarts the sum)
     session_tokens, start = 0, time.perf_counter()
     progress = None
     if tc.progress and ctx.is_main:
@@ -297,7 +315,9 @@ def _train(cfg: RunConfig, prepared: Prepared, out_dir: Path, say, resume, force
         for group in optimizer.param_groups:
             group["lr"] = lr
         micro = micro_batches(train_batches, step, batch_size, tc.grad_accum_steps, ctx)
-        last_loss, _ = accumulate_gradients(run_model, micro, device, tc.precision, scaler, ctx, ddp_model)
+        last_loss, n_targets = accumulate_gradients(run_model, micro, device, tc.precision, scaler, ctx, ddp_model,
+                                                    tc.label_smoothing)
+        epoch_loss_sum, epoch_targets = epoch_loss_sum + last_loss * n_targets, epoch_targets + n_targets
         if not math.isfinite(last_loss):
             close()
             raise TinyLMError(
@@ -356,6 +376,17 @@ def _train(cfg: RunConfig, prepared: Prepared, out_dir: Path, say, resume, force
                 say(f"train: early stopping at step {step + 1}: no validation improvement in {bad_evals} evaluations")
         if log_row and metrics is not None:
             metrics.write(row)
+        if tc.epochs and (step + 1) % steps_per_epoch == 0:
+            val = float(row["val_loss"]) if "val_loss" in row else validation_loss(
+                model, valid_batches, cfg, device, tc.precision, ctx, batch_size)
+            train_mean = epoch_loss_sum / max(epoch_targets, 1)
+            if epoch_log is not None:
+                epoch_log.write({"step": step + 1, "epoch": (step + 1) // steps_per_epoch,
+                                 "train_loss": f"{train_mean:.6f}", "val_loss": f"{val:.6f}",
+                                 "train_ppl": f"{math.exp(min(train_mean, 50)):.3f}",
+                                 "val_ppl": f"{math.exp(min(val, 50)):.3f}", "elapsed_s": f"{elapsed:.2f}"})
+            say(f"epoch {(step + 1) // steps_per_epoch}/{tc.epochs}: train {train_mean:.4f}, valid {val:.4f}")
+            epoch_loss_sum, epoch_targets = 0.0, 0
         if (step + 1) % save_every == 0 and not is_last:
             save(step_dir_name(step + 1), step + 1, best_val)
             if ctx.is_main:

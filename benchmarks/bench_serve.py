@@ -1,0 +1,311 @@
+"""`tinylm serve` under load: concurrent streaming clients, then a burst of malformed requests.
+
+Starts the server on 127.0.0.1 (a free port, ``--threads`` torch threads) with the demo model
+(``runs/demo``: run ``make demo`` first, or give ``--checkpoint``), then for 1, 4 and 16
+concurrent clients runs bounded load: each client sends ``--requests`` streaming completions one
+after another (a fixed count, and at most ``--seconds`` per level), every request
+``--max-tokens`` tokens long unless the model ends it (the demo model, trained on whole plays,
+practically never ends within 64 tokens; the tokens counted are the tokens streamed). Reported per level: requests, errors (must be 0),
+p50/p95 time to first token, p50 time per token after the first, aggregate tokens/s over the
+level's wall time, and the ratio of aggregate tokens/s to one client's (the reference measured
+in the same run: how much batching the concurrent requests buys).
+
+Then a burst of malformed and oversized requests (every kind the API refuses: bad values, unknown
+model, empty prompt, beam_width above the vocabulary, invalid JSON, wrong types, unknown fields,
+bodies over the limit, chat completions), a few hundred in all, 16 in flight; every one must get
+its 4xx answer in OpenAI's error shape, after which ``/health`` must answer and one normal
+completion must succeed.
+
+Targets on a 2-core CPU: 16 clients >= 4x the tokens/s of 1 client; p95 time to first token at 4
+clients <= 250 ms; 0 errors; healthy after the burst.
+
+    python benchmarks/bench_serve.py [--quick] [--threads 1] [--checkpoint runs/demo] [--json out.json]
+
+``--json PATH`` writes {"rows": [{"clients", "requests", "errors", "ttft_p50_ms", "ttft_p95_ms",
+"tokens_per_s", ...}], "burst": {...}, "targets": {...}, "setup": {...}}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[1]
+PROMPTS = ["ROMEO:", "To be, or not to be", "KING HENRY.\nOnce more", "First Citizen:\nBefore we proceed",
+           "O, what a rogue", "Now is the winter", "HAMLET:\nWhat a piece of work", "JULIET:\nO Romeo"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(checkpoint: str, threads: int, port: int, max_body: int) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "tinylm.cli", "serve", "--checkpoint", checkpoint, "--threads", str(threads),
+           "--port", str(port), "--max-body-bytes", str(max_body)]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"tinylm serve exited: {proc.stdout.read()}")
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    proc.kill()
+    raise SystemExit("tinylm serve did not become healthy in 120 s")
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    values = sorted(values)
+    k = (len(values) - 1) * q
+    lo, hi = int(k), min(int(k) + 1, len(values) - 1)
+    return values[lo] + (values[hi] - values[lo]) * (k - lo)
+
+
+# ---------------------------------------------------------------------------------------- load
+async def sse_events(host: str, port: int, path: str, body: dict):
+    """POST ``body`` and yield (HTTP status, each server-sent ``data:`` payload as it arrives).
+
+    A minimal HTTP/1.1 client on asyncio streams: on a 2-core machine the load generator shares
+    the CPU with the server, and httpx's per-chunk overhead (~0.1 ms) would be a visible share of
+    the measurement at 16 streams."""
+    reader, writer = await asyncio.open_connection(host, port)
+    try:
+        payload = json.dumps(body).encode()
+        writer.write(f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
+                     f"Content-Length: {len(payload)}\r\nConnection: close\r\n\r\n".encode() + payload)
+        await writer.drain()
+        head = await reader.readuntil(b"\r\n\r\n")
+        status = int(head.split(b" ", 2)[1])
+        chunked = b"transfer-encoding: chunked" in head.lower()
+        buffer = b""
+        while True:
+            if chunked:
+                size = int((await reader.readline()).strip() or b"0", 16)
+                if size == 0:
+                    break
+                buffer += await reader.readexactly(size + 2)
+                buffer = buffer[:-2] if buffer.endswith(b"\r\n") else buffer
+            else:
+                more = await reader.read(65536)
+                if not more:
+                    break
+                buffer += more
+            while b"\n\n" in buffer:
+                event, buffer = buffer.split(b"\n\n", 1)
+                yield status, event.decode()
+        if buffer.strip():
+            yield status, buffer.decode()
+    finally:
+        writer.close()
+
+
+async def one_request(url: str, model: str, seed: int, max_tokens: int) -> dict:
+    body = {"model": model, "prompt": PROMPTS[seed % len(PROMPTS)], "max_tokens": max_tokens,
+            "temperature": 0.8, "top_k": 50, "seed": seed, "stream": True}
+    host, port = url.removeprefix("http://").split(":")
+    t0 = time.perf_counter()
+    token_times, done = [], False
+    async for status, event in sse_events(host, int(port), "/v1/completions", body):
+        if status != 200:
+            return {"ok": False, "why": f"HTTP {status}: {event[:200]}"}
+        if not event.startswith("data: "):
+            continue
+        if event == "data: [DONE]":
+            done = True
+            break
+        chunk = json.loads(event[6:])
+        if "error" in chunk:
+            return {"ok": False, "why": chunk["error"]["message"]}
+        if chunk["choices"] and chunk["choices"][0]["finish_reason"] is None:
+            token_times.append(time.perf_counter())  # one chunk per token
+    if not done or not token_times:
+        return {"ok": False, "why": f"stream ended early ({len(token_times)} tokens, [DONE] {done})"}
+    per_token = (token_times[-1] - token_times[0]) / max(1, len(token_times) - 1)
+    return {"ok": True, "ttft": token_times[0] - t0, "per_token": per_token, "tokens": len(token_times)}
+
+
+async def level(url: str, model: str, clients: int, requests: int, max_tokens: int, seconds: float) -> dict:
+    results: list[dict] = []
+    t0 = time.perf_counter()
+
+    async def worker(c: int):
+        for k in range(requests):
+            if time.perf_counter() - t0 > seconds:
+                return
+            try:
+                results.append(await asyncio.wait_for(one_request(url, model, 1000 * c + k, max_tokens), 120))
+            except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError, ValueError, KeyError) as exc:
+                results.append({"ok": False, "why": f"{type(exc).__name__}: {exc}"})
+
+    await asyncio.gather(*(worker(c) for c in range(clients)))
+    wall = time.perf_counter() - t0
+    ok = [r for r in results if r["ok"]]
+    errors = [r["why"] for r in results if not r["ok"]]
+    return {"clients": clients, "requests": len(results), "errors": len(errors),
+            "ttft_p50_ms": round(1000 * percentile([r["ttft"] for r in ok], 0.5), 1),
+            "ttft_p95_ms": round(1000 * percentile([r["ttft"] for r in ok], 0.95), 1),
+            "per_token_p50_ms": round(1000 * percentile([r["per_token"] for r in ok], 0.5), 2),
+            "tokens_per_s": round(sum(r["tokens"] for r in ok) / wall, 1), "seconds": round(wall, 2),
+            "error_examples": errors[:3]}
+
+
+# --------------------------------------------------------------------------------------- burst
+def malformed_requests(model: str, vocab: int, max_body: int) -> list[tuple[str, dict | None, bytes | None, int]]:
+    """(path, JSON body or None, raw bytes or None, expected status) for every kind of bad request."""
+    good = {"model": model, "prompt": "ROMEO:", "max_tokens": 4}
+    kinds = [
+        ({**good, "temperature": -1}, 400), ({**good, "top_p": 0}, 400), ({**good, "top_p": 1.5}, 400),
+        ({**good, "max_tokens": 0}, 400), ({**good, "max_tokens": 10**6}, 400), ({**good, "model": "nope"}, 404),
+        ({**good, "prompt": ""}, 400), ({**good, "prompt": []}, 400), ({**good, "beam_width": vocab + 1}, 400),
+        ({**good, "n": 0}, 400), ({**good, "logprobs": 99}, 400), ({**good, "prompt": [vocab + 5]}, 400),
+        ({**good, "temperature": "hot"}, 422), ({**good, "max_tokens": [1]}, 422), ({"model": model}, 422),
+        ({**good, "no_such_field": 1}, 400), ({**good, "stop": [""]}, 400),
+        ({**good, "beam_width": 2, "stream": True}, 400),
+    ]
+    out = [("/v1/completions", body, None, status) for body, status in kinds]
+    out += [("/v1/completions", None, b'{"model": "' + model.encode() + b'", "prompt": ', 400),
+            ("/v1/completions", None, b"\xff\xfe not json at all", 400),
+            ("/v1/completions", None, b'{"model": "x", "prompt": "' + b"a" * (max_body + 10) + b'"}', 413),
+            ("/v1/chat/completions", {"model": model, "messages": [{"role": "user", "content": "hi"}]}, None, 404),
+            ("/v1/tokenize", {"text": 5}, None, 422), ("/v1/detokenize", {"tokens": [-3]}, None, 400),
+            ("/v1/score", {"text": ""}, None, 400), ("/v1/attention", {"model": "nope", "text": "a"}, None, 404)]
+    return out
+
+
+async def burst(url: str, model: str, vocab: int, max_body: int, total: int) -> dict:
+    kinds = malformed_requests(model, vocab, max_body)
+    plan = [kinds[i % len(kinds)] for i in range(total)]
+    random.Random(0).shuffle(plan)
+    unexpected: list[str] = []
+    gate = asyncio.Semaphore(16)
+    async with httpx.AsyncClient(timeout=60) as client:
+        async def send(path, body, raw, status):
+            async with gate:
+                try:
+                    if raw is not None:
+                        r = await client.post(url + path, content=raw, headers={"content-type": "application/json"})
+                    else:
+                        r = await client.post(url + path, json=body)
+                    shape = set(r.json().get("error", {})) == {"message", "type", "param", "code"}
+                    if r.status_code != status or not shape:
+                        unexpected.append(f"{path} {str(body or raw)[:60]}: {r.status_code} (wanted {status})")
+                except (httpx.HTTPError, ValueError) as exc:
+                    unexpected.append(f"{path}: {type(exc).__name__}: {exc}")
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(send(*p) for p in plan))
+        seconds = time.perf_counter() - t0
+        health = await client.get(url + "/health")
+        normal = await client.post(url + "/v1/completions", json={"model": model, "prompt": "ROMEO:", "max_tokens": 8,
+                                                                   "min_tokens": 8, "seed": 1})
+    completed = normal.status_code == 200 and normal.json()["usage"]["completion_tokens"] == 8
+    return {"requests": total, "kinds": len(kinds), "unexpected": len(unexpected), "examples": unexpected[:5],
+            "seconds": round(seconds, 2), "healthy_after": health.status_code == 200 and health.json()["status"] == "ok",
+            "completion_after": completed}
+
+
+# ---------------------------------------------------------------------------------------- main
+def print_table(rows: list[dict], b: dict, targets: dict) -> None:
+    print("\n| clients | requests | errors | TTFT p50 ms | TTFT p95 ms | per-token p50 ms | tokens/s | vs 1 client |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        print(f"| {r['clients']} | {r['requests']} | {r['errors']} | {r['ttft_p50_ms']:.1f} | {r['ttft_p95_ms']:.1f} | "
+              f"{r['per_token_p50_ms']:.2f} | {r['tokens_per_s']:.1f} | {r['vs_1_client']:.2f}x |")
+    print(f"\nmalformed burst: {b['requests']} requests of {b['kinds']} kinds in {b['seconds']} s, "
+          f"{b['unexpected']} unexpected answers; healthy after: {b['healthy_after']}; "
+          f"a normal completion after: {b['completion_after']}")
+    for e in b["examples"]:
+        print("  unexpected:", e)
+    print("\ntargets:")
+    for name, (ok, detail) in targets.items():
+        print(f"  {'PASS' if ok else 'FAIL'}  {name}: {detail}")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--checkpoint", default=str(REPO / "runs" / "demo"))
+    p.add_argument("--threads", type=int, default=1, help="the server's torch threads")
+    p.add_argument("--clients", default="1,4,16", help="concurrency levels, comma-separated")
+    p.add_argument("--requests", type=int, default=6, help="requests per client per level")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--seconds", type=float, default=90, help="time bound of each level")
+    p.add_argument("--burst", type=int, default=300, help="malformed requests in the burst")
+    p.add_argument("--quick", action="store_true", help="2 requests per client, 24 tokens, 100 malformed (< 60 s)")
+    p.add_argument("--json", help="write the rows here")
+    a = p.parse_args(argv)
+    if a.quick:
+        a.requests, a.max_tokens, a.seconds, a.burst = 2, 24, 15, 100
+    if not Path(a.checkpoint).exists():
+        print(f"{a.checkpoint} not found: run `make demo` first (it writes runs/demo) or give --checkpoint")
+        return 2
+    levels = [int(x) for x in a.clients.split(",")]
+    max_body = 100_000
+    port = free_port()
+    t_start = time.perf_counter()
+    server = start_server(a.checkpoint, a.threads, port, max_body)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
+        card = httpx.get(f"{url}/v1/models/{model}").json()["card"]
+        vocab = card["config"]["vocab_size"]
+        print(f"tinylm serve on {url}: {model} ({card['parameters']:,} parameters, vocab {vocab}, context "
+              f"{card['config']['context_length']}), {a.threads} torch thread(s); {a.requests} streaming requests "
+              f"per client, {a.max_tokens} tokens each, sampling T 0.8 top-k 50")
+        asyncio.run(level(url, model, 2, 1, 4, 30))  # warm-up: first-call costs out of the measurements
+        rows = []
+        for clients in levels:
+            row = asyncio.run(level(url, model, clients, a.requests, a.max_tokens, a.seconds))
+            rows.append(row)
+            print(f"  {clients:2d} clients: {row['requests']} requests, {row['errors']} errors, TTFT p50 "
+                  f"{row['ttft_p50_ms']} ms p95 {row['ttft_p95_ms']} ms, {row['tokens_per_s']} tok/s", flush=True)
+            for e in row["error_examples"]:
+                print("     error:", e)
+        base = rows[0]["tokens_per_s"] if rows else float("nan")
+        for r in rows:
+            r["vs_1_client"] = round(r["tokens_per_s"] / base, 2) if base else float("nan")
+        b = asyncio.run(burst(url, model, vocab, max_body, a.burst))
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            server.kill()
+    by = {r["clients"]: r for r in rows}
+    targets = {"no errors": (all(r["errors"] == 0 for r in rows), f"{sum(r['errors'] for r in rows)} errors"),
+               "healthy after the malformed burst": (b["healthy_after"] and b["completion_after"] and not b["unexpected"],
+                                                     f"{b['unexpected']} unexpected answers")}
+    if 1 in by and 16 in by:
+        targets["16 clients >= 4x the tokens/s of 1"] = (by[16]["vs_1_client"] >= 4, f"{by[16]['vs_1_client']:.2f}x")
+    if 4 in by:
+        targets["p95 TTFT at 4 clients <= 250 ms"] = (by[4]["ttft_p95_ms"] <= 250, f"{by[4]['ttft_p95_ms']} ms")
+    print_table(rows, b, targets)
+    print(f"\ntotal {time.perf_counter() - t_start:.1f} s")
+    if a.json:
+        Path(a.json).write_text(json.dumps({
+            "rows": rows, "burst": b, "targets": {k: {"ok": ok, "value": v} for k, (ok, v) in targets.items()},
+            "setup": {"checkpoint": str(a.checkpoint), "threads": a.threads, "requests_per_client": a.requests,
+                      "max_tokens": a.max_tokens, "cpu_count": os.cpu_count()}}, indent=1))
+    return 0 if all(ok for ok, _ in targets.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,310 @@
+"""`/v1/completions` without the HTTP: a request checked and turned into decoding rows, and the
+rows' tokens turned back into OpenAI's response objects (whole, or as stream chunks).
+
+The rules a request follows (docs/serving.md):
+
+- prompt i (of a list) with ``n`` choices gives choices ``i * n .. i * n + n - 1``; choice k
+  samples with seed ``seed + k``. That is what ``tinylm generate --prompt ... --seed seed`` does
+  for prompt k, so the server and the command give the same tokens.
+- a text prompt starts with the tokenizer's start id (as in ``tinylm generate``); a prompt given
+  as token ids is used as it is.
+- a prompt longer than the context keeps its last ``context_length`` tokens
+  (``generation.core.fit_prompts``); the response carries the warning in ``warnings``.
+- as OpenAI does, the text ends before the first stop string (``tinylm generate`` prints it).
+- ``logprobs``: log probabilities under the model itself (before temperature and the other
+  knobs), with the top-N alternatives of each token.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import secrets
+import time
+import warnings
+from dataclasses import dataclass, field
+
+from tinylm.errors import TinyLMError
+from tinylm.generation.core import fit_prompts
+from tinylm.generation.generate import encode_prompt, prompt_head
+from tinylm.generation.processors import GenerationConfig
+from tinylm.serving.schemas import CompletionRequest
+
+MAX_LOGPROBS = 20
+MAX_STOPS = 16
+MAX_LENGTH_PENALTY = 10.0  # beam scores divide by length ** penalty: far beyond this, 0 or inf
+# GenerationConfig names -> the request fields they come from
+CONFIG_TO_FIELD = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "stop_strings": "stop",
+                   "num_return_sequences": "n"}
+
+
+@dataclass
+class Limits:
+    max_tokens: int = 512  # max_tokens above this is refused
+    max_choices: int = 16  # prompts x n per request
+    max_body_bytes: int = 1_000_000
+
+
+class APIError(Exception):
+    """An error answered in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+def bad(param: str, message: str, code: str = "invalid_value") -> APIError:
+    return APIError(400, f"{param}: {message}", param, code)
+
+
+@dataclass
+class Choice:
+    index: int
+    prompt: str  # the prompt's text as the reader sees it (for echo)
+    prompt_ids: list[int]
+    cfg: GenerationConfig
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top: list[list[tuple[int, float]]] = field(default_factory=list)
+    finish_reason: str | None = None  # tinylm's: stop_token | stop_string | length
+    seconds: float = 0.0
+    shown: str = ""  # text already streamed
+
+
+@dataclass
+class Plan:
+    choices: list[Choice]
+    seed: int
+    warnings: list[str]
+    request: CompletionRequest
+    created: int = field(default_factory=lambda: int(time.time()))
+    id: str = field(default_factory=lambda: "cmpl-" + secrets.token_hex(12))
+
+    @property
+    def beam(self) -> bool:
+        return self.request.beam_width > 1
+
+    @property
+    def stops(self) -> tuple[str, ...]:
+        return self.choices[0].cfg.stop_strings if self.choices else ()
+
+
+# ------------------------------------------------------------------------------------ checking
+def _check_ranges(r: CompletionRequest, limits: Limits, vocab_size: int) -> None:
+    finite = {"temperature": r.temperature, "top_p": r.top_p, "repetition_penalty": r.repetition_penalty,
+              "length_penalty": r.length_penalty, "min_p": r.min_p}
+    for name, value in finite.items():
+        if value is not None and not math.isfinite(value):
+            raise bad(name, f"must be a finite number (got {value})")
+    if r.temperature < 0:
+        raise bad("temperature", f"must be >= 0 (0 is greedy), got {r.temperature}")
+    if not 0 < r.top_p <= 1:
+        raise bad("top_p", f"must be in (0, 1], got {r.top_p}")
+    if not 1 <= r.max_tokens <= limits.max_tokens:
+        raise bad("max_tokens", f"must be between 1 and {limits.max_tokens} (this server's limit), got {r.max_tokens}")
+    if r.n < 1:
+        raise bad("n", f"must be >= 1, got {r.n}")
+    if r.logprobs is not None and not 0 <= r.logprobs <= MAX_LOGPROBS:
+        raise bad("logprobs", f"must be between 0 and {MAX_LOGPROBS}, got {r.logprobs}")
+    if r.beam_width < 1 or r.beam_width > vocab_size:
+        raise bad("beam_width", f"must be between 1 and the vocabulary size {vocab_size}, got {r.beam_width}")
+    if r.beam_width > 1 and r.stream:
+        raise bad("stream", "beam search cannot stream (the best beam is known only at the end); "
+                  "set stream to false or beam_width to 1")
+    if r.beam_width > 1 and r.n > r.beam_width:
+        raise bad("n", f"with beam search n is the number of best beams returned, at most beam_width ({r.beam_width})")
+    if r.seed is not None and not -(2**63) <= r.seed <= 2**63 - 1 - limits.max_choices:
+        raise bad("seed", f"must be a 64-bit integer (at most {2**63 - 1 - limits.max_choices}), got {r.seed}")
+    if not -MAX_LENGTH_PENALTY <= r.length_penalty <= MAX_LENGTH_PENALTY:
+        raise bad("length_penalty", f"must be between -{MAX_LENGTH_PENALTY} and {MAX_LENGTH_PENALTY}, "
+                  f"got {r.length_penalty}")
+    if r.top_k is not None and r.top_k < 1:
+        raise bad("top_k", f"must be >= 1, got {r.top_k}")
+    neutral = {"presence_penalty": r.presence_penalty == 0, "frequency_penalty": r.frequency_penalty == 0,
+               "logit_bias": not r.logit_bias, "suffix": r.suffix is None, "best_of": r.best_of in (None, r.n)}
+    for name, ok in neutral.items():
+        if not ok:
+            raise bad(name, "is not supported by tinylm (see repetition_penalty and no_repeat_ngram_size)",
+                      "unsupported_parameter")
+
+
+def _stops(r: CompletionRequest) -> tuple[str, ...]:
+    stops = [r.stop] if isinstance(r.stop, str) else list(r.stop or [])
+    if len(stops) > MAX_STOPS:
+        raise bad("stop", f"at most {MAX_STOPS} stop strings, got {len(stops)}")
+    if any(not s for s in stops):
+        raise bad("stop", "stop strings must not be empty")
+    return tuple(stops)
+
+
+def _prompts(r: CompletionRequest, served) -> list[tuple[str, list[int]]]:
+    """(text, ids) per prompt: a string, a list of strings, a list of ids or a list of id lists."""
+    p = r.prompt
+    if isinstance(p, str) or (isinstance(p, list) and p and isinstance(p[0], int)):
+        p = [p]
+    if not p:
+        raise bad("prompt", "must not be empty", "empty_prompt")
+    out = []
+    for item in p:
+        if isinstance(item, str):
+            if not item:
+                raise bad("prompt", "must not be empty", "empty_prompt")
+            try:
+                ids = encode_prompt(served.tokenizer, item)
+            except TinyLMError as exc:
+                raise bad("prompt", str(exc), "empty_prompt") from exc
+            out.append((prompt_head(served.tokenizer, item, ids), ids))
+        else:
+            if not item:
+                raise bad("prompt", "must not be empty", "empty_prompt")
+            try:
+                served.check_ids(item, "prompt")
+            except ValueError as exc:
+                raise APIError(400, str(exc), "prompt", "invalid_token") from exc
+            out.append((served.tokenizer.decode(item), list(item)))
+    return out
+
+
+def plan_completion(served, r: CompletionRequest, limits: Limits) -> Plan:
+    """Check the request against the model and the limits; one Choice per row to decode."""
+    _check_ranges(r, limits, served.vocab_size)
+    stops = _stops(r)
+    prompts = _prompts(r, served)
+    per_prompt = r.n
+    if len(prompts) * per_prompt > limits.max_choices:
+        raise bad("n", f"prompts x n must be at most {limits.max_choices} (this server's limit), "
+                  f"got {len(prompts)} x {per_prompt}")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fitted = fit_prompts([ids for _, ids in prompts], served.context_length)
+    notes = [str(w.message) for w in caught]
+    seed = r.seed if r.seed is not None else secrets.randbelow(2**31)
+    base = GenerationConfig(
+        max_new_tokens=r.max_tokens, min_new_tokens=r.min_tokens, temperature=r.temperature, top_k=r.top_k,
+        top_p=None if r.top_p == 1 else r.top_p, min_p=r.min_p, repetition_penalty=r.repetition_penalty,
+        no_repeat_ngram_size=r.no_repeat_ngram_size, stop_ids=tuple(served.tokenizer.stop_ids), stop_strings=stops,
+        seed=seed, seed_per_row=True, beam_width=r.beam_width, length_penalty=r.length_penalty,
+        num_return_sequences=r.n if r.beam_width > 1 else 1)
+    try:
+        base.validate(served.vocab_size)
+    except ValueError as exc:  # names the knob first: "top_k must be ..."
+        name = str(exc).split()[0]
+        param = CONFIG_TO_FIELD.get(name, name)
+        raise APIError(400, f"{param}: {exc}", param, "invalid_value") from exc
+    choices = []
+    for i, ((text, _), ids) in enumerate(zip(prompts, fitted)):
+        if r.beam_width > 1:  # one beam search gives the n best beams of prompt i
+            choices += [Choice(i * per_prompt + j, text, ids, dataclasses.replace(base, seed=seed + i))
+                        for j in range(per_prompt)]
+            continue
+        for j in range(per_prompt):
+            k = i * per_prompt + j
+            choices.append(Choice(k, text, ids, dataclasses.replace(base, seed=seed + k)))
+    return Plan(choices, seed, notes, r)
+
+
+# ----------------------------------------------------------------------------------- responses
+def visible_text(text: str, stops: tuple[str, ...], final: bool) -> str:
+    """The part of a growing continuation that can be shown: up to the first stop string; while
+    decoding, without a trailing incomplete character or a tail that may become a stop string."""
+    cuts = [text.find(s) for s in stops if s in text]
+    if cuts:
+        return text[: min(cuts)]
+    if final:
+        return text
+    text = text.rstrip("\ufffd")
+    hold = max((k for s in stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+    return text[: len(text) - hold]
+
+
+def new_text(choice: Choice, tokenizer, stops, final: bool) -> str:
+    """What to stream next for ``choice`` (its visible text beyond what was already sent)."""
+    text = visible_text(tokenizer.decode_continuation(choice.prompt_ids, choice.tokens), stops, final)
+    if len(text) <= len(choice.shown) or not text.startswith(choice.shown):
+        return ""
+    piece, choice.shown = text[len(choice.shown) :], text
+    return piece
+
+
+def finish_reason(reason: str | None) -> str | None:
+    return None if reason is None else "length" if reason == "length" else "stop"
+
+
+def logprobs_json(choice: Choice, tokenizer, start: int = 0, offset: int = 0, prompt_part=None) -> dict:
+    """OpenAI's legacy completions ``logprobs`` for tokens ``start:``, text offsets from ``offset``
+    (with echo, ``prompt_part`` = (tokens, logprobs, tops) of the prompt comes first). OpenAI keys
+    the alternatives by their text, which merges tokens of equal text; ``tinylm_top`` lists them
+    all with their ids."""
+    def top_dict(alternatives):
+        d: dict[str, float] = {}
+        for i, lp in alternatives:
+            d.setdefault(tokenizer.decode([i]), lp)
+        return d
+
+    def top_list(alternatives):  # tinylm's: every alternative, also those whose texts are equal
+        return [{"id": i, "token": tokenizer.decode([i]), "logprob": lp} for i, lp in alternatives]
+
+    tokens, logprobs, tops, offsets, ids_top = [], [], [], [], []
+    if prompt_part is not None:
+        ids, lps, alts = prompt_part
+        text = ""
+        for k, i in enumerate(ids):
+            offsets.append(offset + len(text))
+            text = tokenizer.decode(ids[: k + 1])
+            tokens.append(tokenizer.decode([i]))
+        logprobs += lps
+        tops += [top_dict(a) if a is not None else None for a in alts]
+        ids_top += [top_list(a) if a is not None else None for a in alts]
+        offset += len(text)
+    for k in range(start, len(choice.tokens)):
+        offsets.append(offset + len(tokenizer.decode_continuation(choice.prompt_ids, choice.tokens[:k])))
+        tokens.append(tokenizer.decode([choice.tokens[k]]))
+        logprobs.append(choice.logprobs[k])
+        tops.append(top_dict(choice.top[k]))
+        ids_top.append(top_list(choice.top[k]))
+    return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": tops, "text_offset": offsets,
+            "tinylm_top": ids_top}
+
+
+def tinylm_part(choice: Choice) -> dict:
+    """tinylm's extension of a choice: the token ids (what `tinylm generate --json` prints) and speed."""
+    n = len(choice.tokens)
+    return {"token_ids": choice.tokens, "finish": choice.finish_reason, "seconds": round(choice.seconds, 4),
+            "tokens_per_s": round(n / choice.seconds, 1) if choice.seconds > 0 else None}
+
+
+def usage(plan: Plan) -> dict:
+    prompt = sum(len(ids) for ids in {c.index // plan.request.n: c.prompt_ids for c in plan.choices}.values())
+    completion = sum(len(c.tokens) for c in plan.choices)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def completion_json(plan: Plan, tokenizer, model: str, prompt_parts: dict | None = None) -> dict:
+    r = plan.request
+    out = []
+    for c in plan.choices:
+        text = visible_text(tokenizer.decode_continuation(c.prompt_ids, c.tokens), plan.stops, final=True)
+        head = c.prompt if r.echo else ""
+        item = {"index": c.index, "text": head + text, "logprobs": None,
+                "finish_reason": finish_reason(c.finish_reason), "tinylm": tinylm_part(c)}
+        if r.logprobs is not None:
+            part = prompt_parts.get(c.index) if (r.echo and prompt_parts) else None
+            item["logprobs"] = logprobs_json(c, tokenizer, prompt_part=part)
+        out.append(item)
+    body = {"id": plan.id, "object": "text_completion", "created": plan.created, "model": model,
+            "choices": out, "usage": usage(plan), "seed": plan.seed}
+    if plan.warnings:
+        body["warnings"] = plan.warnings
+    return body
+
+
+def chunk_json(plan: Plan, model: str, index: int, text: str, logprobs=None, finish=None, extra=None) -> dict:
+    choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+    if extra:
+        choice.update(extra)
+    body = {"id": plan.id, "object": "text_completion", "created": plan.created, "model": model, "choices": [choice]}
+    return body

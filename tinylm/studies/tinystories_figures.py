@@ -1,0 +1,113 @@
+"""The figures of `tinylm experiments` that the TinyStories reports show: accumulation loss curves,
+checkpointing memory and time, the decoding comparison, and the embedding comparison. Each takes
+the part's rows (and the trade-off runs' metrics.csv files) and writes one PNG."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tinylm.evaluation.plots import pyplot
+from tinylm.training.metrics import read_metrics
+
+MIB = 2**20
+
+
+def _save(fig, plt, path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def _bar_labels(ax, bars, fmt: str) -> None:
+    for bar in bars:
+        ax.annotate(fmt.format(bar.get_height()), (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                    ha="center", va="bottom", fontsize=8, xytext=(0, 2), textcoords="offset points")
+
+
+def accumulation_curves(rows: list[dict], runs_dir: Path, path: str | Path) -> Path:
+    """Training loss of every accumulation setting on one plot: against tokens seen (the same
+    micro-batches for all) and against optimizer updates (k times fewer with k accumulation steps)."""
+    plt = pyplot()
+    fig, (ax_tokens, ax_steps) = plt.subplots(1, 2, figsize=(10, 3.8))
+    for row in rows:
+        metrics = [m for m in read_metrics(runs_dir / row["run_dir"] / "metrics.csv") if m.get("train_loss") is not None]
+        label = f"accumulation {row['accum_steps']} (batch {row['effective_batch']})"
+        marker = "o-" if len(metrics) < 30 else "-"  # a run of few updates still shows its points
+        ax_tokens.plot([m["tokens"] for m in metrics], [m["train_loss"] for m in metrics], marker, label=label,
+                       markersize=3)
+        ax_steps.plot([m["step"] for m in metrics], [m["train_loss"] for m in metrics], marker, label=label,
+                      markersize=3)
+    ax_tokens.set(xlabel="tokens seen", ylabel="training loss (nats / token)", title="against tokens seen")
+    ax_steps.set(xlabel="optimizer updates", ylabel="training loss (nats / token)", title="against updates")
+    for ax in (ax_tokens, ax_steps):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle("Gradient accumulation: the same micro-batches, k micro-batches per update")
+    return _save(fig, plt, path)
+
+
+def checkpointing_bars(rows: list[dict], path: str | Path) -> Path:
+    """Peak memory (activations saved for backward; CUDA peak when measured) and training time of
+    plain training and of each checkpointing implementation."""
+    plt = pyplot()
+    cuda = all(r.get("cuda_peak_bytes") for r in rows)
+    fig, axes = plt.subplots(1, 3 if cuda else 2, figsize=(13 if cuda else 9, 3.8))
+    names = [(r.get("label") or r["name"]).replace(" ", "\n") for r in rows]
+    colors = ["tab:gray", "tab:blue", "tab:green", "tab:orange"][: len(rows)]
+    bars = axes[0].bar(names, [r["peak_activation_bytes"] / MIB for r in rows], color=colors)
+    _bar_labels(axes[0], bars, "{:.3g}")
+    axes[0].set(ylabel="MiB", title="activations saved for backward (one micro-batch)")
+    bars = axes[1].bar(names, [r["seconds"] for r in rows], color=colors)
+    _bar_labels(axes[1], bars, "{:.3g}")
+    axes[1].set(ylabel="seconds", title=f"training time, {rows[0]['micro_batches']} micro-batches")
+    if cuda:
+        bars = axes[2].bar(names, [r["cuda_peak_bytes"] / MIB for r in rows], color=colors)
+        _bar_labels(axes[2], bars, "{:.0f}")
+        axes[2].set(ylabel="MiB", title="CUDA peak memory (max_memory_allocated)")
+    for ax in axes:
+        ax.tick_params(axis="x", labelsize=8)
+        ax.grid(alpha=0.3, axis="y")
+    fig.suptitle("Gradient checkpointing: memory against time")
+    return _save(fig, plt, path)
+
+
+def decoding_chart(settings: list[dict], path: str | Path) -> Path:
+    """BLEU-1..4 and tokens/s of each decoding setting (sampling, greedy, beam k)."""
+    plt = pyplot()
+    fig, (ax_bleu, ax_speed) = plt.subplots(1, 2, figsize=(11, 3.8), gridspec_kw={"width_ratios": [3, 2]})
+    ok = [s for s in settings if "bleu4" in s]
+    names = [s["name"] for s in ok]
+    width = 0.8 / 4
+    for n in range(1, 5):
+        xs = [i + (n - 2.5) * width for i in range(len(ok))]
+        ax_bleu.bar(xs, [s[f"bleu{n}"] for s in ok], width, label=f"BLEU-{n}")
+    ax_bleu.set_xticks(range(len(ok)), names)
+    top = max((s["bleu1"] for s in ok), default=1.0)
+    ax_bleu.set(ylabel="BLEU (0-1)", title="BLEU against the real continuations", ylim=(0, 1.3 * top or 1.0))
+    ax_bleu.legend(fontsize=8, ncols=4)
+    bars = ax_speed.bar(names, [s["tokens_per_s"] for s in ok], color="tab:purple")
+    _bar_labels(ax_speed, bars, "{:.0f}")
+    ax_speed.set(ylabel="new tokens / s", title="decoding speed (one prompt at a time)")
+    for ax in (ax_bleu, ax_speed):
+        ax.grid(alpha=0.3, axis="y")
+        ax.tick_params(axis="x", labelsize=8)
+    fig.suptitle("Decoding comparison")
+    return _save(fig, plt, path)
+
+
+def embedding_curves(rows: list[dict], runs_dir: Path, path: str | Path) -> Path:
+    """Training loss per step of each embedding initialisation, final validation loss in the legend."""
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(7, 3.8))
+    for row in rows:
+        metrics = [m for m in read_metrics(runs_dir / row["run_dir"] / "metrics.csv") if m.get("train_loss") is not None]
+        ax.plot([m["step"] for m in metrics], [m["train_loss"] for m in metrics],
+                label=f"{row.get('label') or row['name']} (valid {row['final_val_loss']:.3f})")
+    ax.set(xlabel="step", ylabel="training loss (nats / token)",
+           title="Token embeddings: FastText frozen / fine-tuned vs random init, equal steps")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return _save(fig, plt, path)
