@@ -216,5 +216,9 @@ def test_label_smoothing_trains_on_the_smoothed_loss_and_validates_on_the_plain_
     assert torch.allclose(loss, expected)
     _, plain = model(x, y, loss_reduction="sum")
     assert not torch.allclose(loss, plain)
+    from tinylm.training.trainer import accumulate_gradients  # the trainer's own path passes it on
+
+    mean, n = accumulate_gradients(model, [(x, y)], torch.device("cpu"), label_smoothing=0.1)
+    assert n == 29 and mean == pytest.approx(float(expected) / 29, rel=1e-5)
     with pytest.raises(TinyLMError, match="label_smoothing"):
         train(_cfg(base, label_smoothing=1.0), prepared, "unused-dir")

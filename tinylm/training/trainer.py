@@ -134,12 +134,13 @@ def accumulate_gradients(run_model, micro: list, device, precision: str = "fp32"
     (n_targets,) = all_reduce_sum([local_targets], ctx, device)
     n_targets = max(int(n_targets), 1)
     step_loss = 0.0
+    # only when asked for: a reference model wrapped by the benchmarks takes no such argument
+    smoothing = {"label_smoothing": label_smoothing} if label_smoothing else {}
     for m, (x, y) in enumerate(micro):
         no_sync = ddp_model is not None and ctx.enabled and m < len(micro) - 1
         with ddp_model.no_sync() if no_sync else contextlib.nullcontext():
             with autocast(device, precision):
-                _, loss_sum = run_model(x.to(device), y.to(device), loss_reduction="sum",
-                                        label_smoothing=label_smoothing)
+                _, loss_sum = run_model(x.to(device), y.to(device), loss_reduction="sum", **smoothing)
             loss = loss_sum * ctx.world_size / n_targets
             (scaler.scale(loss) if scaler is not None else loss).backward()
         step_loss += float(loss_sum.detach())
