@@ -219,6 +219,6 @@ def test_label_smoothing_trains_on_the_smoothed_loss_and_validates_on_the_plain_
     from tinylm.training.trainer import accumulate_gradients  # the trainer's own path passes it on
 
     mean, n = accumulate_gradients(model, [(x, y)], torch.device("cpu"), label_smoothing=0.1)
-    assert n == 29 and mean == pytest.approx(float(expected) / 29, rel=1e-5)
+    assert n == 29 and mean == pytest.approx(float(expected.detach()) / 29, rel=1e-5)
     with pytest.raises(TinyLMError, match="label_smoothing"):
         train(_cfg(base, label_smoothing=1.0), prepared, "unused-dir")
