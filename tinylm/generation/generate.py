@@ -91,7 +91,7 @@ class TokenStream:
                 outs[r].append(t)
                 seqs[r].append(t)
                 emitted[r] = t
-                if cfg.stop_strings and self._hit_stop_string(outs[r]):
+                if cfg.stop_strings and hits_stop_string(self.decode, outs[r], cfg.stop_strings):
                     done[r], self.results[r].finish_reason = True, "stop_string"
                     n_done += 1
             yield emitted
@@ -124,10 +124,13 @@ class TokenStream:
             history.observe(tokens, token_list)
         return cache, positions, tokens, token_list
 
-    def _hit_stop_string(self, ids: list[int]) -> bool:
-        # only the end can hold a new match; decoding a generous tail keeps this cheap
-        tail = self.decode(ids[-64:])
-        return any(s in tail for s in self.cfg.stop_strings)
+
+
+def hits_stop_string(decode: Callable[[list[int]], str], ids: list[int], stop_strings) -> bool:
+    """Whether the text of ``ids`` holds a stop string, checked after each new token: only the end
+    can hold a new match, so decoding a generous tail keeps this cheap."""
+    tail = decode(ids[-64:])
+    return any(s in tail for s in stop_strings)
 
 
 def generate_many(model, prompts, cfg: GenerationConfig, decode=None) -> list[Generated]:

@@ -385,19 +385,20 @@ def create_app(models: dict[str, ServedModel], limits: Limits | None = None, api
             raise APIError(400, str(exc), "tokens", "invalid_token") from exc
         return {"model": served.name, "text": served.tokenizer.decode(body.tokens)}
 
-    @app.post("/v1/attention")
-    async def attention(body: TextRequest):
+    async def on_text(body: TextRequest, method: str) -> dict:
+        """``served.<method>(text)`` on the model's thread, for a non-empty text."""
         served = get_model(body.model)
         if not body.text:
             raise APIError(400, "text: must not be empty", "text", "empty_text")
-        return {"model": served.name, **await on_model_thread(served, lambda: served.attention(body.text))}
+        return {"model": served.name, **await on_model_thread(served, lambda: getattr(served, method)(body.text))}
+
+    @app.post("/v1/attention")
+    async def attention(body: TextRequest):
+        return await on_text(body, "attention")
 
     @app.post("/v1/score")
     async def score(body: TextRequest):
-        served = get_model(body.model)
-        if not body.text:
-            raise APIError(400, "text: must not be empty", "text", "empty_text")
-        return {"model": served.name, **await on_model_thread(served, lambda: served.score(body.text))}
+        return await on_text(body, "score")
 
     return app
 

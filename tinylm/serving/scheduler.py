@@ -32,6 +32,7 @@ from typing import Callable
 import torch
 
 from tinylm.generation.core import prefill
+from tinylm.generation.generate import hits_stop_string
 from tinylm.generation.processors import GenerationConfig, HistoryProcessor
 from tinylm.generation.sampling import select_next
 from tinylm.models.gpt import KVCache
@@ -260,10 +261,8 @@ class Scheduler:
                 values, ids = logp.topk(min(r.logprobs, logp.numel()))
                 event.top = list(zip(ids.tolist(), values.tolist()))
         r.emit(event)
-        if cfg.stop_strings and r.decode is not None:
-            tail = r.decode(r.out[-64:])  # as TokenStream: only the end can hold a new match
-            if any(s in tail for s in cfg.stop_strings):
-                return self._finish(r, "stop_string")
+        if cfg.stop_strings and r.decode is not None and hits_stop_string(r.decode, r.out, cfg.stop_strings):
+            return self._finish(r, "stop_string")
         if len(r.out) >= cfg.max_new_tokens:
             self._finish(r, "length")
 

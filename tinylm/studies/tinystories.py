@@ -343,10 +343,10 @@ def part_machine(ctx: Context) -> dict:
     return {**machine_info(ctx.threads), "train_threads": ctx.threads, "decode_threads": ctx.decode_threads}
 
 
-def _tradeoffs(ctx: Context) -> Tradeoffs:
+def _tradeoffs(ctx: Context, micro_batches: int | None = None, repeats: int | None = None) -> Tradeoffs:
     torch.set_num_threads(ctx.threads)
-    return Tradeoffs(ctx.cfg, ctx.prepared(), ctx.run_dir / "tradeoffs", ctx.exp.tradeoff_micro_batches,
-                     ctx.exp.tradeoff_repeats, ctx.threads)
+    return Tradeoffs(ctx.cfg, ctx.prepared(), ctx.run_dir / "tradeoffs",
+                     micro_batches or ctx.exp.tradeoff_micro_batches, repeats or ctx.exp.tradeoff_repeats, ctx.threads)
 
 
 def part_accumulation(ctx: Context) -> dict:
@@ -383,21 +383,22 @@ def part_embedding_init(ctx: Context) -> dict:
                      "(set model.tie_weights=false to compare it)")
     else:
         variants.insert(0, Variant("fasttext_frozen", "FastText frozen", embeddings={**source, "freeze": True}))
-    t = Tradeoffs(ctx.cfg, ctx.prepared(), ctx.run_dir / "tradeoffs", ctx.exp.embedding_micro_batches, 1, ctx.threads)
-    torch.set_num_threads(ctx.threads)
+    t = _tradeoffs(ctx, ctx.exp.embedding_micro_batches, repeats=1)
     rows = alternated_runs(t, variants)
     for row in rows:
         report = read_json(t.out_dir / row["run_dir"] / "embeddings.json")
         row["coverage"] = report.get("coverage") if isinstance(report, dict) else None
         row["vectors"] = report.get("source") if isinstance(report, dict) else None
     png = figures.embedding_curves(rows, t.out_dir, ctx.run_dir / "embedding_init.png")
-    return {"threads": ctx.threads, "rows": rows, "notes": notes, "png": png.name, "steps": ctx.exp.embedding_micro_batches}
+    return {"threads": ctx.threads, "rows": rows, "notes": notes, "png": png.name,
+            "steps": ctx.exp.embedding_micro_batches}
 
 
 PARTS: dict[str, Callable[[Context], dict]] = {
     "baseline": part_baseline, "bleu": part_bleu, "decoding": part_decoding, "generations": part_generations,
     "kv_cache": part_kv_cache, "accumulation": part_accumulation, "checkpointing": part_checkpointing,
-    "embedding_init": part_embedding_init, "tokenizers": part_tokenizers, "attention": part_attention, "curves": part_curves, "machine": part_machine,
+    "embedding_init": part_embedding_init, "tokenizers": part_tokenizers, "attention": part_attention,
+    "curves": part_curves, "machine": part_machine,
 }
 
 

@@ -69,7 +69,8 @@ class WordTokenizer(Tokenizer):
         if splitter not in SPLITTERS:
             raise TinyLMError(f"word splitter {splitter!r} is not one of {', '.join(SPLITTERS)}")
         if sorted(special_tokens) != sorted(SPECIAL_TOKENS):
-            raise TinyLMError(f"word special_tokens {list(special_tokens)} must be an ordering of {list(SPECIAL_TOKENS)}")
+            raise TinyLMError(f"word special_tokens {list(special_tokens)} must be an ordering of "
+                              f"{list(SPECIAL_TOKENS)}")
         if specials_at not in ("start", "end"):
             raise TinyLMError(f"word specials_at {specials_at!r} is not one of start, end")
         if oov not in OOV_MODES:
@@ -95,6 +96,7 @@ class WordTokenizer(Tokenizer):
         first_special = 0 if specials_at == "start" else len(self.words) + n_pieces
         ids = {name: first_special + i for i, name in enumerate(self.special_tokens)}
         self.pad_id, self.unk_id, self.sos_id, self.eos_id = (ids[t] for t in SPECIAL_TOKENS)
+        self._special_names = {i: name for name, i in ids.items()}
         self.bos_id, self.stop_ids = self.sos_id, (self.eos_id,)
         self._size = len(SPECIAL_TOKENS) + len(self.words) + n_pieces
         self._word_to_id = {w: first_word + i for i, w in enumerate(self.words)}
@@ -108,6 +110,8 @@ class WordTokenizer(Tokenizer):
                 self._pieces[b + self._piece_offset] = self.oov_bpe.pieces[b]
         self._pieces[self.unk_id] = "<unk>"
         self._eow = EOW_ID + self._piece_offset if self.oov_bpe is not None else None
+        # ids of the OOV pieces that spell a word (after its __ id)
+        self._spelling = range(self._eow + 1, self._eow + n_pieces) if self._eow is not None else range(0)
 
     @property
     def vocab_size(self) -> int:
@@ -162,7 +166,7 @@ class WordTokenizer(Tokenizer):
                 out.append(i)
             elif self.oov_bpe is not None:
                 out.extend(b + self._piece_offset if b >= EOW_ID else self.unk_id
-                           for b in self.oov_bpe._encode_word(w))
+                           for b in self.oov_bpe.encode_word(w))
             else:
                 out.append(self.unk_id)
         return out
@@ -176,7 +180,7 @@ class WordTokenizer(Tokenizer):
             if i == self._eow:
                 words.append(spelled)
                 spelled = ""
-            elif self._eow is not None and i > self._eow and i - self._piece_offset < self.oov_bpe.vocab_size:
+            elif i in self._spelling:
                 spelled += self._pieces[i]
             elif self._pieces[i]:
                 words.append(self._pieces[i])
@@ -220,8 +224,8 @@ class WordTokenizer(Tokenizer):
         return sum(i == self.unk_id for i in ids) / len(ids) if ids else 0.0
 
     def id_to_piece(self, i: int) -> str:
-        if i in (self.pad_id, self.unk_id, self.sos_id, self.eos_id):
-            return SPECIAL_TOKENS[(self.pad_id, self.unk_id, self.sos_id, self.eos_id).index(i)]
+        if i in self._special_names:
+            return self._special_names[i]
         if i == self._eow:
             return END_OF_WORD
         return self._pieces[i]

@@ -107,19 +107,20 @@ class WordBPETokenizer(Tokenizer):
             self._cache[word] = (*ids, EOW_ID)
         return self
 
-    def _encode_word(self, word: str) -> tuple[int, ...]:
-        ids = [self.char_ids.get(c, UNK_ID) for c in word]
-        return (*merge_pairs(ids, self._pair_merges.get), EOW_ID)
+    def encode_word(self, word: str) -> tuple[int, ...]:
+        """The pieces of one (normalised, space-free) word and its ``__``; remembered per word."""
+        ids = self._cache.get(word)
+        if ids is None:
+            if len(self._cache) >= _CACHE_LIMIT:
+                self._cache.clear()
+            chars = [self.char_ids.get(c, UNK_ID) for c in word]
+            ids = self._cache[word] = (*merge_pairs(chars, self._pair_merges.get), EOW_ID)
+        return ids
 
     def encode(self, text: str) -> list[int]:
-        cache, out = self._cache, []
+        out: list[int] = []
         for word in self.normalize(text).split():
-            ids = cache.get(word)
-            if ids is None:
-                if len(cache) >= _CACHE_LIMIT:
-                    cache.clear()
-                ids = cache[word] = self._encode_word(word)
-            out.extend(ids)
+            out.extend(self.encode_word(word))
         return out
 
     def decode(self, ids: Iterable[int]) -> str:

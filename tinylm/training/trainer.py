@@ -201,6 +201,10 @@ def _train(cfg: RunConfig, prepared: Prepared, out_dir: Path, say, resume, force
     tc = cfg.train
     batch_size = per_rank_batch_size(tc, ctx.world_size)
     make_checkpoint_fn(tc.checkpoint_impl)  # an unknown implementation is an error even when unused
+    if not 0.0 <= tc.label_smoothing < 1.0:
+        raise TinyLMError(f"train.label_smoothing must be in [0, 1) (got {tc.label_smoothing})")
+    if tc.epochs is not None and tc.epochs < 1:
+        raise TinyLMError(f"train.epochs must be at least 1 (got {tc.epochs})")
     if ctx.is_main:
         out_dir.mkdir(parents=True, exist_ok=True)
     if tc.threads:
@@ -223,17 +227,14 @@ def _train(cfg: RunConfig, prepared: Prepared, out_dir: Path, say, resume, force
         raise TinyLMError("no validation split was prepared")
     rows_per_step = batch_size * tc.grad_accum_steps * ctx.world_size
     check_batch_fits(prepared.splits["train"], rows_per_step, T, cfg.data.batching)
-    if not 0.0 <= tc.label_smoothing < 1.0:
-        raise TinyLMError(f"train.label_smoothing must be in [0, 1) (got {tc.label_smoothing})")
-    if tc.epochs is not None and tc.epochs < 1:
-        raise TinyLMError(f"train.epochs must be at least 1 (got {tc.epochs})")
     train_batches = Batches(prepared.splits["train"], T, cfg.data.batching, seed=tc.seed,
                             epoch_rows=rows_per_step if tc.epochs else None)
     steps_per_epoch = train_batches.steps_per_epoch
     if tc.epochs:  # the step count follows from the data: the schedule and the saved config use it
         tc = dataclasses.replace(tc, max_steps=tc.epochs * steps_per_epoch)
         cfg = dataclasses.replace(cfg, train=tc)
-        say(f"train: {tc.epochs} epoch(s) of {steps_per_epoch} steps ({rows_per_step} rows each) = {tc.max_steps} steps")
+        say(f"train: {tc.epochs} epoch(s) of {steps_per_epoch} steps ({rows_per_step} rows each) = "
+            f"{tc.max_steps} steps")
     valid_batches = Batches(prepared.splits["valid"], T, cfg.data.batching, seed=tc.seed + 1)
     optimizer = make_optimizer(model, tc)
     if tc.grad_checkpointing:
