@@ -1,6 +1,7 @@
 """Quality of TinyStories models under one protocol, side by side with llama2.c's stories260K.
 
     python benchmarks/bench_quality.py [MODEL ...] [--data FILE] [--quick] [--json PATH]
+    python benchmarks/bench_quality.py --recipe v1 --recipe current --minutes M [--train FILE]
 
 MODEL is a tinylm checkpoint (or run) directory, or a llama2.c ``.bin`` with its tokenizer
 written ``model.bin::tokenizer.bin``. Every model, and the reference stories260K, is scored with
@@ -15,6 +16,13 @@ run's metrics.csv is next to the checkpoint; unknown for llama2.c files), and bp
 stories260K. ``--quick`` scores only the first 40 stories (the number it prints then is not the
 full-file figure). llama2.c's documentation gives stories260K 0.993 bits per byte on the shared
 valid file; on that full file the script checks its own measurement against it (+-0.005).
+
+``--recipe NAME`` (repeatable) first trains that recipe for ``--minutes`` of wall time in this run,
+one after the other on the same machine, then scores the run's result (its ``checkpoints/ema``
+when the recipe averages weights, else ``checkpoints/best``) in the same table. NAME is ``v1`` (the
+first CPU-hour recipe, preset ``tinystories-cpu-1h-v1``), ``current`` (preset
+``tinystories-cpu-1h``) or any preset / config file; the recipe's cosine follows the shortened
+clock. ``--set KEY=VALUE`` overrides every recipe alike (e.g. ``train.threads=1``).
 """
 
 from __future__ import annotations
@@ -32,6 +40,8 @@ sys.path.insert(0, str(REPO))
 SHARED = Path(__file__).resolve().parents[2] / "shared"
 DEFAULT_ANCHORS = SHARED / "anchors" / "llama2c"
 DEFAULT_DATA = SHARED / "data" / "tinystories" / "valid.txt"
+DEFAULT_TRAIN = SHARED / "data" / "tinystories" / "train.txt"
+RECIPES = {"v1": "tinystories-cpu-1h-v1", "current": "tinystories-cpu-1h"}
 REFERENCE_NAME = "stories260K (llama2.c)"
 REFERENCE_BPB, REFERENCE_TOLERANCE = 0.993, 0.005  # documented for the full shared valid.txt
 QUICK_STORIES = 40
@@ -78,6 +88,21 @@ def evaluate_model(name: str, checkpoint: str, tokenizer: str | None, texts: lis
             "eval_seconds": time.perf_counter() - t0}
 
 
+def train_recipe(name: str, minutes: float, train: Path, valid: Path, runs: Path, overrides: list[str]) -> Path:
+    """Train one recipe for ``minutes`` of wall time; returns the checkpoint its run reports."""
+    from tinylm.config import build_config
+    from tinylm.pipeline import run_pipeline
+
+    out = runs / name.replace("/", "_")
+    cfg = build_config(RECIPES.get(name, name), [f"data.train={train}", f"data.valid={valid}",
+                                                  f"train.max_minutes={minutes}", "train.progress=false",
+                                                  f"out_dir={out}", *overrides])
+    print(f"bench_quality: training recipe {name} ({RECIPES.get(name, name)}) for {minutes:g} minutes -> {out}")
+    summary = run_pipeline(cfg, out)
+    print(f"bench_quality: recipe {name}: {summary['steps']:,} steps, {summary['tokens_per_s']:,.0f} tokens/s")
+    return out / summary["checkpoint"]
+
+
 def reference_files(anchors: Path) -> tuple[Path, Path] | None:
     model, tok = anchors / "stories260K.bin", anchors / "tok512.bin"
     return (model, tok) if model.is_file() and tok.is_file() else None
@@ -105,6 +130,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
     ap.add_argument("--json", metavar="PATH", help="write the table as a JSON list of row objects")
+    ap.add_argument("--recipe", action="append", default=[],
+                    help="train this recipe first (v1, current, or a preset / config file); repeatable")
+    ap.add_argument("--minutes", type=float, default=10.0, help="wall minutes of training per recipe (default 10)")
+    ap.add_argument("--train", default=None, help=f"training file for --recipe (default: {DEFAULT_TRAIN})")
+    ap.add_argument("--runs", default="runs/bench_quality", help="where the recipe runs are written")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                    help="a config override for every recipe; repeatable")
     args = ap.parse_args(argv)
 
     import torch
@@ -117,6 +149,14 @@ def main(argv: list[str] | None = None) -> int:
     if not data.is_file():
         print(f"bench_quality: error: data file {data} does not exist"
               + ("" if args.data else " (the shared TinyStories data is absent; give --data FILE)"), file=sys.stderr)
+        return 2
+    train = Path(args.train) if args.train else DEFAULT_TRAIN
+    if args.recipe and not train.is_file():
+        print(f"bench_quality: error: training file {train} does not exist"
+              + ("" if args.train else " (the shared TinyStories data is absent; give --train FILE)"), file=sys.stderr)
+        return 2
+    if args.recipe and args.minutes <= 0:
+        print(f"bench_quality: error: --minutes must be positive (got {args.minutes})", file=sys.stderr)
         return 2
     texts = load_text_file(str(data))
     limit = QUICK_STORIES if args.quick else args.max_stories
@@ -131,10 +171,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bench_quality: stories260K reference ABSENT: {args.anchors} has no stories260K.bin + tok512.bin; "
               "the table has no reference row and no ratios")
     try:
+        # train first, so that every evaluation below runs after the last training has ended
+        recipe_models = [str(train_recipe(name, args.minutes, train, data, Path(args.runs), args.overrides))
+                         for name in args.recipe]
         if ref_files is not None:
             reference = evaluate_model(REFERENCE_NAME, str(ref_files[0]), str(ref_files[1]), texts, args.batch_size)
             rows.append(reference)
-        for spec in args.models:
+        for spec in [*recipe_models, *args.models]:
             path, tok = split_spec(spec)
             p = Path(path)
             name = p.name if p.is_file() else "/".join(p.parts[-3:]) if p.parent.name == "checkpoints" else p.name

@@ -137,3 +137,30 @@ def test_cli_evaluate_llama2c_bin_with_tokenizer(files, capsys):
     assert got["bytes"] == sum(len(s.encode("utf-8")) for s in STORIES)
     assert main(["evaluate", "--checkpoint", str(files["model"]), "--data", str(files["data"])]) == 2
     assert "--tokenizer" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_recipes_are_trained_for_the_same_minutes_and_scored(files, tmp_path, capsys):
+    """--recipe v1 --recipe current: both presets trained in this run (shrunk by --set), then scored."""
+    from conftest import make_stories
+
+    bench = load_bench()
+    train = tmp_path / "train.txt"
+    train.write_text("".join(f"{s}\n<|endoftext|>\n" for s in make_stories(80)), encoding="utf-8")
+    shrink = ["model.d_model=32", "model.n_heads=4", "model.n_layers=1", "model.d_ff=64", "model.context_length=32",
+              "tokenizer.vocab_size=300", "train.batch_size=4", "train.eval_interval=5", "train.eval_batches=1",
+              "train.threads=1", "train.warmup_steps=2", "sample.max_new_tokens=2"]
+    out_json = tmp_path / "rows.json"
+    rc = bench.main(["--recipe", "v1", "--recipe", "current", "--minutes", "0.04", "--train", str(train),
+                     "--data", str(files["data"]), "--anchors", str(files["anchors"]), "--runs", str(tmp_path / "runs"),
+                     "--threads", "1", "--json", str(out_json), *[a for kv in shrink for a in ("--set", kv)]])
+    assert rc == 0
+    rows = json.loads(out_json.read_text())
+    names = [r["model"] for r in rows]
+    assert names[0] == "stories260K (llama2.c)" and names[1].startswith("v1/checkpoints/")
+    assert names[2].startswith("current/checkpoints/")
+    for r in rows[1:]:
+        assert 0 < r["train_minutes"] <= 0.04 * 1.5 + 0.05  # the same short budget for both (plus the last step)
+        assert r["bytes"] == sum(len(s.encode("utf-8")) for s in STORIES)
+    assert bench.main(["--recipe", "v1", "--minutes", "0", "--train", str(train), "--data", str(files["data"])]) == 2
+    assert "--minutes" in capsys.readouterr().err

@@ -47,6 +47,10 @@ class DataConfig(CleanOptions):
     max_documents: int | None = None
     # how token batches are formed: "packed" (nanoGPT stream) or "stories" (one padded sequence each)
     batching: str = "packed"
+    # training split only: this fraction of the stories (a fixed seeded draw) gets its quotes,
+    # apostrophes and dashes written as UTF-8-read-as-Windows-1252 mojibake ("â€œ"), as the
+    # official TinyStories files carry it (tinylm.data.augment)
+    mojibake_fraction: float = 0.0
 
 
 @dataclass
@@ -86,12 +90,15 @@ class ModelConfig:
     rope_theta: float = 10000.0
     norm: str = "layernorm"  # layernorm | rmsnorm
     norm_eps: float = 1e-5
-    ffn: str = "gelu"  # gelu (GPT-2's tanh approximation) | relu | swiglu
+    ffn: str = "gelu"  # gelu (GPT-2's tanh approximation) | relu | relu2 (relu(x)^2) | swiglu
     init: str = "gpt2"  # gpt2: N(0, 0.02), residual projections scaled | xavier: Xavier-uniform matrices
     bias: bool = True
     tie_weights: bool = True
     d_embed: int | None = None  # token embedding width; None = d_model, else a learned projection to d_model
     attention: str = "sdpa"  # manual (matmul, mask, softmax) | sdpa (F.scaled_dot_product_attention)
+    qk_norm: bool = False  # RMS-normalise each head's queries and keys (no gain) before the rotary positions
+    logit_softcap: float | None = None  # logits -> cap * tanh(logits / cap); None: off
+    zero_init_out: bool = False  # residual output projections (attention out, FFN down) start at zero
 
     def resolved(self) -> "ModelConfig":
         """Fill the derived widths and check that the shapes fit together."""
@@ -133,7 +140,9 @@ class ModelConfig:
                 raise TinyLMError(f"model.{name} must be in [0, 1) (got {getattr(cfg, name)})")
         _check_choice("model.positions", cfg.positions, ("learned", "sinusoidal", "rope", "none"))
         _check_choice("model.norm", cfg.norm, ("layernorm", "rmsnorm"))
-        _check_choice("model.ffn", cfg.ffn, ("gelu", "relu", "swiglu"))
+        _check_choice("model.ffn", cfg.ffn, ("gelu", "relu", "relu2", "swiglu"))
+        if cfg.logit_softcap is not None and cfg.logit_softcap <= 0:
+            raise TinyLMError(f"model.logit_softcap must be positive or null (got {cfg.logit_softcap})")
         _check_choice("model.init", cfg.init, ("gpt2", "xavier"))
         _check_choice("model.attention", cfg.attention, ("manual", "sdpa"))
         return cfg
@@ -159,6 +168,14 @@ class TrainConfig:
     # elapsed / max_minutes, so a wall-clock budget ends at min_lr on any machine; needs max_minutes)
     schedule_clock: str = "steps"
     weight_decay: float = 0.1
+    # adamw, or muon: Muon (torch.optim.Muon) for the blocks' weight matrices, AdamW for the rest
+    # (embeddings, output head, norm gains, biases) at train.lr
+    optimizer: str = "adamw"
+    muon_lr: float = 0.02  # Muon's peak learning rate; the schedule scales it like train.lr
+    muon_momentum: float = 0.95
+    # exponential moving average of the weights (0: off): updated every step, evaluated at the end
+    # and saved as checkpoints/ema; decay d averages over about 1 / (1 - d) steps
+    ema_decay: float = 0.0
     beta1: float = 0.9
     beta2: float = 0.95
     grad_clip: float = 1.0  # 0 disables clipping

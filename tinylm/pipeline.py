@@ -59,15 +59,18 @@ def run_pipeline(cfg: RunConfig, out_dir: str | Path, *, resume=None, force: boo
     distributed.cleanup(ctx)
     if not ctx.is_main:
         return {}
-    model, tokenizer, meta = load_checkpoint(result.checkpoint_dir / "best")
-    model.to(torch.device("cpu"))
-    evals = {}
-    for name in ("valid", "test"):
-        if name in prepared.splits:
-            evals[name] = evaluate_split(model, prepared.splits[name], eos_id=tokenizer.eos_id)
-            m = evals[name]
-            log.info(f"{name}: token perplexity {m['token_ppl']:.3f}, bits per byte {m['bpb']:.4f}, "
-                f"word perplexity {m['word_ppl']:.2f} ({m['tokens']:,} tokens)")
+    # with a weight average the averaged model is the run's result; the best raw weights are scored too
+    chosen = "ema" if (result.checkpoint_dir / "ema").is_dir() else "best"
+    evals, evals_best = {}, {}
+    for ckpt in dict.fromkeys(("best", chosen)):  # the chosen one last: it writes the samples below
+        model, tokenizer, meta = load_checkpoint(result.checkpoint_dir / ckpt)
+        model.to(torch.device("cpu"))
+        for name in ("valid", "test"):
+            if name in prepared.splits and (ckpt == chosen or name == "valid"):
+                m = evaluate_split(model, prepared.splits[name], eos_id=tokenizer.eos_id)
+                (evals if ckpt == chosen else evals_best)[name] = m
+                log.info(f"{name} ({ckpt}): token perplexity {m['token_ppl']:.3f}, bits per byte {m['bpb']:.4f}, "
+                         f"word perplexity {m['word_ppl']:.2f} ({m['tokens']:,} tokens)")
     samples = sample_prompts(model, tokenizer, cfg.sample)
     for s in samples:
         log.info(f"--- {s['prompt']!r}\n{s['prompt']}{s['continuation']}")
@@ -80,8 +83,9 @@ def run_pipeline(cfg: RunConfig, out_dir: str | Path, *, resume=None, force: boo
         "best_val_loss": result.best_val_loss,
         "final_train_loss": result.final_train_loss,
         "stopped_because": result.stopped_because,
-        "checkpoint": "checkpoints/best",
+        "checkpoint": f"checkpoints/{chosen}",
         "eval": evals,
+        **({"eval_best": evals_best} if evals_best else {}),
         "total_seconds": round(time.perf_counter() - t0, 2),
     }
     (out_dir / "eval.json").write_text(json.dumps(summary, indent=2))

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tinylm.config import DataConfig, RunConfig, TokenizerConfig
+from tinylm.data.augment import augment_mojibake
 from tinylm.data.cleaning import clean_documents
 from tinylm.data.corpora import HUB_TINYSTORIES, load_shakespeare, load_text_file, load_tinystories
 from tinylm.data.splits import split_chunks, split_documents
@@ -94,6 +95,12 @@ def prepare(cfg: RunConfig, out_dir: str | Path) -> Prepared:
         log.info(f"prepare: {name}: {rep.summary()}")
         if not cleaned[name]:
             raise TinyLMError(f"the {name} split is empty after cleaning ({rep.summary()})")
+    augmented = 0
+    if cfg.data.mojibake_fraction:  # the training split only: evaluation scores the files as they are
+        if not 0.0 <= cfg.data.mojibake_fraction <= 1.0:
+            raise TinyLMError(f"data.mojibake_fraction must be in [0, 1] (got {cfg.data.mojibake_fraction})")
+        cleaned["train"], augmented = augment_mojibake(cleaned["train"], cfg.data.mojibake_fraction, seed=0)
+        log.info(f"prepare: train: {augmented} documents rewritten with mojibake punctuation")
 
     if cfg.tokenizer.path:
         tokenizer = load_tokenizer(cfg.tokenizer.path)
@@ -108,6 +115,8 @@ def prepare(cfg: RunConfig, out_dir: str | Path) -> Prepared:
               "tokens": {n: s.n_tokens for n, s in splits.items()},
               "documents": {n: s.n_docs for n, s in splits.items()},
               "bytes": {n: s.n_bytes for n, s in splits.items()}, "vocab_size": tokenizer.vocab_size}
+    if cfg.data.mojibake_fraction:
+        report["augmentation"] = {"mojibake_fraction": cfg.data.mojibake_fraction, "documents_changed": augmented}
     if hasattr(tokenizer, "unk_rate"):
         report["unk_rate_valid"] = tokenizer.unk_rate(cleaned.get("valid", []))
     report_path.write_text(json.dumps(report, indent=2))

@@ -48,6 +48,12 @@ class LayerNorm(nn.Module):
         return x_hat * self.weight if self.bias is None else torch.addcmul(self.bias, x_hat, self.weight)
 
 
+def rms_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / sqrt(mean(x^2) + eps) over the last dimension, no gain (RMSNorm's core; QK-norm)."""
+    # sum * (1/D) rather than mean(): same value, and mean() costs several times more per call
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) * (1.0 / x.shape[-1]) + eps)
+
+
 class RMSNorm(nn.Module):
     """x / sqrt(mean(x^2) + eps) * weight (no centring, no bias), as in Llama."""
 
@@ -58,9 +64,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # (F.rms_norm is not a fused kernel on CPU and measured slower than these few ops)
-        x32 = x.to(torch.promote_types(x.dtype, torch.float32))
-        # sum * (1/D) rather than mean(): same value, and mean() costs several times more per call
-        y = x32 * torch.rsqrt((x32 * x32).sum(-1, keepdim=True) * (1.0 / x.shape[-1]) + self.eps)
+        y = rms_normalize(x.to(torch.promote_types(x.dtype, torch.float32)), self.eps)
         return y.type_as(x) * self.weight
 
 
@@ -188,6 +192,7 @@ class CausalSelfAttention(nn.Module):
         self.n_heads, self.n_kv_heads = cfg.n_heads, cfg.n_kv_heads
         self.head_dim = cfg.d_attn // cfg.n_heads
         self.impl = cfg.attention
+        self.qk_norm = cfg.qk_norm
         self.dropout = cfg.dropout if cfg.attn_dropout is None else cfg.attn_dropout  # on the weights
         self.q_proj = nn.Linear(cfg.d_model, cfg.n_heads * self.head_dim, bias=cfg.bias)
         self.k_proj = nn.Linear(cfg.d_model, cfg.n_kv_heads * self.head_dim, bias=cfg.bias)
@@ -201,7 +206,7 @@ class CausalSelfAttention(nn.Module):
         H, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
         if fast:  # one matmul for q, k and v
             qkv = linear_t(x, *inference_weights(self, "qkv", (self.q_proj, self.k_proj, self.v_proj)))
-            if rope is not None and qkv.dtype in (torch.float32, torch.float64):
+            if rope is not None and qkv.dtype in (torch.float32, torch.float64) and not self.qk_norm:
                 # q and k sit side by side in qkv: rotate all their heads in one complex multiply
                 cis = rope[2] if len(rope) > 2 else torch.complex(rope[0], rope[1])  # (B|1, 1, T, D/2)
                 qk = torch.view_as_complex(qkv[..., : (H + Hkv) * D].unflatten(-1, (H + Hkv, D // 2, 2)))
@@ -217,6 +222,8 @@ class CausalSelfAttention(nn.Module):
             q = q.view(B, T, H, D).transpose(1, 2)  # (B, H, T, D)
             k = k.view(B, T, Hkv, D).transpose(1, 2)  # (B, Hkv, T, D)
             v = v.view(B, T, Hkv, D).transpose(1, 2)
+        if self.qk_norm:  # unit RMS per head: bounded attention logits whatever the weights' scale
+            q, k = rms_normalize(q), rms_normalize(k)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         if kv_cache is not None:
@@ -274,13 +281,19 @@ class CausalSelfAttention(nn.Module):
 
 
 # --------------------------------------------------------------------------------- feed-forward
+def relu_squared(x: torch.Tensor) -> torch.Tensor:
+    return F.relu(x).square()
+
+
 class FeedForward(nn.Module):
-    """GELU MLP (GPT-2), ReLU MLP (the original Transformer) or SwiGLU (Llama: w2(silu(w1 x) * w3 x))."""
+    """GELU MLP (GPT-2), ReLU MLP (the original Transformer), ReLU^2 MLP (Primer, nanochat) or SwiGLU
+    (Llama: w2(silu(w1 x) * w3 x))."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.swiglu = cfg.ffn == "swiglu"
-        self.activation = F.relu if cfg.ffn == "relu" else partial(F.gelu, approximate="tanh")  # tanh: GPT-2's gelu_new
+        gelu = partial(F.gelu, approximate="tanh")  # tanh: GPT-2's gelu_new
+        self.activation = {"relu": F.relu, "relu2": relu_squared}.get(cfg.ffn, gelu)
         self.up = nn.Linear(cfg.d_model, cfg.d_ff, bias=cfg.bias)
         self.gate = nn.Linear(cfg.d_model, cfg.d_ff, bias=cfg.bias) if self.swiglu else None
         self.down = nn.Linear(cfg.d_ff, cfg.d_model, bias=cfg.bias)
@@ -345,9 +358,12 @@ class GPT(nn.Module):
 
     def reset_parameters(self) -> None:
         """GPT-2 init: N(0, 0.02), residual output projections scaled by 1/sqrt(2 * n_layers); or
-        Xavier-uniform for every matrix (embeddings included). Biases 0, norm weights 1."""
+        Xavier-uniform for every matrix (embeddings included). Biases 0, norm weights 1. With
+        ``zero_init_out`` the residual output projections start at zero instead."""
         for name, p in self.named_parameters():
-            if p.dim() >= 2 and self.config.init == "xavier":
+            if name.endswith(("out_proj.weight", "down.weight")) and self.config.zero_init_out:
+                nn.init.zeros_(p)  # each block starts as the identity; its first update opens it
+            elif p.dim() >= 2 and self.config.init == "xavier":
                 nn.init.xavier_uniform_(p)
             elif p.dim() >= 2:
                 std = 0.02 / math.sqrt(2 * self.config.n_layers) if name.endswith(("out_proj.weight", "down.weight")) else 0.02
@@ -426,6 +442,8 @@ class GPT(nn.Module):
             logits = linear_t(self.norm_f(x), *inference_weights(self, "head", (self.lm_head,)))
         else:
             logits = self.lm_head(self.norm_f(x))  # (B, T, V)
+        if cfg.logit_softcap is not None:  # smooth bound on the logits, |logit| <= cap
+            logits = cfg.logit_softcap * torch.tanh(logits / cfg.logit_softcap)
 
         loss = None
         if targets is not None:

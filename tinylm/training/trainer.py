@@ -24,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors.torch import load_file
 
 from tinylm.config import RunConfig
 from tinylm.constants import IGNORE_INDEX
@@ -35,6 +36,7 @@ from tinylm.models.embeddings import apply_pretrained_embeddings
 from tinylm.models.gpt import GPT, eval_mode
 from tinylm.training import distributed as dist_utils
 from tinylm.training.distributed import DistContext, all_reduce_sum, shard_rows
+from tinylm.training.ema import EMA
 from tinylm.training.grad_checkpoint import enable_grad_checkpointing, make_checkpoint_fn
 from tinylm.training.metrics import EPOCH_COLUMNS, MetricsLog
 from tinylm.training.optim import lr_at, make_optimizer, wall_schedule_enabled
@@ -175,6 +177,15 @@ def validation_loss(model, batches: Batches, cfg: RunConfig, device, precision: 
     return total / max(count, 1)
 
 
+def _restore_ema(ema: EMA, ckpt: Path) -> None:
+    """The average saved with a resumable checkpoint (a run resumed with EMA must have saved one)."""
+    where = ckpt / "ema.safetensors"
+    try:
+        ema.load_state_tensors(load_file(str(where)))
+    except Exception as exc:  # missing, unreadable or not this model's average
+        raise TinyLMError(f"resume: the weight average {where} is unusable ({exc})") from exc
+
+
 def _tensorboard_writer(out_dir: Path):
     try:
         from torch.utils.tensorboard import SummaryWriter  # deferred: optional, and slow to import
@@ -205,6 +216,8 @@ def _train(cfg: RunConfig, prepared: Prepared, out_dir: Path, say, resume, force
         raise TinyLMError(f"train.label_smoothing must be in [0, 1) (got {tc.label_smoothing})")
     if tc.epochs is not None and tc.epochs < 1:
         raise TinyLMError(f"train.epochs must be at least 1 (got {tc.epochs})")
+    if not 0.0 <= tc.ema_decay < 1.0:
+        raise TinyLMError(f"train.ema_decay must be in [0, 1) (got {tc.ema_decay}; 0 turns the average off)")
     if ctx.is_main:
         out_dir.mkdir(parents=True, exist_ok=True)
     if tc.threads:
@@ -237,6 +250,7 @@ def _train(cfg: RunConfig, prepared: Prepared, out_dir: Path, say, resume, force
             f"{tc.max_steps} steps")
     valid_batches = Batches(prepared.splits["valid"], T, cfg.data.batching, seed=tc.seed + 1)
     optimizer = make_optimizer(model, tc)
+    ema = EMA(model, tc.ema_decay) if tc.ema_decay else None
     if tc.grad_checkpointing:
         enable_grad_checkpointing(model, tc.checkpoint_impl)
 
@@ -252,6 +266,8 @@ def _train(cfg: RunConfig, prepared: Prepared, out_dir: Path, say, resume, force
                               f"this run has {ctx.world_size}; resume with the same number of processes")
         load_model_state(model, state.path, read_model_state(state.path, model.config))
         restore_optimizer(optimizer, state)
+        if ema is not None:
+            _restore_ema(ema, state.path)
         if state.scaler_state:
             scaler.load_state_dict(state.scaler_state)
         start_step = state.step
@@ -295,9 +311,13 @@ def _train(cfg: RunConfig, prepared: Prepared, out_dir: Path, say, resume, force
         counters = {"step": step_done, "data_position": step_done, "tokens_seen": tokens_seen,
                     "best_val": best_val, "bad_evals": bad_evals, "world_size": ctx.world_size}
         tensors, files = state_payload(optimizer, scaler, rngs, counters)
-        save_checkpoint(ckpt_dir / name, model, tokenizer, cfg,
-                        {"step": step_done, "val_loss": val_loss, "tokens_seen": tokens_seen},
-                        extra_files=files, extra_tensors=tensors)
+        meta = {"step": step_done, "val_loss": val_loss, "tokens_seen": tokens_seen}
+        if ema is not None:
+            tensors["ema.safetensors"] = ema.state_tensors()
+            if name != "best":  # the averaged weights as a model of their own: evaluate / generate it
+                save_checkpoint(ckpt_dir / "ema", ema.averaged_model(model), tokenizer, cfg,
+                                {**meta, "ema_decay": tc.ema_decay, "ema_updates": ema.updates})
+        save_checkpoint(ckpt_dir / name, model, tokenizer, cfg, meta, extra_files=files, extra_tensors=tensors)
 
     def close() -> None:
         if progress is not None:
@@ -315,7 +335,7 @@ def _train(cfg: RunConfig, prepared: Prepared, out_dir: Path, say, resume, force
                 wall_fraction = all_reduce_sum([wall_fraction], ctx, device)[0] / ctx.world_size
         lr = lr_at(step, tc, wall_fraction)
         for group in optimizer.param_groups:
-            group["lr"] = lr
+            group["lr"] = lr * group.get("lr_scale", 1.0)  # Muon's groups keep their own peak rate
         micro = micro_batches(train_batches, step, batch_size, tc.grad_accum_steps, ctx)
         last_loss, n_targets = accumulate_gradients(run_model, micro, device, tc.precision, scaler, ctx, ddp_model,
                                                     tc.label_smoothing)
@@ -331,6 +351,8 @@ def _train(cfg: RunConfig, prepared: Prepared, out_dir: Path, say, resume, force
         scaler.step(optimizer)
         scaler.update()
         optimizer.zero_grad(set_to_none=True)
+        if ema is not None:
+            ema.update(model)
         step_tokens = sum(x.numel() for x, _ in micro) * ctx.world_size
         tokens_seen += step_tokens
         session_tokens += step_tokens

@@ -1,0 +1,102 @@
+"""The speedrun-era block options (QK-norm, ReLU^2, logit soft-capping, zero-initialised output
+projections): each changes what it should and nothing else, on the training, inference and
+KV-cache paths alike."""
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tinylm.config import ModelConfig
+from tinylm.errors import TinyLMError
+from tinylm.models.gpt import GPT
+
+BASE = ModelConfig(vocab_size=61, context_length=24, d_model=32, n_layers=2, n_heads=4, positions="rope",
+                   norm="rmsnorm", ffn="swiglu", bias=False)
+
+
+def _pair(**change):
+    """The base model and a variant with the same weights (every option here adds no parameter)."""
+    torch.manual_seed(0)
+    base = GPT(BASE)
+    variant = GPT(dataclasses.replace(BASE, **change))
+    variant.load_state_dict(base.state_dict())
+    return base.eval(), variant.eval()
+
+
+def _logits(model, x):
+    with torch.no_grad():
+        return model(x)[0]
+
+
+def test_qk_norm_makes_attention_blind_to_the_scale_of_queries_and_keys():
+    base, normed = _pair(qk_norm=True)
+    x = torch.randint(0, 61, (2, 20))
+    assert not torch.allclose(_logits(base, x), _logits(normed, x), atol=1e-3)
+    before = _logits(normed, x)
+    with torch.no_grad():
+        for block in normed.blocks:
+            block.attn.q_proj.weight.mul_(7.0)
+            block.attn.k_proj.weight.mul_(3.0)
+        for block in base.blocks:
+            block.attn.q_proj.weight.mul_(7.0)
+    torch.testing.assert_close(_logits(normed, x), before, rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(_logits(base, x), _logits(_pair()[0], x), atol=1e-3)  # without it, scale matters
+
+
+def test_qk_norm_same_logits_on_every_path():
+    _, model = _pair(qk_norm=True)
+    x = torch.randint(0, 61, (2, 20))
+    fast = _logits(model, x)  # eval + no grad: the fused inference path
+    with torch.enable_grad():
+        slow = model(x)[0].detach()
+    torch.testing.assert_close(fast, slow, rtol=1e-5, atol=1e-5)
+    cache = model.new_kv_cache(2)
+    with torch.no_grad():
+        steps = [model(x[:, :12], kv_cache=cache)[0]] + [model(x[:, t : t + 1], kv_cache=cache)[0] for t in range(12, 20)]
+    torch.testing.assert_close(torch.cat(steps, 1), fast, rtol=1e-5, atol=1e-5)
+
+
+def test_relu_squared_feed_forward():
+    cfg = dataclasses.replace(BASE, ffn="relu2", d_ff=48)
+    torch.manual_seed(0)
+    model = GPT(cfg).eval()
+    ffn = model.blocks[0].ffn
+    assert ffn.gate is None  # two matrices, like the GELU MLP
+    h = torch.randn(3, 5, 32)
+    expected = F.linear(F.relu(F.linear(h, ffn.up.weight)) ** 2, ffn.down.weight)
+    with torch.no_grad():
+        torch.testing.assert_close(ffn(h), expected)  # inference path
+    with torch.enable_grad():
+        torch.testing.assert_close(ffn(h).detach(), expected)  # training path
+
+
+def test_logit_softcap_bounds_the_logits_and_keeps_their_order():
+    base, capped = _pair(logit_softcap=2.0)
+    with torch.no_grad():
+        base.lm_head.weight.mul_(8.0)  # tied: also the embedding; large logits
+        capped.lm_head.weight.mul_(8.0)
+    x = torch.randint(0, 61, (2, 20))
+    raw, soft = _logits(base, x), _logits(capped, x)
+    assert raw.abs().max() > 4.0 and soft.abs().max() <= 2.0
+    torch.testing.assert_close(soft, 2.0 * torch.tanh(raw / 2.0), rtol=1e-5, atol=1e-5)
+    assert torch.equal(raw.argmax(-1), soft.argmax(-1))  # greedy decoding unchanged
+    with torch.enable_grad():
+        _, loss = capped(x, x)
+    assert torch.isfinite(loss)
+
+
+def test_zero_init_out_zeroes_only_the_residual_output_projections():
+    torch.manual_seed(0)
+    model = GPT(dataclasses.replace(BASE, zero_init_out=True))
+    zero = {n for n, p in model.named_parameters() if p.dim() == 2 and not p.any()}
+    assert zero == {f"blocks.{i}.{m}.weight" for i in range(2) for m in ("attn.out_proj", "ffn.down")}
+    x = torch.randint(0, 61, (2, 10))
+    with torch.no_grad():  # every block is the identity at init: logits = head(norm(embedding))
+        expected = model.lm_head(model.norm_f(model.tok_emb(x)))
+        torch.testing.assert_close(model.eval()(x)[0], expected)
+
+
+def test_bad_softcap_is_named():
+    with pytest.raises(TinyLMError, match="logit_softcap"):
+        GPT(dataclasses.replace(BASE, logit_softcap=0.0))
