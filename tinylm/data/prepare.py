@@ -97,9 +97,10 @@ def prepare(cfg: RunConfig, out_dir: str | Path) -> Prepared:
             raise TinyLMError(f"the {name} split is empty after cleaning ({rep.summary()})")
     augmented = 0
     if cfg.data.mojibake_fraction:  # the training split only: evaluation scores the files as they are
-        if not 0.0 <= cfg.data.mojibake_fraction <= 1.0:
-            raise TinyLMError(f"data.mojibake_fraction must be in [0, 1] (got {cfg.data.mojibake_fraction})")
-        cleaned["train"], augmented = augment_mojibake(cleaned["train"], cfg.data.mojibake_fraction, seed=0)
+        try:
+            cleaned["train"], augmented = augment_mojibake(cleaned["train"], cfg.data.mojibake_fraction, seed=0)
+        except ValueError as exc:  # the range check lives with the augmentation
+            raise TinyLMError(f"data.mojibake_fraction: {exc}") from exc
         log.info(f"prepare: train: {augmented} documents rewritten with mojibake punctuation")
 
     if cfg.tokenizer.path:
