@@ -2,20 +2,26 @@
 
 The reference is a randomly initialised ``GPT2LMHeadModel`` (4 layers, d_model 256, 8 heads,
 vocab 4096, context 512: the 4.3M-parameter model of the project's anchors) and tinylm runs the
-same weights through ``tinylm.interop.gpt2.from_hf_gpt2``. Each (mode, batch) cell runs the two
-systems alternately (A B A B ...), reports the median tokens/s and the ratio, and checks that
+same weights through ``tinylm.interop.gpt2.from_hf_gpt2``. Each (mode, batch) cell runs the
+systems alternately (A B A B ...), reports the median tokens/s and the ratios, and checks that
 tinylm produced exactly the reference's tokens.
 
-    modes   greedy_cache, greedy_nocache, sample_cache (top-k 50, T 0.8, same seed), beam5, beam10
-    rows    batch 1 and 16, 256 new tokens after a 16-token prompt (no stop token: full length)
+    modes    greedy_cache, greedy_nocache, sample_cache (top-k 50, T 0.8, same seed), beam5, beam10
+    rows     batch 1 and 16, 256 new tokens after a 16-token prompt (no stop token: full length)
+    systems  tinylm (eager), hf_transformers (eager); with --compiled (the default without --quick)
+             also tinylm_compiled (its decoding step under torch.compile) for greedy, sampling and
+             beam 5, and hf_static_compiled (HF's static cache with its forward under torch.compile,
+             the help HF gives itself) for greedy. Compiled systems are warmed up with one full-length
+             run first, whose time is reported as compile_s.
 
 Then a KV-cache speed-up table (tinylm greedy, batch 1, with / without cache at total lengths
 64, 256, 512), and stories260K: tinylm greedy on the llama2.c checkpoint (read from
 ../shared/anchors/llama2c relative to the repository, or --llama2c-dir), beside llama2.c's
 ``run`` binary when ``--llama2c PATH_TO_RUN`` is given (same checkpoint, same step count;
-identical text required).
+identical text required); then stories260K's bits per byte on valid.txt in float32 and in
+bfloat16 (``tinylm generate --dtype bfloat16``) with its greedy speed in each.
 
-    python benchmarks/bench_generate.py [--quick] [--threads 1] [--json out.json] [--llama2c ./run]
+    python benchmarks/bench_generate.py [--quick] [--compiled] [--threads 1] [--json out.json] [--llama2c ./run]
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ from tinylm.generation import GenerationConfig, generate_many  # noqa: E402
 from tinylm.interop.gpt2 import from_hf_gpt2  # noqa: E402
 
 SHARED_LLAMA2C = Path(__file__).resolve().parents[2] / "shared" / "anchors" / "llama2c"
+SHARED_VALID = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinystories" / "valid.txt"
 MODES = {
     "greedy_cache": dict(temperature=0, use_cache=True),
     "greedy_nocache": dict(temperature=0, use_cache=False),
@@ -46,6 +53,8 @@ MODES = {
     "beam10": dict(temperature=0, beam_width=10, use_cache=True),
 }
 SEED = 1234
+COMPILED_MODES = ("greedy_cache", "sample_cache", "beam5")
+HF_COMPILED_MODES = ("greedy_cache",)
 
 
 def build_models(vocab: int, ctx: int, d_model: int, layers: int, heads: int):
@@ -60,18 +69,24 @@ def build_models(vocab: int, ctx: int, d_model: int, layers: int, heads: int):
     return hf, from_hf_gpt2(hf)
 
 
-def run_tinylm(model, prompts, mode, new_tokens):
-    cfg = GenerationConfig(max_new_tokens=new_tokens, seed=SEED, **MODES[mode])
+def run_tinylm(model, prompts, mode, new_tokens, compile=False):
+    cfg = GenerationConfig(max_new_tokens=new_tokens, seed=SEED, compile=compile, **MODES[mode])
     t0 = time.perf_counter()
     out = generate_many(model, prompts, cfg)
     return time.perf_counter() - t0, [r.tokens for r in out]
 
 
-def run_hf(hf, prompts, mode, new_tokens):
+def run_hf(hf, prompts, mode, new_tokens, compile=False):
     m = MODES[mode]
     x = torch.tensor(prompts)
     kw = dict(attention_mask=torch.ones_like(x), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
               use_cache=m["use_cache"], num_beams=m.get("beam_width", 1), eos_token_id=None, pad_token_id=0)
+    if compile:  # HF compiles its forward itself for a static cache; on CPU it has to be told to
+        from transformers import CompileConfig
+
+        config = CompileConfig(fullgraph=True, mode="default")
+        config._compile_all_devices = True
+        kw.update(cache_implementation="static", compile_config=config)
     if m["temperature"] > 0:
         kw.update(do_sample=True, temperature=m["temperature"], top_k=m["top_k"])
         torch.manual_seed(SEED)  # HF samples from the global generator; tinylm from one seeded alike
@@ -83,30 +98,47 @@ def run_hf(hf, prompts, mode, new_tokens):
     return time.perf_counter() - t0, [row[x.shape[1]:].tolist() for row in out]
 
 
+def systems_for(mode: str, args) -> dict:
+    """system name -> function(prompts, new_tokens) -> (seconds, tokens per row)."""
+    out = {"tinylm": lambda m, p, n: run_tinylm(m, p, mode, n), "hf_transformers": lambda h, p, n: run_hf(h, p, mode, n)}
+    if args.compiled and mode in COMPILED_MODES:
+        out["tinylm_compiled"] = lambda m, p, n: run_tinylm(m, p, mode, n, compile=True)
+    if args.compiled and mode in HF_COMPILED_MODES:
+        out["hf_static_compiled"] = lambda h, p, n: run_hf(h, p, mode, n, compile=True)
+    return out
+
+
 def generation_table(hf, model, args) -> list[dict]:
     rows = []
     g = torch.Generator().manual_seed(7)
     for batch in args.batches:
         prompts = torch.randint(4, hf.config.vocab_size, (batch, args.prompt_len), generator=g).tolist()
         for mode in args.modes:
-            run_tinylm(model, prompts, mode, 4)  # warm-up (allocator, first-call paths)
-            run_hf(hf, prompts, mode, 4)
+            systems = systems_for(mode, args)
+            target = lambda name: hf if name.startswith("hf") else model  # noqa: E731
+            compile_s = {}
+            for name, run in systems.items():  # warm-up; compiled systems compile here, at full length
+                t0 = time.perf_counter()
+                run(target(name), prompts, args.new_tokens if "compiled" in name else 4)
+                compile_s[name] = round(time.perf_counter() - t0, 1) if "compiled" in name else None
             repeats = 1 if (mode == "greedy_nocache" and batch > 1) else args.repeats
-            times = {"tinylm": [], "hf_transformers": []}
+            times = {name: [] for name in systems}
             outputs = {}
-            for _ in range(repeats):  # alternate: A B A B
-                dt, outputs["tinylm"] = run_tinylm(model, prompts, mode, args.new_tokens)
-                times["tinylm"].append(dt)
-                dt, outputs["hf_transformers"] = run_hf(hf, prompts, mode, args.new_tokens)
-                times["hf_transformers"].append(dt)
-            same = outputs["tinylm"] == outputs["hf_transformers"]
-            for system in ("tinylm", "hf_transformers"):
-                produced = sum(len(t) for t in outputs[system])
-                rows.append({"table": "generate", "system": system, "mode": mode, "batch": batch,
-                             "new_tokens": args.new_tokens, "tokens_per_s": round(produced / statistics.median(times[system]), 1),
-                             "same_tokens_as_reference": same if system == "tinylm" else None, "repeats": repeats})
-            print(f"  {mode:15s} batch {batch:3d}: tinylm {rows[-2]['tokens_per_s']:9.1f} tok/s, "
-                  f"HF {rows[-1]['tokens_per_s']:9.1f} tok/s, same tokens: {same}", flush=True)
+            for _ in range(repeats):  # alternate: A B C A B C
+                for name, run in systems.items():
+                    dt, outputs[name] = run(target(name), prompts, args.new_tokens)
+                    times[name].append(dt)
+            reference = outputs["hf_transformers"]
+            for name in systems:
+                produced = sum(len(t) for t in outputs[name])
+                rows.append({"table": "generate", "system": name, "mode": mode, "batch": batch,
+                             "new_tokens": args.new_tokens, "tokens_per_s": round(produced / statistics.median(times[name]), 1),
+                             "same_tokens_as_reference": outputs[name] == reference if name != "hf_transformers" else None,
+                             "repeats": repeats, "compile_s": compile_s[name]})
+            cell = rows[-len(systems):]
+            print(f"  {mode:15s} batch {batch:3d}: " + ", ".join(
+                f"{r['system']} {r['tokens_per_s']:.1f} tok/s" + ("" if r["same_tokens_as_reference"] in (None, True)
+                                                                  else " (DIFFERENT TOKENS)") for r in cell), flush=True)
     return rows
 
 
@@ -129,6 +161,18 @@ def cache_speedup_table(model, args) -> list[dict]:
     return rows
 
 
+def time_greedy(model, ids, new, stop_ids, repeats, compile=False) -> tuple[float, list[int]]:
+    """Median tokens/s of greedy decoding after one untimed run (which compiles, when asked)."""
+    cfg = GenerationConfig(max_new_tokens=new, temperature=0, stop_ids=tuple(stop_ids), compile=compile)
+    generate_many(model, [ids], cfg)
+    times, tokens = [], None
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        tokens = generate_many(model, [ids], cfg)[0].tokens
+        times.append(time.perf_counter() - t0)
+    return len(tokens) / statistics.median(times), tokens
+
+
 def llama2c_rows(args) -> list[dict]:
     from tinylm.interop import load_any_checkpoint
 
@@ -141,20 +185,16 @@ def llama2c_rows(args) -> list[dict]:
     ids = [1] + tok.encode(prompt)
     steps = 256  # run.c's -n counts every position, prompt included
     new = steps - len(ids)
-    cfg = GenerationConfig(max_new_tokens=new, temperature=0, stop_ids=tuple(tok.stop_ids))
-    generate_many(model, [ids], GenerationConfig(max_new_tokens=8, temperature=0))  # warm-up
-    times, text = [], None
-    for _ in range(args.repeats):
-        t0 = time.perf_counter()
-        res = generate_many(model, [ids], cfg)[0]
-        times.append(time.perf_counter() - t0)
-        text = tok.decode(ids + res.tokens)
-    ours = len(res.tokens) / statistics.median(times)
-    rows = [{"table": "llama2c", "system": "tinylm", "mode": "greedy_cache", "batch": 1, "new_tokens": len(res.tokens),
-             "tokens_per_s": round(ours, 1), "same_tokens_as_reference": None}]
+    variants = {"tinylm": False, "tinylm_compiled": True} if args.compiled else {"tinylm": False}
+    rows, texts = [], {}
+    for system, compile in variants.items():
+        speed, tokens = time_greedy(model, ids, new, tok.stop_ids, args.repeats, compile)
+        texts[system] = tok.decode(ids + tokens)
+        rows.append({"table": "llama2c", "system": system, "mode": "greedy_cache", "batch": 1,
+                     "new_tokens": len(tokens), "tokens_per_s": round(speed, 1), "same_tokens_as_reference": None})
+        print(f"  {system} on stories260K: {speed:.1f} tok/s")
     expected_start = "Once upon a time, there was a little girl named Lily. She loved to play outside in the park."
-    print(f"  tinylm on stories260K: {ours:.1f} tok/s; text starts as llama2.c's README says: "
-          f"{text.startswith(expected_start)}")
+    print(f"  the text starts as llama2.c's README says: {texts['tinylm'].startswith(expected_start)}")
     if args.llama2c:
         speeds, ref_text = [], None
         for _ in range(args.repeats):
@@ -165,24 +205,70 @@ def llama2c_rows(args) -> list[dict]:
             if m:
                 speeds.append(float(m.group(1)))
         run_c = statistics.median(speeds) if speeds else float("nan")
-        same = ref_text == text
-        rows[0]["same_tokens_as_reference"] = same
+        for r in rows:
+            r["same_tokens_as_reference"] = texts[r["system"]] == ref_text
+            r["vs_llama2c_run"] = round(r["tokens_per_s"] / run_c, 3)
+            print(f"  {r['system']} / run.c = {r['vs_llama2c_run']:.2f}x; identical text: {r['same_tokens_as_reference']}")
         rows.append({"table": "llama2c", "system": "llama2c_run", "mode": "greedy_cache", "batch": 1,
-                     "new_tokens": len(res.tokens), "tokens_per_s": round(run_c, 1), "same_tokens_as_reference": None})
-        print(f"  llama2.c run: {run_c:.1f} tok/s; tinylm / run.c = {ours / run_c:.2f}x; identical text: {same}")
+                     "new_tokens": rows[0]["new_tokens"], "tokens_per_s": round(run_c, 1), "same_tokens_as_reference": None})
+        print(f"  llama2.c run: {run_c:.1f} tok/s")
     else:
         print("  (no --llama2c binary given: run.c not timed)")
+    return rows
+
+
+def bfloat16_rows(args) -> list[dict]:
+    """stories260K in float32 and in bfloat16: bits per byte on valid.txt and greedy tokens/s."""
+    from tinylm.data.corpora import load_text_file
+    from tinylm.evaluation.perplexity import evaluate_texts
+    from tinylm.interop import load_any_checkpoint
+
+    ckpt, tok_path = args.llama2c_dir / "stories260K.bin", args.llama2c_dir / "tok512.bin"
+    if not (ckpt.is_file() and tok_path.is_file() and args.valid.is_file()):
+        print(f"  (skipped: needs {ckpt}, {tok_path} and {args.valid})")
+        return []
+    texts = [d for d in load_text_file(args.valid) if d][: args.bf16_stories]
+    model, tok, _ = load_any_checkpoint(ckpt, tok_path)
+    ids = [1] + tok.encode("Once upon a time")
+    rows, first_tokens = [], None
+    for dtype in (torch.float32, torch.bfloat16):
+        m = model.to(dtype)
+        t0 = time.perf_counter()
+        scores = evaluate_texts(m, tok, texts, batch_size=32)
+        eval_s = time.perf_counter() - t0
+        speed, tokens = time_greedy(m, ids, 200, tok.stop_ids, args.repeats)
+        first_tokens = first_tokens or tokens
+        rows.append({"table": "bfloat16", "system": "tinylm", "dtype": str(dtype).replace("torch.", ""),
+                     "stories": len(texts), "bpb": round(scores["bpb"], 5), "bpb_change": round(scores["bpb"], 5),
+                     "tokens_per_s": round(speed, 1), "eval_seconds": round(eval_s, 1),
+                     "same_tokens_as_float32": tokens == first_tokens})
+    for r in rows:
+        r["bpb_change"] = round(r["bpb"] - rows[0]["bpb"], 5)
+    for r in rows:
+        print(f"  {r['dtype']}: {r['bpb']:.5f} bpb on {r['stories']} stories (change {r['bpb_change']:+.5f}), "
+              f"greedy {r['tokens_per_s']:.1f} tok/s")
     return rows
 
 
 def print_table(rows: list[dict]) -> None:
     gen = [r for r in rows if r["table"] == "generate"]
     if gen:
-        print("\n| mode | batch | new tokens | tinylm tok/s | HF tok/s | tinylm / HF | same tokens |")
-        print("|---|---:|---:|---:|---:|---:|---|")
-        for t, h in zip(gen[0::2], gen[1::2]):
-            print(f"| {t['mode']} | {t['batch']} | {t['new_tokens']} | {t['tokens_per_s']:.1f} | {h['tokens_per_s']:.1f} | "
-                  f"{t['tokens_per_s'] / h['tokens_per_s']:.2f}x | {t['same_tokens_as_reference']} |")
+        names = [n for n in ("tinylm", "tinylm_compiled", "hf_transformers", "hf_static_compiled")
+                 if any(r["system"] == n for r in gen)]
+        print("\n| mode | batch | " + " | ".join(f"{n} tok/s" for n in names) +
+              " | tinylm / HF | best tinylm / HF | best tinylm / best HF | same tokens |")
+        print("|---|---:|" + "---:|" * (len(names) + 3) + "---|")
+        cells = {}
+        for r in gen:
+            cells.setdefault((r["mode"], r["batch"]), {})[r["system"]] = r
+        for (mode, batch), cell in cells.items():
+            speed = {n: cell[n]["tokens_per_s"] for n in cell}
+            best_ours = max(v for n, v in speed.items() if n.startswith("tinylm"))
+            best_hf = max(v for n, v in speed.items() if n.startswith("hf"))
+            same = all(c["same_tokens_as_reference"] for n, c in cell.items() if n != "hf_transformers")
+            print(f"| {mode} | {batch} | " + " | ".join(f"{speed[n]:.1f}" if n in speed else "-" for n in names) +
+                  f" | {speed['tinylm'] / speed['hf_transformers']:.2f}x | {best_ours / speed['hf_transformers']:.2f}x"
+                  f" | {best_ours / best_hf:.2f}x | {same} |")
     kv = [r for r in rows if r["table"] == "kv_cache_speedup"]
     if kv:
         print("\n| total length | cache tok/s | no cache tok/s | speed-up |")
@@ -191,10 +277,18 @@ def print_table(rows: list[dict]) -> None:
             print(f"| {r['total_length']} | {r['cache_tokens_per_s']:.1f} | {r['nocache_tokens_per_s']:.1f} | {r['speedup']:.2f}x |")
     ll = [r for r in rows if r["table"] == "llama2c"]
     if ll:
-        print("\n| system (stories260K) | new tokens | tok/s | same text |")
-        print("|---|---:|---:|---|")
+        print("\n| system (stories260K) | new tokens | tok/s | / run.c | same text as run.c |")
+        print("|---|---:|---:|---:|---|")
         for r in ll:
-            print(f"| {r['system']} | {r['new_tokens']} | {r['tokens_per_s']:.1f} | {r['same_tokens_as_reference']} |")
+            print(f"| {r['system']} | {r['new_tokens']} | {r['tokens_per_s']:.1f} | {r.get('vs_llama2c_run', '-')} | "
+                  f"{r['same_tokens_as_reference']} |")
+    bf = [r for r in rows if r["table"] == "bfloat16"]
+    if bf:
+        print("\n| stories260K weights | stories (valid.txt) | bpb | change | greedy tok/s | same greedy tokens |")
+        print("|---|---:|---:|---:|---:|---|")
+        for r in bf:
+            print(f"| {r['dtype']} | {r['stories']} | {r['bpb']:.5f} | {r['bpb_change']:+.5f} | {r['tokens_per_s']:.1f} | "
+                  f"{r['same_tokens_as_float32']} |")
 
 
 def main(argv=None) -> int:
@@ -206,18 +300,25 @@ def main(argv=None) -> int:
     p.add_argument("--llama2c", type=Path, help="a compiled llama2.c `run` binary to time beside tinylm")
     p.add_argument("--llama2c-dir", type=Path, default=SHARED_LLAMA2C, help="folder with stories260K.bin and tok512.bin")
     p.add_argument("--skip-llama2c", action="store_true")
+    p.add_argument("--compiled", action=argparse.BooleanOptionalAction, default=None,
+                   help="time the compiled systems too (default: on, off with --quick: compiling takes minutes)")
+    p.add_argument("--valid", type=Path, default=SHARED_VALID, help="TinyStories valid.txt for the bfloat16 table")
     args = p.parse_args(argv)
+    if args.compiled is None:
+        args.compiled = not args.quick
     torch.set_num_threads(args.threads)
     args.prompt_len = 16
     if args.quick:
         args.new_tokens, args.batches, args.totals = 32, [1, 4], [64, 128]
         args.modes = list(MODES)
         args.repeats = args.repeats or 1
+        args.bf16_stories = 20
         dims = dict(vocab=1024, ctx=256, d_model=128, layers=2, heads=4)
     else:
         args.new_tokens, args.batches, args.totals = 256, [1, 16], [64, 256, 512]
         args.modes = list(MODES)
         args.repeats = args.repeats or 3
+        args.bf16_stories = None  # every story
         dims = dict(vocab=4096, ctx=512, d_model=256, layers=4, heads=8)
     import transformers
 
@@ -233,6 +334,8 @@ def main(argv=None) -> int:
     if not args.skip_llama2c:
         print("stories260K (llama2.c checkpoint):")
         rows += llama2c_rows(args)
+        print("bfloat16 decoding (stories260K):")
+        rows += bfloat16_rows(args)
     print_table(rows)
     print(f"\nbenchmark took {time.perf_counter() - t0:.0f} s")
     if args.json:

@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import torch
 
-from tinylm.generation.core import Generated, fit_prompts, full_forward, prefill
+from tinylm.generation.core import Generated, cache_slots, fit_prompts, full_forward, prefill
+from tinylm.generation.decode import decode_step, prepare_for_inference
 from tinylm.generation.processors import GenerationConfig, HistoryProcessor
 from tinylm.models.gpt import eval_mode
 
@@ -74,10 +75,11 @@ def _beam_search(model, prompts: list[list[int]], cfg: GenerationConfig) -> list
     # enough candidates that k of them survive even if every stop id is chosen by every beam
     n_candidates = min(max(2, 1 + len(stop_set)) * k, k * V)
 
-    max_len = min(ctx, max(len(p) for p in prompts) + cfg.max_new_tokens)
+    max_len = cache_slots(ctx, max(len(p) for p in prompts) + cfg.max_new_tokens, cfg.compile)
     expand = torch.arange(B, device=device).repeat_interleave(k)
     cache = positions = None
     if cfg.use_cache:  # one prefill per prompt, then each prompt row copied to its k beams
+        prepared = prepare_for_inference(model)
         cache, logits, positions = prefill(model, prompts, max_len)
         cache.reorder(expand)
         positions = positions[expand] if positions is not None else None
@@ -142,8 +144,7 @@ def _beam_search(model, prompts: list[list[int]], cfg: GenerationConfig) -> list
             cache.reorder(rows)
             if positions is not None:
                 positions = positions[rows]
-            pos = positions[:, None] if positions is not None else None
-            logits = model(tokens[:, None], kv_cache=cache, position_ids=pos)[0][:, -1]
+            logits = decode_step(prepared, cache, tokens, positions, cfg.compile)
             if positions is not None:
                 positions += 1
         else:

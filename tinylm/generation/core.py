@@ -43,6 +43,12 @@ def fit_prompts(prompts: Iterable[Iterable[int]], context_length: int) -> list[l
     return rows
 
 
+def cache_slots(context_length: int, needed: int, static: bool) -> int:
+    """KV-cache slots for a generation that needs ``needed``: exactly that, or with ``static``
+    (a compiled step: one compilation per cache size) the next power of two, at most the context."""
+    return min(context_length, 1 << (needed - 1).bit_length() if static else needed)
+
+
 def prefill(model, rows: list[list[int]], max_len: int):
     """Run left-padded ``rows`` through the model into a new cache of ``max_len`` slots.
 

@@ -30,7 +30,8 @@ import torch
 
 from tinylm.errors import TinyLMError
 from tinylm.generation.beam import beam_search
-from tinylm.generation.core import Generated, fit_prompts, full_forward, model_device, prefill
+from tinylm.generation.core import Generated, cache_slots, fit_prompts, full_forward, model_device, prefill
+from tinylm.generation.decode import decode_step, prepare_for_inference
 from tinylm.generation.processors import GenerationConfig, HistoryProcessor
 from tinylm.generation.sampling import select_next
 from tinylm.models.gpt import eval_mode
@@ -71,7 +72,8 @@ class TokenStream:
             generator = torch.Generator(device=device).manual_seed(cfg.seed)
         history = HistoryProcessor(cfg, self.prompts, model.config.vocab_size, device)
         history = history if history.active else None
-        max_len = min(ctx, max(len(p) for p in self.prompts) + cfg.max_new_tokens)
+        max_len = cache_slots(ctx, max(len(p) for p in self.prompts) + cfg.max_new_tokens, cfg.compile)
+        prepared = prepare_for_inference(model) if cfg.use_cache else None
 
         cache = positions = tokens = None
         for step in range(cfg.max_new_tokens):
@@ -79,7 +81,7 @@ class TokenStream:
             # must not run in it
             with torch.inference_mode():
                 cache, positions, tokens, token_list = self._step(
-                    model, cfg, step, seqs, cache, positions, tokens, max_len, history, generator)
+                    model, prepared, cfg, step, seqs, cache, positions, tokens, max_len, history, generator)
             emitted: list[int | None] = [None] * B
             for r, t in enumerate(token_list):
                 if done[r]:
@@ -99,7 +101,7 @@ class TokenStream:
                 break
 
     @staticmethod
-    def _step(model, cfg, step, seqs, cache, positions, tokens, max_len, history, generator):
+    def _step(model, prepared, cfg, step, seqs, cache, positions, tokens, max_len, history, generator):
         """One forward pass and one token per row."""
         ctx = model.config.context_length
         if not cfg.use_cache:
@@ -109,8 +111,7 @@ class TokenStream:
         elif cache.length >= cache.max_len:  # full: slide the window and re-prefill
             cache, logits, positions = prefill(model, [s[-(ctx // 2) :] for s in seqs], ctx)
         else:
-            pos = positions[:, None] if positions is not None else None
-            logits = model(tokens[:, None], kv_cache=cache, position_ids=pos)[0][:, -1]
+            logits = decode_step(prepared, cache, tokens, positions, cfg.compile)
             if positions is not None:
                 positions += 1
         if history is not None:

@@ -44,6 +44,8 @@ class GenerationConfig:
     length_penalty: float = 1.0  # beam score = sum log p / generated_length ** length_penalty (0: none)
     num_return_sequences: int = 1
     early_stopping: bool = False  # beam: stop once beam_width hypotheses finished (HF's early_stopping)
+    # run the decoding step under torch.compile: each (batch, cache size) compiles once per process
+    compile: bool = False
 
     @property
     def greedy(self) -> bool:

@@ -8,10 +8,10 @@ Defaults are the seed architecture (pre-LN, learned positions, LayerNorm, GELU, 
 weights). Options cover the checkpoints people bring: RMSNorm, rotary positions, SwiGLU,
 grouped-query attention, no biases (llama2.c / Llama shape).
 
-Inference fast path (eval mode and no autograd, e.g. under torch.inference_mode): the linear
-layers use cached, concatenated, transposed copies of their weights (``inference_weights``),
-dropout modules are skipped, and a one-token decoding step uses a three-op attention; training
-and gradient paths are untouched. Tests check both paths against Hugging Face to 1e-5.
+This file is the one forward pass: training, evaluation and filling a KV cache with a prompt.
+Token-by-token decoding runs ``generation.decode.decode_step`` over the same weights (laid out
+for a one-token step, with static shapes); tests check the two against each other and against
+Hugging Face to 1e-5.
 """
 
 from __future__ import annotations
@@ -64,8 +64,9 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # (F.rms_norm is not a fused kernel on CPU and measured slower than these few ops)
-        y = rms_normalize(x.to(torch.promote_types(x.dtype, torch.float32)), self.eps)
-        return y.type_as(x) * self.weight
+        if x.dtype in (torch.float32, torch.float64):  # no cast calls: decoding runs this 2 x layers per token
+            return rms_normalize(x, self.eps) * self.weight
+        return rms_normalize(x.float(), self.eps).type_as(x) * self.weight
 
 
 def make_norm(cfg: ModelConfig) -> nn.Module:
@@ -95,48 +96,21 @@ def rope_tables(n_positions: int, head_dim: int, theta: float) -> tuple[torch.Te
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cis: torch.Tensor | None = None) -> torch.Tensor:
     """Rotate consecutive pairs (x0, x1), (x2, x3), ... (the Meta / llama2.c layout).
 
-    x: (B, H, T, D); cos, sin: (B, 1, T, D/2); cis: optionally cos + i sin, precomputed once per
-    forward. Each pair is one complex number times cis: (x0 cos - x1 sin, x0 sin + x1 cos), in
-    a handful of ops instead of a dozen (decoding runs this twice per layer per token).
+    x: (B, H, T, D); cos, sin: (B, 1, T, D/2) (or any shapes that broadcast alike); cis:
+    optionally cos + i sin, precomputed once per forward. Each pair is one complex number times
+    cis: (x0 cos - x1 sin, x0 sin + x1 cos), in a handful of ops instead of a dozen (decoding
+    runs this once per layer per token).
     """
     xf = x.to(torch.promote_types(x.dtype, torch.float32))
+    if torch.compiler.is_compiling():  # inductor makes no code for complex numbers: the same rotation in reals
+        x0, x1 = xf.unflatten(-1, (-1, 2)).unbind(-1)
+        return torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(-2).type_as(x)
     if cis is None:
         cis = torch.complex(cos, sin)
     if xf.dtype == torch.float64:  # float64 models keep their precision
         cis = cis.to(torch.complex128)
     pairs = torch.view_as_complex(xf.reshape(*x.shape[:-1], -1, 2).contiguous())
     return torch.view_as_real(pairs * cis).flatten(-2).type_as(x)
-
-
-def inference_weights(owner: nn.Module, name: str, linears: tuple[nn.Linear, ...]):
-    """(weight, bias) for ``linear_t``: the weights of one or several Linear layers that read the
-    same input, concatenated and stored transposed, (in, out) contiguous. At inference this
-    does one matmul instead of several, and the (in, out) layout measured 1.3-3x faster than
-    nn.Linear's (out, in) on CPU for decoding-sized inputs (GPT-2's Conv1D uses it too).
-    Cached on ``owner`` (not a parameter, never saved) and rebuilt whenever a weight changes
-    (optimizer step, load_state_dict, .to()); costs one extra copy of those weights."""
-    key = tuple((l.weight.data_ptr(), l.weight._version, l.weight.dtype, l.weight.device) for l in linears)
-    key += tuple((l.bias.data_ptr(), l.bias._version) for l in linears if l.bias is not None)
-    cache = owner.__dict__.setdefault("_inference_weights", {})
-    hit = cache.get(name)
-    if hit is None or hit[0] != key:
-        with torch.no_grad():
-            w = torch.cat([l.weight for l in linears]).t().contiguous()
-            b = torch.cat([l.bias for l in linears]) if linears[0].bias is not None else None
-        hit = cache[name] = (key, w, b)
-    return hit[1], hit[2]
-
-
-def linear_t(x: torch.Tensor, w_t: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-    """x @ w_t + b for a transposed weight from ``inference_weights``."""
-    x2 = x.reshape(-1, x.shape[-1])
-    y = torch.addmm(b, x2, w_t) if b is not None else x2 @ w_t
-    return y.view(*x.shape[:-1], w_t.shape[1])
-
-
-def _fast_path(module: nn.Module) -> bool:
-    """Inference without autograd: fused matmuls and no dropout calls are safe."""
-    return not module.training and not torch.is_grad_enabled()
 
 
 # ------------------------------------------------------------------------------------ KV cache
@@ -202,26 +176,10 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x, rope=None, mask=None, kv_cache=None, layer=0, attention_out=None):
         B, T, _ = x.shape
-        fast = _fast_path(self)
         H, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
-        if fast:  # one matmul for q, k and v
-            qkv = linear_t(x, *inference_weights(self, "qkv", (self.q_proj, self.k_proj, self.v_proj)))
-            if rope is not None and qkv.dtype in (torch.float32, torch.float64) and not self.qk_norm:
-                # q and k sit side by side in qkv: rotate all their heads in one complex multiply
-                cis = rope[2] if len(rope) > 2 else torch.complex(rope[0], rope[1])  # (B|1, 1, T, D/2)
-                qk = torch.view_as_complex(qkv[..., : (H + Hkv) * D].unflatten(-1, (H + Hkv, D // 2, 2)))
-                qk = torch.view_as_real(qk * cis.transpose(1, 2)).flatten(-2)  # (B, T, H + Hkv, D)
-                q, k = qk[:, :, :H].transpose(1, 2), qk[:, :, H:].transpose(1, 2)  # (B, H|Hkv, T, D)
-                v = qkv[..., (H + Hkv) * D :].view(B, T, Hkv, D).transpose(1, 2)
-                rope = None  # done
-            else:
-                q, k, v = qkv.split((H * D, Hkv * D, Hkv * D), dim=-1)
-        else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        if q.dim() == 3:
-            q = q.view(B, T, H, D).transpose(1, 2)  # (B, H, T, D)
-            k = k.view(B, T, Hkv, D).transpose(1, 2)  # (B, Hkv, T, D)
-            v = v.view(B, T, Hkv, D).transpose(1, 2)
+        q = self.q_proj(x).view(B, T, H, D).transpose(1, 2)  # (B, H, T, D)
+        k = self.k_proj(x).view(B, T, Hkv, D).transpose(1, 2)  # (B, Hkv, T, D)
+        v = self.v_proj(x).view(B, T, Hkv, D).transpose(1, 2)
         if self.qk_norm:  # unit RMS per head: bounded attention logits whatever the weights' scale
             q, k = rms_normalize(q), rms_normalize(k)
         if rope is not None:
@@ -232,8 +190,6 @@ class CausalSelfAttention(nn.Module):
             kv_cache.v[layer][:, :, start : start + T] = v
             k = kv_cache.k[layer][:, :, : start + T]  # (B, Hkv, S, D)
             v = kv_cache.v[layer][:, :, : start + T]
-        if fast and T == 1 and attention_out is None:
-            return self._decode_step_attention(q, k, v, mask)
         dropout_p = self.dropout if self.training else 0.0
         use_sdpa = self.impl == "sdpa" and attention_out is None
         if self.n_kv_heads != self.n_heads and not (use_sdpa and _SDPA_GQA):
@@ -261,23 +217,7 @@ class CausalSelfAttention(nn.Module):
             weights = F.dropout(weights, p=dropout_p, training=self.training)
             y = weights @ v  # (B, H, T, D)
         y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)
-        if fast:
-            return linear_t(y, *inference_weights(self, "out", (self.out_proj,)))
         return self.resid_dropout(self.out_proj(y))
-
-
-    def _decode_step_attention(self, q, k, v, mask):
-        """One new query per row (a decoding step): three small ops. The query heads sharing a
-        kv head are stacked as rows of one matmul, so grouped-query attention needs no copy of
-        the cached keys, and a (B, 1, 1, S) padding mask broadcasts over heads as is."""
-        B, group = q.shape[0], self.n_heads // self.n_kv_heads
-        q = q.reshape(B, self.n_kv_heads, group, self.head_dim)  # head h = kv head h // group
-        scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(self.head_dim))  # (B, Hkv, group, S)
-        if mask is not None:
-            scores = scores.masked_fill(~mask, float("-inf"))
-        y = torch.softmax(scores, dim=-1) @ v  # (B, Hkv, group, D)
-        y = y.reshape(B, 1, self.n_heads * self.head_dim)
-        return linear_t(y, *inference_weights(self, "out", (self.out_proj,)))
 
 
 # --------------------------------------------------------------------------------- feed-forward
@@ -300,13 +240,6 @@ class FeedForward(nn.Module):
         self.dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if _fast_path(self):  # plain functional calls; gate and up in one matmul
-            if self.swiglu:
-                g, u = linear_t(x, *inference_weights(self, "in", (self.gate, self.up))).chunk(2, dim=-1)
-                h = F.silu(g) * u
-            else:
-                h = self.activation(linear_t(x, *inference_weights(self, "in", (self.up,))))
-            return linear_t(h, *inference_weights(self, "down", (self.down,)))
         if self.swiglu:
             h = F.silu(self.gate(x)) * self.up(x)
         else:
@@ -426,7 +359,10 @@ class GPT(nn.Module):
         rope = None
         if cfg.positions == "rope":
             cos, sin = positions_of(self.rope_cos)[:, None], positions_of(self.rope_sin)[:, None]  # (B, 1, T, D/2)
-            rope = (cos, sin, torch.complex(cos, sin))
+            if cos.dtype not in (torch.float32, torch.float64):  # a bfloat16 model: angles in float32
+                cos, sin = cos.float(), sin.float()
+            # cos + i sin once per forward (not per layer); compiled code rotates in reals instead
+            rope = (cos, sin) if torch.compiler.is_compiling() else (cos, sin, torch.complex(cos, sin))
 
         mask = self._attention_mask(T, start, kv_cache, idx.device)
         for layer, block in enumerate(self.blocks):
@@ -438,10 +374,7 @@ class GPT(nn.Module):
             kv_cache.length = start + T
         if last_logits_only and targets is None:  # generation needs the next-token logits only
             x = x[:, -1:]
-        if _fast_path(self):
-            logits = linear_t(self.norm_f(x), *inference_weights(self, "head", (self.lm_head,)))
-        else:
-            logits = self.lm_head(self.norm_f(x))  # (B, T, V)
+        logits = self.lm_head(self.norm_f(x))  # (B, T, V)
         if cfg.logit_softcap is not None:  # smooth bound on the logits, |logit| <= cap
             logits = cfg.logit_softcap * torch.tanh(logits / cfg.logit_softcap)
 

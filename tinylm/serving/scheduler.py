@@ -32,6 +32,7 @@ from typing import Callable
 import torch
 
 from tinylm.generation.core import prefill
+from tinylm.generation.decode import decode_step, prepare_for_inference
 from tinylm.generation.generate import hits_stop_string
 from tinylm.generation.processors import GenerationConfig, HistoryProcessor
 from tinylm.generation.sampling import select_next
@@ -92,6 +93,7 @@ class Scheduler:
         self.rows: list[Row] = []  # in the order of the cache's batch dimension
         self.cache: KVCache | None = None
         self.pending: torch.Tensor | None = None  # (B,) each row's last token, not yet in the cache
+        self.prepared = None  # the model's decoding weights, checked again whenever rows join
         self.steps = 0  # decoding steps run (for tests and the health endpoint)
         self.max_rows_seen = 0
         self._stop = threading.Event()
@@ -185,11 +187,12 @@ class Scheduler:
                 self._compact()
             if self.cache.length >= self.cache.max_len:
                 self._resize(self.ctx)
-            positions = torch.tensor([r.cached for r in self.rows], dtype=torch.long)[:, None]
-            logits_old = model(self.pending[:, None], kv_cache=self.cache, position_ids=positions)[0][:, -1]
+            positions = torch.tensor([r.cached for r in self.rows], dtype=torch.long)
+            logits_old = decode_step(self.prepared, self.cache, self.pending, positions)
             for r in self.rows:
                 r.cached += 1
         if fresh:
+            self.prepared = prepare_for_inference(model)
             rows = [ids for _, ids in fresh]
             cache, logits_new, _ = prefill(model, rows, max(len(ids) for ids in rows))
             for (r, ids) in fresh:

@@ -1,0 +1,152 @@
+"""The static-shape decoding step: equal to the model's own forward, its prepared weights cached
+and rebuilt when they change, and the compiled step equal to the eager one token for token."""
+import json
+
+import pytest
+import torch
+
+from conftest import make_stories
+from tinylm.cli import main
+from tinylm.config import ModelConfig
+from tinylm.generation import GenerationConfig, generate_many
+from tinylm.generation.core import cache_slots, prefill
+from tinylm.generation.decode import decode_step, prepare_for_inference
+from tinylm.models.checkpoint import save_checkpoint
+from tinylm.models.gpt import GPT
+from tinylm.tokenizers.char import CharTokenizer
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+ARCHS = {
+    "gpt2": dict(),
+    "sinusoidal_relu": dict(positions="sinusoidal", ffn="relu"),
+    "llama_gqa": dict(positions="rope", norm="rmsnorm", ffn="swiglu", bias=False, n_kv_heads=2, tie_weights=False),
+    "round2": dict(positions="rope", norm="rmsnorm", ffn="relu2", bias=False, qk_norm=True, logit_softcap=15.0),
+    "narrow_embeddings": dict(d_embed=24, tie_weights=False, positions="none"),
+}
+
+
+def tiny(ctx=64, **arch):
+    torch.manual_seed(0)
+    return GPT(ModelConfig(vocab_size=61, context_length=ctx, d_model=32, n_layers=2, n_heads=4, **arch)).eval()
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_step_logits_equal_the_full_forward_on_a_left_padded_batch(arch):
+    model = tiny(**ARCHS[arch])
+    rows = [[2, 7, 11, 5, 9], [3, 4]]
+    seqs = [list(r) for r in rows]
+    with torch.inference_mode():
+        cache, last, positions = prefill(model, rows, 40)
+        prepared = prepare_for_inference(model)
+        for _ in range(25):
+            nxt = last.argmax(-1)
+            for s, t in zip(seqs, nxt.tolist()):
+                s.append(t)
+            last = decode_step(prepared, cache, nxt, positions)
+            positions += 1
+            for i, s in enumerate(seqs):  # each row alone, recomputed from scratch
+                full = model(torch.tensor([s]))[0][0, -1]
+                torch.testing.assert_close(last[i], full, atol=2e-5, rtol=0)
+    assert cache.length == 5 + 25
+
+
+def test_step_matches_the_forward_in_float64():
+    model = tiny(**ARCHS["llama_gqa"]).double()
+    with torch.inference_mode():
+        cache, last, _ = prefill(model, [[2, 7, 11]], 8)
+        step = decode_step(prepare_for_inference(model), cache, torch.tensor([5]))
+        full = model(torch.tensor([[2, 7, 11, 5]]))[0][0, -1]
+    assert step.dtype == torch.float64
+    torch.testing.assert_close(step[0], full, atol=1e-12, rtol=0)
+
+
+def test_prepared_weights_are_reused_until_a_weight_changes():
+    model = tiny()
+    first = prepare_for_inference(model)
+    assert prepare_for_inference(model) is first
+    with torch.no_grad():
+        model.blocks[0].ffn.up.weight.add_(0.5)  # an optimizer step changes weights in place
+    second = prepare_for_inference(model)
+    assert second is not first
+    expected = model.blocks[0].ffn.up.weight.t()
+    assert torch.equal(second.layers[0].ffn_in[0], expected)
+    model.load_state_dict(tiny().state_dict())
+    assert prepare_for_inference(model) is not second
+
+
+def test_a_full_cache_is_refused_with_a_clear_error():
+    model = tiny()
+    with torch.inference_mode():
+        cache, _, _ = prefill(model, [[2, 3, 4]], 3)
+        with pytest.raises(ValueError, match="KV cache is full"):
+            decode_step(prepare_for_inference(model), cache, torch.tensor([5]))
+
+
+def test_compiled_cache_sizes_are_powers_of_two_within_the_context():
+    assert cache_slots(256, 37, static=False) == 37
+    assert cache_slots(256, 37, static=True) == 64
+    assert cache_slots(256, 200, static=True) == 256
+    assert cache_slots(100, 90, static=True) == 100
+
+
+def test_bfloat16_model_decodes_with_float32_softmax_and_stays_close():
+    model = tiny(**ARCHS["llama_gqa"])
+    cfg = GenerationConfig(max_new_tokens=12, temperature=0)
+    ref = generate_many(model, [[2, 7, 11]], cfg)[0].tokens
+    half = generate_many(tiny(**ARCHS["llama_gqa"]).to(torch.bfloat16), [[2, 7, 11]], cfg)[0].tokens
+    assert len(half) == 12
+    assert half[:3] == ref[:3]  # an untrained model's logits are close together: only the start must agree
+
+
+# ---------------------------------------------------------------------------------------- compiled
+@pytest.mark.slow  # two compilations (~20 s each on a 2-core CPU)
+def test_compiled_decoding_equals_eager_token_for_token():
+    model = tiny(ctx=128, **ARCHS["llama_gqa"])
+    padded = [[2, 7, 11, 5, 9, 4, 8], [3, 4]]  # left-padded batch: key mask and per-row positions
+    runs = {
+        "greedy": ([[2, 7, 11, 5, 9, 4, 8], [3, 4]], dict(temperature=0)),
+        "seeded_sampling": (padded, dict(temperature=0.9, top_k=20, seed=3)),
+        "beam5": ([[2, 7, 11]], dict(temperature=0, beam_width=5, num_return_sequences=5)),
+    }
+    for name, (prompts, knobs) in runs.items():
+        eager = generate_many(model, prompts, GenerationConfig(max_new_tokens=40, **knobs))
+        compiled = generate_many(model, prompts, GenerationConfig(max_new_tokens=40, compile=True, **knobs))
+        assert [r.tokens for r in compiled] == [r.tokens for r in eager], name
+        assert all(len(r.tokens) == 40 for r in eager), name
+        if name == "beam5":
+            assert [r.score for r in compiled] == pytest.approx([r.score for r in eager], abs=1e-5)
+
+
+@pytest.fixture(scope="module")
+def saved_model(tmp_path_factory):
+    stories = make_stories(20)
+    tok = CharTokenizer().train(stories)
+    torch.manual_seed(0)
+    model = GPT(ModelConfig(vocab_size=tok.vocab_size, context_length=64, d_model=32, n_layers=2, n_heads=4))
+    path = tmp_path_factory.mktemp("decode") / "model"
+    save_checkpoint(path, model, tok)
+    return path
+
+
+def _generate_json(capsys, path, *extra):
+    code = main(["generate", "--checkpoint", str(path), "--prompt", "Once upon", "--max-new-tokens", "20",
+                 "--temperature", "0", "--json", *extra])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    return json.loads(out.splitlines()[0]), err
+
+
+def test_cli_bfloat16_decoding_runs(saved_model, capsys):
+    ref, _ = _generate_json(capsys, saved_model)
+    half, _ = _generate_json(capsys, saved_model, "--dtype", "bfloat16")
+    assert half["tokens"] == ref["tokens"] == 20
+    assert half["text"].startswith("Once upon")
+
+
+@pytest.mark.slow  # one compilation
+def test_cli_compile_prints_its_compile_time_and_the_same_tokens(saved_model, capsys):
+    ref, _ = _generate_json(capsys, saved_model)
+    compiled, err = _generate_json(capsys, saved_model, "--compile")
+    assert compiled["token_ids"] == ref["token_ids"]
+    assert "compiled the decoding step for batch 1" in err
