@@ -57,7 +57,7 @@ COMPILED_MODES = ("greedy_cache", "sample_cache", "beam5")
 HF_COMPILED_MODES = ("greedy_cache",)
 
 
-def build_models(vocab: int, ctx: int, d_model: int, layers: int, heads: int):
+def build_models(vocab: int, ctx: int, d_model: int, layers: int, heads: int, device: str = "cpu"):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
@@ -66,7 +66,7 @@ def build_models(vocab: int, ctx: int, d_model: int, layers: int, heads: int):
     hf = GPT2LMHeadModel(cfg).eval()
     hf.generation_config.eos_token_id = None  # never stop early: every row makes exactly new_tokens
     hf.generation_config.pad_token_id = 0
-    return hf, from_hf_gpt2(hf)
+    return hf.to(device), from_hf_gpt2(hf).to(device)
 
 
 def run_tinylm(model, prompts, mode, new_tokens, compile=False):
@@ -78,7 +78,7 @@ def run_tinylm(model, prompts, mode, new_tokens, compile=False):
 
 def run_hf(hf, prompts, mode, new_tokens, compile=False):
     m = MODES[mode]
-    x = torch.tensor(prompts)
+    x = torch.tensor(prompts, device=hf.device)
     kw = dict(attention_mask=torch.ones_like(x), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
               use_cache=m["use_cache"], num_beams=m.get("beam_width", 1), eos_token_id=None, pad_token_id=0)
     if compile:  # HF compiles its forward itself for a static cache; on CPU it has to be told to
@@ -95,6 +95,7 @@ def run_hf(hf, prompts, mode, new_tokens, compile=False):
     t0 = time.perf_counter()
     with torch.inference_mode():
         out = hf.generate(x, **kw)
+    out = out.cpu()  # waits for the device
     return time.perf_counter() - t0, [row[x.shape[1]:].tolist() for row in out]
 
 
@@ -295,6 +296,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="small version (under 60 s): 32 new tokens, batch 1 and 4")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--device", default="cpu", help="cpu or cuda (the llama2.c tables stay on the CPU)")
     p.add_argument("--json", type=Path, help="write all rows as a JSON list")
     p.add_argument("--repeats", type=int, default=None, help="alternating runs per cell (median reported)")
     p.add_argument("--llama2c", type=Path, help="a compiled llama2.c `run` binary to time beside tinylm")
@@ -324,9 +326,10 @@ def main(argv=None) -> int:
 
     transformers.logging.set_verbosity_error()
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, threads {torch.get_num_threads()}, "
+          f"device {args.device}" + (f" ({torch.cuda.get_device_name()})" if args.device == "cuda" else "") + ", "
           f"model {dims}, repeats {args.repeats}", flush=True)
     t0 = time.perf_counter()
-    hf, model = build_models(**dims)
+    hf, model = build_models(**dims, device=args.device)
     print(f"parameters: {model.num_parameters():,}")
     rows = generation_table(hf, model, args)
     print("KV-cache speed-up (tinylm, greedy, batch 1):")

@@ -150,3 +150,21 @@ def test_cli_compile_prints_its_compile_time_and_the_same_tokens(saved_model, ca
     compiled, err = _generate_json(capsys, saved_model, "--compile")
     assert compiled["token_ids"] == ref["token_ids"]
     assert "compiled the decoding step for batch 1" in err
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_step_matches_the_forward_and_compiled_equals_eager():
+    model = tiny(ctx=128, **ARCHS["llama_gqa"]).cuda()
+    prompts = [[2, 7, 11, 5, 9, 4, 8], [3, 4]]
+    with torch.inference_mode():
+        cache, last, positions = prefill(model, prompts, 16)
+        step = decode_step(prepare_for_inference(model), cache, last.argmax(-1), positions)
+        for i, p in enumerate(prompts):
+            full = model(torch.tensor([p + [int(last[i].argmax())]], device="cuda"))[0][0, -1]
+            torch.testing.assert_close(step[i], full, atol=1e-4, rtol=0)
+    for knobs in (dict(temperature=0), dict(temperature=0.9, top_k=20, seed=3), dict(temperature=0, beam_width=5)):
+        rows = prompts if knobs.get("beam_width", 1) == 1 else prompts[:1]
+        eager = generate_many(model, rows, GenerationConfig(max_new_tokens=40, **knobs))
+        compiled = generate_many(model, rows, GenerationConfig(max_new_tokens=40, compile=True, **knobs))
+        assert [r.tokens for r in compiled] == [r.tokens for r in eager], knobs

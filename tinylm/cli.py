@@ -46,6 +46,7 @@ from tinylm.studies.tinystories import PARTS, load_experiment_config, run_experi
 from tinylm.studies.tinystories_report import write_report as write_experiments_report
 from tinylm.tokenizers.io import load_tokenizer
 from tinylm.tokenizers.stats import collect, format_table, train_spec
+from tinylm.training.precision import PRECISIONS
 from tinylm.training.resume import resume_run_config
 
 log = logging.getLogger("tinylm")
@@ -247,11 +248,16 @@ def prepare(a: RunOptions) -> int:
 class TrainOptions(RunOptions):
     resume: str | None = opt("continue from a checkpoint (or the newest one in a run directory)", metavar="DIR")
     force: bool = opt("with --resume: accept changed keys such as train.max_steps")
+    precision: str | None = opt("the same as train.precision=... (fp32, bf16 autocast, fp16 on CUDA)",
+                                choices=list(PRECISIONS))
+    compile: bool = opt("the same as train.compile=true: torch.compile the training step")
 
 
 @command("train")
 def train(a: TrainOptions) -> int:
     """Prepare (cached), train, evaluate, sample and report."""
+    shortcuts = ([f"train.precision={a.precision}"] if a.precision else []) + (["train.compile=true"] if a.compile else [])
+    a = dataclasses.replace(a, overrides=list(a.overrides) + shortcuts)
     if a.resume:
         cfg, ckpt, _ = resume_run_config(a.resume, a.config, a.overrides, force=a.force, quick=a.quick)
         if a.out:
@@ -295,6 +301,10 @@ class GenerateOptions(ModelOptions):
     stream: bool = opt("print text as tokens arrive")
     json: bool = opt("one JSON object per result (text, tokens, tokens_per_s)")
     threads: int | None = opt("torch threads (default: torch's choice)", minimum=1)
+    compile: bool = opt("compile the decoding step with torch.compile (paid once per batch shape; "
+                        "the time is printed)")
+    dtype: str = opt("weights for decoding: bfloat16 halves their memory and shifts the numbers "
+                     "slightly (bits per byte: benchmarks/bench_generate.py)", "float32", choices=["float32", "bfloat16"])
 
 
 def _read_prompts(a: GenerateOptions) -> list[str]:
@@ -319,6 +329,8 @@ def generate(a: GenerateOptions) -> int:
     if a.threads:
         torch.set_num_threads(a.threads)
     model, tokenizer, _ = load_any_checkpoint(a.checkpoint, a.tokenizer)
+    if a.dtype == "bfloat16":
+        model = model.to(torch.bfloat16)
     prompts = _read_prompts(a)
     shared = {f.name for f in dataclasses.fields(GenerationConfig)} & {f.name for f in dataclasses.fields(a)}
     try:

@@ -188,6 +188,8 @@ class TrainConfig:
     seed: int = 1337
     device: str = "auto"  # auto | cpu | cuda | cuda:N | mps
     precision: str = "fp32"  # fp32 | bf16 | fp16
+    # torch.compile forward, loss and backward (each block alone under grad_checkpointing with the
+    # tinylm implementation) and use AdamW's fused kernel
     compile: bool = False
     grad_checkpointing: bool = False
     checkpoint_impl: str = "tinylm"  # tinylm (our autograd.Function) | torch (reference)

@@ -6,7 +6,7 @@ transposed, (in, out) contiguous: one ``addmm`` per projection, and the layout m
 faster than ``nn.Linear``'s (out, in) for decoding-sized inputs on CPU. The result is cached on
 the model (one extra copy of the weights, never saved) and rebuilt when any weight changes.
 
-``decode_step(model, cache, tokens, positions)`` feeds one token per row: it writes the new keys
+``decode_step(prepared, cache, tokens, positions)`` feeds one token per row: it writes the new keys
 and values into the preallocated ``KVCache`` at a slot given as a tensor, attends over *every*
 slot of the cache under a mask (slots not yet filled, and padding, are masked out), and returns
 the next-token logits. All shapes are fixed by (batch, cache slots), so the same step compiles
@@ -28,13 +28,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from tinylm.models.gpt import GPT, KVCache, apply_rope, relu_squared, rms_normalize
-
-def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
-    return F.gelu(x, approximate="tanh")
-
-
-_ACTIVATIONS = {"gelu": _gelu_tanh, "relu": F.relu, "relu2": relu_squared}
+from tinylm.models.gpt import GPT, KVCache, apply_rope, rms_normalize
 
 
 def _transposed(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -63,7 +57,7 @@ class Prepared:
     head_dim: int
     qk_norm: bool
     swiglu: bool
-    activation: Callable
+    activation: Callable  # the feed-forward's own (GELU, ReLU, ReLU^2); SwiGLU is spelled out
     logit_softcap: float | None
     tok_emb: torch.Tensor  # (V, d_embed)
     embed_proj: torch.Tensor | None  # (d_embed, C)
@@ -114,7 +108,7 @@ def prepare_for_inference(model: GPT) -> Prepared:
     rope = cfg.positions == "rope"
     prepared = Prepared(
         n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads, head_dim=head_dim, qk_norm=cfg.qk_norm,
-        swiglu=cfg.ffn == "swiglu", activation=_ACTIVATIONS.get(cfg.ffn, _gelu_tanh),
+        swiglu=cfg.ffn == "swiglu", activation=model.blocks[0].ffn.activation,
         logit_softcap=cfg.logit_softcap, tok_emb=model.tok_emb.weight,
         embed_proj=model.embed_proj.weight.t().contiguous() if model.embed_proj is not None else None,
         pos_table=pos_table() if pos_table else None,
@@ -209,6 +203,25 @@ def compiled_step_logits(device_type: str) -> Callable:
     return _compiled[device_type]
 
 
+def _mark_static(prepared: Prepared, cache: KVCache) -> None:
+    """Tell CUDA graphs that the weights and the cache keep their addresses from step to step: the
+    graph then reads them in place and may write the cache (a graph over inputs it must copy in
+    refuses in-place writes and would not be used)."""
+    import torch._dynamo
+
+    marked = (id(prepared), cache.k[0].data_ptr())  # a beam search's first reorder makes new cache tensors
+    if getattr(cache, "_marked_static", None) == marked:
+        return
+    weights = [prepared.tok_emb, prepared.head, prepared.embed_proj, prepared.pos_table, prepared.rope_cos,
+               prepared.rope_sin]
+    for layer in prepared.layers:
+        weights += [*layer.qkv, *layer.out, *layer.ffn_in, *layer.ffn_down]
+    for t in (*weights, *cache.k, *cache.v):
+        if t is not None:
+            torch._dynamo.mark_static_address(t)
+    cache._marked_static = marked
+
+
 def decode_step(prepared: Prepared, cache: KVCache, tokens: torch.Tensor, positions: torch.Tensor | None = None,
                 compile: bool = False) -> torch.Tensor:
     """Feed ``tokens`` (B,) into ``cache`` at its next slot; returns the next-token logits (B, V).
@@ -231,6 +244,7 @@ def decode_step(prepared: Prepared, cache: KVCache, tokens: torch.Tensor, positi
         t0 = time.perf_counter()
         cuda = tokens.device.type == "cuda"
         if cuda:  # CUDA graphs: a new step may reuse the last step's output memory
+            _mark_static(prepared, cache)
             torch.compiler.cudagraph_mark_step_begin()
         logits = compiled_step_logits(tokens.device.type)(*args)
         if cuda:

@@ -91,5 +91,24 @@ def enable_grad_checkpointing(model: nn.Module, impl: str = "tinylm") -> None:
     model.checkpoint_fn = make_checkpoint_fn(impl)
 
 
+def compiled_tinylm_checkpoint(compile_options: dict | None = None) -> Callable:
+    """Our checkpoint Function around compiled blocks (``train.compile`` with ``checkpoint_impl: tinylm``).
+
+    Dynamo cannot trace into ``CheckpointedBlock`` (it reads and restores RNG states), and a graph
+    break inside the loop over blocks makes a compiled whole model fall back to eager altogether.
+    So the Function stays ours and eager, and the block it runs (forward under no_grad, the
+    recomputation with grad) is ``torch.compile``d: one compiled graph serves every block of the
+    same shape. Parameters are the block's own, so gradients flow as with the plain Function."""
+    compiled: dict[int, nn.Module] = {}
+
+    def checkpoint_fn(block: nn.Module, x: torch.Tensor, rope=None, mask=None) -> torch.Tensor:
+        fast = compiled.get(id(block))
+        if fast is None:
+            fast = compiled[id(block)] = torch.compile(block, options=compile_options)
+        return CheckpointedBlock.apply(fast, rope, mask, x, *block.parameters())
+
+    return checkpoint_fn
+
+
 def disable_grad_checkpointing(model: nn.Module) -> None:
     model.checkpoint_fn = None

@@ -37,7 +37,7 @@ from tinylm.models.gpt import GPT, eval_mode
 from tinylm.training import distributed as dist_utils
 from tinylm.training.distributed import DistContext, all_reduce_sum, shard_rows
 from tinylm.training.ema import EMA
-from tinylm.training.grad_checkpoint import enable_grad_checkpointing, make_checkpoint_fn
+from tinylm.training.grad_checkpoint import compiled_tinylm_checkpoint, enable_grad_checkpointing, make_checkpoint_fn
 from tinylm.training.metrics import EPOCH_COLUMNS, MetricsLog
 from tinylm.training.optim import lr_at, make_optimizer, wall_schedule_enabled
 from tinylm.training.precision import autocast, check_precision, make_grad_scaler
@@ -177,6 +177,25 @@ def validation_loss(model, batches: Batches, cfg: RunConfig, device, precision: 
     return total / max(count, 1)
 
 
+# dropout in compiled code draws from torch's generator exactly as eager code does: a compiled run
+# masks the same units as an eager one, recomputation under checkpointing sees the same masks,
+# and resume (which restores the generator) stays exact
+COMPILE_OPTIONS = {"fallback_random": True}
+
+
+def compile_for_training(model: GPT, run_model, tc):
+    """``train.compile``: forward, loss and backward through ``torch.compile`` (inductor).
+
+    The whole model (or its DDP wrapper) is compiled, except with our own gradient checkpointing,
+    whose autograd Function Dynamo cannot trace: then each block is compiled and the Function
+    stays ours (``compiled_tinylm_checkpoint``). The optimizer step is AdamW's fused kernel
+    (``make_optimizer``), not a compiled one: see docs/training.md for the measurements."""
+    if tc.grad_checkpointing and tc.checkpoint_impl == "tinylm":
+        model.checkpoint_fn = compiled_tinylm_checkpoint(COMPILE_OPTIONS)
+        return run_model
+    return torch.compile(run_model, options=COMPILE_OPTIONS)
+
+
 def _restore_ema(ema: EMA, ckpt: Path) -> None:
     """The average saved with a resumable checkpoint (a run resumed with EMA must have saved one)."""
     where = ckpt / "ema.safetensors"
@@ -285,9 +304,10 @@ def _train(cfg: RunConfig, prepared: Prepared, out_dir: Path, say, resume, force
     ddp_model = dist_utils.wrap_ddp(model, ctx, device) if ctx.enabled else None
     run_model = ddp_model if ddp_model is not None else model
     if tc.compile:
-        run_model = torch.compile(run_model)
+        run_model = compile_for_training(model, run_model, tc)
     say(f"train: {model.num_parameters():,} parameters on {device}, context {T}, batch {batch_size} x "
         f"{tc.grad_accum_steps} accumulation x {ctx.world_size} process(es), {tc.precision}"
+        + (", torch.compile" if tc.compile else "")
         + (f", gradient checkpointing ({tc.checkpoint_impl})" if tc.grad_checkpointing else ""))
 
     ckpt_dir = out_dir / "checkpoints"
