@@ -185,7 +185,7 @@ def llama2c_rows(args) -> list[dict]:
     prompt = "Once upon a time"
     ids = [1] + tok.encode(prompt)
     steps = 256  # run.c's -n counts every position, prompt included
-    new = steps - len(ids)
+    new = steps - len(ids) + 1  # run.c picks a token at each of its steps positions; those after the prompt are new
     variants = {"tinylm": False, "tinylm_compiled": True} if args.compiled else {"tinylm": False}
     rows, texts = [], {}
     for system, compile in variants.items():
@@ -302,9 +302,12 @@ def main(argv=None) -> int:
     p.add_argument("--llama2c", type=Path, help="a compiled llama2.c `run` binary to time beside tinylm")
     p.add_argument("--llama2c-dir", type=Path, default=SHARED_LLAMA2C, help="folder with stories260K.bin and tok512.bin")
     p.add_argument("--skip-llama2c", action="store_true")
+    p.add_argument("--skip-bfloat16", action="store_true", help="leave out the bfloat16 table (it scores valid.txt twice)")
     p.add_argument("--compiled", action=argparse.BooleanOptionalAction, default=None,
                    help="time the compiled systems too (default: on, off with --quick: compiling takes minutes)")
     p.add_argument("--valid", type=Path, default=SHARED_VALID, help="TinyStories valid.txt for the bfloat16 table")
+    p.add_argument("--modes", dest="modes_arg", help=f"comma-separated subset of {','.join(MODES)}")
+    p.add_argument("--batches", dest="batches_arg", help="comma-separated batch sizes (default: 1,16; --quick: 1,4)")
     args = p.parse_args(argv)
     if args.compiled is None:
         args.compiled = not args.quick
@@ -322,6 +325,13 @@ def main(argv=None) -> int:
         args.repeats = args.repeats or 3
         args.bf16_stories = None  # every story
         dims = dict(vocab=4096, ctx=512, d_model=256, layers=4, heads=8)
+    if args.modes_arg:
+        args.modes = [m for m in args.modes_arg.split(",") if m]
+        unknown = set(args.modes) - set(MODES)
+        if unknown:
+            p.error(f"unknown mode(s) {', '.join(sorted(unknown))}; choose from {', '.join(MODES)}")
+    if args.batches_arg:
+        args.batches = [int(b) for b in args.batches_arg.split(",")]
     import transformers
 
     transformers.logging.set_verbosity_error()
@@ -337,8 +347,9 @@ def main(argv=None) -> int:
     if not args.skip_llama2c:
         print("stories260K (llama2.c checkpoint):")
         rows += llama2c_rows(args)
-        print("bfloat16 decoding (stories260K):")
-        rows += bfloat16_rows(args)
+        if not args.skip_bfloat16:
+            print("bfloat16 decoding (stories260K):")
+            rows += bfloat16_rows(args)
     print_table(rows)
     print(f"\nbenchmark took {time.perf_counter() - t0:.0f} s")
     if args.json:

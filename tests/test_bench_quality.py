@@ -149,7 +149,8 @@ def test_recipes_are_trained_for_the_same_minutes_and_scored(files, tmp_path, ca
     train.write_text("".join(f"{s}\n<|endoftext|>\n" for s in make_stories(80)), encoding="utf-8")
     shrink = ["model.d_model=32", "model.n_heads=4", "model.n_layers=1", "model.d_ff=64", "model.context_length=32",
               "tokenizer.vocab_size=300", "train.batch_size=4", "train.eval_interval=5", "train.eval_batches=1",
-              "train.threads=1", "train.warmup_steps=2", "sample.max_new_tokens=2"]
+              "train.threads=1", "train.warmup_steps=2", "sample.max_new_tokens=2",
+              "train.compile=false"]  # compiling (tens of seconds) would outlast the 2.4-second budget
     out_json = tmp_path / "rows.json"
     rc = bench.main(["--recipe", "v1", "--recipe", "current", "--minutes", "0.04", "--train", str(train),
                      "--data", str(files["data"]), "--anchors", str(files["anchors"]), "--runs", str(tmp_path / "runs"),

@@ -43,10 +43,14 @@ def fit_prompts(prompts: Iterable[Iterable[int]], context_length: int) -> list[l
     return rows
 
 
+CACHE_BUCKET = 64
+
+
 def cache_slots(context_length: int, needed: int, static: bool) -> int:
     """KV-cache slots for a generation that needs ``needed``: exactly that, or with ``static``
-    (a compiled step: one compilation per cache size) the next power of two, at most the context."""
-    return min(context_length, 1 << (needed - 1).bit_length() if static else needed)
+    (a compiled step: one compilation per cache size) rounded up to a multiple of 64, at most the
+    context. The step reads every slot, so a coarser rounding would cost memory traffic."""
+    return min(context_length, -(-needed // CACHE_BUCKET) * CACHE_BUCKET if static else needed)
 
 
 def prefill(model, rows: list[list[int]], max_len: int):

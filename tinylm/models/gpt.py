@@ -143,15 +143,19 @@ class KVCache:
     def reorder(self, rows: torch.Tensor) -> None:
         """Keep / duplicate batch rows (beam search): row i becomes old row ``rows[i]``.
 
-        With an unchanged batch size only the filled slots are copied, in place (a beam step
-        must not reallocate the whole preallocated cache); a new size (e.g. one prompt row
-        expanded to k beams) builds new tensors.
+        With an unchanged batch size only the rows that change and only their filled slots are
+        copied, in place (a beam step must not reallocate or rewrite the whole preallocated cache;
+        most beams keep their own row); a new size (e.g. one prompt row expanded to k beams)
+        builds new tensors.
         """
         if rows.numel() == self.batch_size and self.length > 0:
             n = self.length
-            for cache in (self.k, self.v):
-                for t in cache:
-                    t[:, :, :n] = t[:, :, :n].index_select(0, rows)
+            moved = (rows != torch.arange(rows.numel(), device=rows.device)).nonzero().squeeze(1)
+            if moved.numel():
+                sources = rows.index_select(0, moved)
+                for t in (*self.k, *self.v):
+                    filled = t[:, :, :n]
+                    filled.index_copy_(0, moved, filled.index_select(0, sources))
         else:
             self.k = [k.index_select(0, rows) for k in self.k]
             self.v = [v.index_select(0, rows) for v in self.v]
