@@ -195,7 +195,7 @@ def compiled_step_logits(device_type: str) -> Callable:
     """``step_logits`` under ``torch.compile`` (one compiled function per process and device type;
     each new shape compiles on its first call)."""
     if device_type not in _compiled:
-        import torch._dynamo
+        import torch._dynamo  # deferred: eager decoding never loads the compiler stack
 
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
         _compiled[device_type] = torch.compile(step_logits, dynamic=False, fullgraph=True,
@@ -207,7 +207,7 @@ def _mark_static(prepared: Prepared, cache: KVCache) -> None:
     """Tell CUDA graphs that the weights and the cache keep their addresses from step to step: the
     graph then reads them in place and may write the cache (a graph over inputs it must copy in
     refuses in-place writes and would not be used)."""
-    import torch._dynamo
+    import torch._dynamo  # deferred: eager decoding never loads the compiler stack
 
     marked = (id(prepared), cache.k[0].data_ptr())  # a beam search's first reorder makes new cache tensors
     if getattr(cache, "_marked_static", None) == marked:
