@@ -270,26 +270,27 @@ def print_table(rows: list[dict]) -> None:
             print(f"| {mode} | {batch} | " + " | ".join(f"{speed[n]:.1f}" if n in speed else "-" for n in names) +
                   f" | {speed['tinylm'] / speed['hf_transformers']:.2f}x | {best_ours / speed['hf_transformers']:.2f}x"
                   f" | {best_ours / best_hf:.2f}x | {same} |")
-    kv = [r for r in rows if r["table"] == "kv_cache_speedup"]
-    if kv:
-        print("\n| total length | cache tok/s | no cache tok/s | speed-up |")
-        print("|---:|---:|---:|---:|")
-        for r in kv:
-            print(f"| {r['total_length']} | {r['cache_tokens_per_s']:.1f} | {r['nocache_tokens_per_s']:.1f} | {r['speedup']:.2f}x |")
-    ll = [r for r in rows if r["table"] == "llama2c"]
-    if ll:
-        print("\n| system (stories260K) | new tokens | tok/s | / run.c | same text as run.c |")
-        print("|---|---:|---:|---:|---|")
-        for r in ll:
-            print(f"| {r['system']} | {r['new_tokens']} | {r['tokens_per_s']:.1f} | {r.get('vs_llama2c_run', '-')} | "
-                  f"{r['same_tokens_as_reference']} |")
-    bf = [r for r in rows if r["table"] == "bfloat16"]
-    if bf:
-        print("\n| stories260K weights | stories (valid.txt) | bpb | change | greedy tok/s | same greedy tokens |")
-        print("|---|---:|---:|---:|---:|---|")
-        for r in bf:
-            print(f"| {r['dtype']} | {r['stories']} | {r['bpb']:.5f} | {r['bpb_change']:+.5f} | {r['tokens_per_s']:.1f} | "
-                  f"{r['same_tokens_as_float32']} |")
+    markdown_table(rows, "kv_cache_speedup", ["total length", "cache tok/s", "no cache tok/s", "speed-up"], "rrrr",
+                   lambda r: [r["total_length"], f"{r['cache_tokens_per_s']:.1f}", f"{r['nocache_tokens_per_s']:.1f}",
+                              f"{r['speedup']:.2f}x"])
+    markdown_table(rows, "llama2c", ["system (stories260K)", "new tokens", "tok/s", "/ run.c", "same text as run.c"],
+                   "lrrrl", lambda r: [r["system"], r["new_tokens"], f"{r['tokens_per_s']:.1f}",
+                                       r.get("vs_llama2c_run", "-"), r["same_tokens_as_reference"]])
+    markdown_table(rows, "bfloat16", ["stories260K weights", "stories (valid.txt)", "bpb", "change", "greedy tok/s",
+                                      "same greedy tokens"], "lrrrrl",
+                   lambda r: [r["dtype"], r["stories"], f"{r['bpb']:.5f}", f"{r['bpb_change']:+.5f}",
+                              f"{r['tokens_per_s']:.1f}", r["same_tokens_as_float32"]])
+
+
+def markdown_table(rows: list[dict], table: str, header: list[str], align: str, cells) -> None:
+    """Print the rows of one table as markdown (``align``: l or r per column); nothing if it has none."""
+    rows = [r for r in rows if r["table"] == table]
+    if not rows:
+        return
+    print("\n| " + " | ".join(header) + " |")
+    print("|" + "|".join("---:" if a == "r" else "---" for a in align) + "|")
+    for r in rows:
+        print("| " + " | ".join(str(c) for c in cells(r)) + " |")
 
 
 def main(argv=None) -> int:

@@ -72,7 +72,7 @@ from tinylm.models.gpt import GPT  # noqa: E402
 from tinylm.training.grad_checkpoint import enable_grad_checkpointing  # noqa: E402
 from tinylm.training.memory import ActivationMeter, cuda_peak_bytes, cuda_peak_scope  # noqa: E402
 from tinylm.training.optim import make_optimizer, param_groups  # noqa: E402
-from tinylm.training.trainer import accumulate_gradients  # noqa: E402
+from tinylm.training.trainer import accumulate_gradients, compile_for_training  # noqa: E402
 
 SHARED = HERE.parents[1] / "shared"
 TINYSTORIES = SHARED / "data" / "tinystories"
@@ -185,15 +185,19 @@ def train_row(row: str, s: Sizes, train_tokens, initial_state, tcfg: TrainConfig
 
 
 @torch.no_grad()
-def held_out_loss(model, valid_tokens, s: Sizes) -> float:
+def loss_on(model, batches) -> float:
+    """Mean token loss of ``model`` (eval mode, fp32) over ``batches`` of (x, y)."""
     model.eval()
     total, count = 0.0, 0
-    for i in range(4):
-        x, y = batch_at(valid_tokens, i, s.batch, s.context, seed=2)
+    for x, y in batches:
         _, loss = model(x, y, loss_reduction="sum")
         total, count = total + float(loss), count + y.numel()
     model.train()
     return total / count
+
+
+def held_out_loss(model, valid_tokens, s: Sizes) -> float:
+    return loss_on(model, (batch_at(valid_tokens, i, s.batch, s.context, seed=2) for i in range(4)))
 
 
 def activation_bytes(row: str, s: Sizes, train_tokens, initial_state) -> tuple[int, int | None]:
@@ -374,8 +378,9 @@ class RoofRow:
         self.compile = setting.endswith("_compile")
         self.model = model
         self.initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
-        self.run = torch.compile(model, options={"fallback_random": True}) if self.compile else model
         self.tcfg = TrainConfig(lr=1e-3, weight_decay=0.1, beta1=0.9, beta2=0.95, grad_clip=1.0, compile=self.compile)
+        # the trainer's own compile call: the reference gets the same help
+        self.run = compile_for_training(model, model, self.tcfg) if self.compile else model
         self.seconds: list[float] = []
         self.warmup_s = 0.0
 
@@ -394,15 +399,6 @@ class RoofRow:
         sync(self.device)
         return time.perf_counter() - start
 
-    @torch.no_grad()
-    def held_out_loss(self, batches: list) -> float:
-        self.model.eval()
-        total, count = 0.0, 0
-        for x, y in batches:
-            _, loss = self.model(x, y, loss_reduction="sum")
-            total, count = total + float(loss), count + y.numel()
-        self.model.train()
-        return total / count
 
 
 def roofline_table(args) -> None:
@@ -455,7 +451,7 @@ def roofline_table(args) -> None:
                 row.seconds.append(row.train(batches))
                 print(f"  {row.name}: {row.seconds[-1]:.2f} s", file=sys.stderr, flush=True)
         for row in size_rows:
-            final[row.name] = row.held_out_loss(held_out)
+            final[row.name] = loss_on(row.model, held_out)
         rows += size_rows
 
     table = [{"config": f"matmul_peak_{label}", "flop_s": round(p["flop_s"]), "best_shape": p["best_shape"],

@@ -114,3 +114,26 @@ def tiny_run_config(out_dir, train_file, **train_overrides) -> RunConfig:
     for k, v in train_overrides.items():
         setattr(cfg.train, k, v)
     return cfg
+
+
+def prepared_stories_run(root, **train_overrides):
+    """(config, Prepared) for a tiny run on ``make_stories()`` written under ``root``: the shared
+    start of the trainer tests' module-scoped fixtures."""
+    from tinylm.data.prepare import prepare
+
+    data = root / "stories.txt"
+    data.write_text("".join(f"{s}\n<|endoftext|>\n" for s in make_stories()), encoding="utf-8")
+    cfg = tiny_run_config(root / "prep", data, **train_overrides)
+    return cfg, prepare(cfg, root / "prep")
+
+
+def with_overrides(base: RunConfig, model: dict | None = None, **train) -> RunConfig:
+    """A deep copy of ``base`` with these train (and model) fields set."""
+    import copy
+
+    cfg = copy.deepcopy(base)
+    for k, v in train.items():
+        setattr(cfg.train, k, v)
+    for k, v in (model or {}).items():
+        setattr(cfg.model, k, v)
+    return cfg

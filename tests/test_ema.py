@@ -5,9 +5,8 @@ import copy
 import pytest
 import torch
 
-from conftest import make_stories, tiny_run_config
+from conftest import prepared_stories_run
 from tinylm.config import ModelConfig
-from tinylm.data.prepare import prepare
 from tinylm.errors import TinyLMError
 from tinylm.models.checkpoint import load_checkpoint, model_state
 from tinylm.models.gpt import GPT
@@ -41,13 +40,10 @@ def test_ema_follows_its_formula():
 
 @pytest.fixture(scope="module")
 def prepared_run(tmp_path_factory):
-    root = tmp_path_factory.mktemp("ema")
-    data = root / "stories.txt"
-    data.write_text("".join(f"{s}\n<|endoftext|>\n" for s in make_stories()), encoding="utf-8")
-    cfg = tiny_run_config(root / "prep", data, threads=1, max_steps=12, save_interval=4, eval_interval=4,
-                          keep_last=5, optimizer="muon", ema_decay=0.8)
+    cfg, prepared = prepared_stories_run(tmp_path_factory.mktemp("ema"), threads=1, max_steps=12, save_interval=4,
+                                         eval_interval=4, keep_last=5, optimizer="muon", ema_decay=0.8)
     cfg.model.dropout = 0.1  # resume must also restore the dropout stream
-    return cfg, prepare(cfg, root / "prep")
+    return cfg, prepared
 
 
 def test_ema_checkpoint_holds_the_average_and_resume_is_exact(prepared_run, tmp_path):

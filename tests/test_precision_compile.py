@@ -13,7 +13,6 @@
 - `tinylm train --precision bf16 --compile` runs and writes those keys into config.yaml;
 - CUDA variants run where a GPU is present and are skipped otherwise.
 """
-import copy
 import math
 import os
 import shutil
@@ -27,7 +26,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from conftest import make_stories, tiny_run_config
+from conftest import make_stories, prepared_stories_run, tiny_run_config, with_overrides
 from tinylm.config import ModelConfig
 from tinylm.data.prepare import prepare
 from tinylm.data.tokens import Batches
@@ -44,20 +43,10 @@ CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA de
 
 @pytest.fixture(scope="module")
 def prepared_run(tmp_path_factory):
-    root = tmp_path_factory.mktemp("precision")
-    data = root / "stories.txt"
-    data.write_text("".join(f"{s}\n<|endoftext|>\n" for s in make_stories()), encoding="utf-8")
-    cfg = tiny_run_config(root / "prep", data, threads=1, log_interval=1)
-    return cfg, prepare(cfg, root / "prep")
+    return prepared_stories_run(tmp_path_factory.mktemp("precision"), threads=1, log_interval=1)
 
 
-def _cfg(base, model=None, **train):
-    cfg = copy.deepcopy(base)
-    for k, v in train.items():
-        setattr(cfg.train, k, v)
-    for k, v in (model or {}).items():
-        setattr(cfg.model, k, v)
-    return cfg
+_cfg = with_overrides
 
 
 def _train_losses(run: Path) -> list[float]:

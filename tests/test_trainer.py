@@ -4,8 +4,7 @@ import math
 import pytest
 import torch
 
-from conftest import tiny_run_config
-from tinylm.data.prepare import prepare
+from conftest import prepared_stories_run, with_overrides
 from tinylm.errors import TinyLMError
 from tinylm.models.checkpoint import load_checkpoint, model_state, save_checkpoint
 from tinylm.training.precision import check_precision, make_grad_scaler
@@ -16,22 +15,10 @@ from tinylm.training.trainer import build_model, train
 
 @pytest.fixture(scope="module")
 def prepared_run(tmp_path_factory):
-    from conftest import make_stories
-
-    root = tmp_path_factory.mktemp("trainer")
-    data = root / "stories.txt"
-    data.write_text("".join(f"{s}\n<|endoftext|>\n" for s in make_stories()), encoding="utf-8")
-    cfg = tiny_run_config(root / "prep", data, threads=1)
-    return cfg, prepare(cfg, root / "prep")
+    return prepared_stories_run(tmp_path_factory.mktemp("trainer"), threads=1)
 
 
-def _cfg(base, **train):
-    import copy
-
-    cfg = copy.deepcopy(base)
-    for k, v in train.items():
-        setattr(cfg.train, k, v)
-    return cfg
+_cfg = with_overrides
 
 
 def test_nan_loss_stops_with_the_step_and_keeps_the_last_good_checkpoint(prepared_run, tmp_path):

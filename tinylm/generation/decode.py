@@ -28,7 +28,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from tinylm.models.gpt import GPT, KVCache, apply_rope, rms_normalize
+from tinylm.models.gpt import GPT, KVCache, apply_rope, rms_normalize, rope_factors, soft_cap
 
 
 def _transposed(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -62,7 +62,7 @@ class Prepared:
     tok_emb: torch.Tensor  # (V, d_embed)
     embed_proj: torch.Tensor | None  # (d_embed, C)
     pos_table: torch.Tensor | None  # learned or sinusoidal (ctx, C)
-    rope_cos: torch.Tensor | None  # (ctx, D/2), float32
+    rope_cos: torch.Tensor | None  # (ctx, D/2)
     rope_sin: torch.Tensor | None
     layers: list[PreparedLayer]
     norm_f: nn.Module
@@ -112,8 +112,7 @@ def prepare_for_inference(model: GPT) -> Prepared:
         logit_softcap=cfg.logit_softcap, tok_emb=model.tok_emb.weight,
         embed_proj=model.embed_proj.weight.t().contiguous() if model.embed_proj is not None else None,
         pos_table=pos_table() if pos_table else None,
-        rope_cos=model.rope_cos.to(torch.promote_types(model.rope_cos.dtype, torch.float32)) if rope else None,
-        rope_sin=model.rope_sin.to(torch.promote_types(model.rope_sin.dtype, torch.float32)) if rope else None,
+        rope_cos=model.rope_cos if rope else None, rope_sin=model.rope_sin if rope else None,
         layers=layers, norm_f=model.norm_f, head=model.lm_head.weight.t().contiguous())
     model.__dict__["_prepared_for_inference"] = (key, prepared)
     return prepared
@@ -141,8 +140,7 @@ def step_logits(p: Prepared, keys: list[torch.Tensor], values: list[torch.Tensor
         x = x + p.pos_table[positions].to(x.dtype)
     rope = None
     if p.rope_cos is not None:  # (B, 1, D/2): broadcasts over the heads
-        cos, sin = p.rope_cos[positions][:, None], p.rope_sin[positions][:, None]
-        rope = (cos, sin) if torch.compiler.is_compiling() else (cos, sin, torch.complex(cos, sin))
+        rope = rope_factors(p.rope_cos[positions][:, None], p.rope_sin[positions][:, None])
     # additive mask over every slot: 0 where a key may be seen (filled by now, not padding), -inf elsewhere
     visible = torch.arange(S, device=tokens.device) <= slot  # (S,)
     visible = visible if key_mask is None else visible & key_mask  # (S,) or (B, S)
@@ -179,7 +177,7 @@ def step_logits(p: Prepared, keys: list[torch.Tensor], values: list[torch.Tensor
         x = x + _linear(h, layer.ffn_down)
     logits = p.norm_f(x) @ p.head  # (B, V)
     if p.logit_softcap is not None:
-        logits = p.logit_softcap * torch.tanh(logits / p.logit_softcap)
+        logits = soft_cap(logits, p.logit_softcap)
     return logits
 
 
@@ -238,8 +236,8 @@ def decode_step(prepared: Prepared, cache: KVCache, tokens: torch.Tensor, positi
         logits = step_logits(*args)
     else:
         # what the compiled code is specialised on: shapes, dtype, device, padding (not the weights' values)
-        shape = (tokens.shape[0], cache.max_len, tuple(cache.k[0].shape), len(cache.k), cache.k[0].dtype,
-                 tokens.device.type, cache.key_mask is None, tuple(prepared.head.shape))
+        shape = (tuple(cache.k[0].shape), len(cache.k), cache.k[0].dtype, tokens.device.type,
+                 cache.key_mask is None, tuple(prepared.head.shape))
         first = shape not in _compiled_shapes
         t0 = time.perf_counter()
         cuda = tokens.device.type == "cuda"
@@ -251,7 +249,7 @@ def decode_step(prepared: Prepared, cache: KVCache, tokens: torch.Tensor, positi
             logits = logits.clone()
         if first:
             _compiled_shapes[shape] = time.perf_counter() - t0
-            print(f"compiled the decoding step for batch {shape[0]} x {shape[1]} cache slots in "
+            print(f"compiled the decoding step for batch {cache.batch_size} x {cache.max_len} cache slots in "
                   f"{_compiled_shapes[shape]:.1f} s (once per process and shape)", file=sys.stderr)
     cache.length += 1
     return logits

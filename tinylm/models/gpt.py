@@ -93,6 +93,15 @@ def rope_tables(n_positions: int, head_dim: int, theta: float) -> tuple[torch.Te
     return angles.cos(), angles.sin()
 
 
+def rope_factors(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``apply_rope``'s last arguments for the angles at some positions, built once per forward
+    (not per layer): cos and sin in at least float32 (a bfloat16 model rotates in float32) and
+    cos + i sin, which compiled code goes without (it rotates in reals)."""
+    if cos.dtype not in (torch.float32, torch.float64):
+        cos, sin = cos.float(), sin.float()
+    return (cos, sin) if torch.compiler.is_compiling() else (cos, sin, torch.complex(cos, sin))
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cis: torch.Tensor | None = None) -> torch.Tensor:
     """Rotate consecutive pairs (x0, x1), (x2, x3), ... (the Meta / llama2.c layout).
 
@@ -222,6 +231,11 @@ class CausalSelfAttention(nn.Module):
             y = weights @ v  # (B, H, T, D)
         y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)
         return self.resid_dropout(self.out_proj(y))
+
+
+def soft_cap(logits: torch.Tensor, cap: float) -> torch.Tensor:
+    """cap * tanh(logits / cap): a smooth bound, |logit| <= cap."""
+    return cap * torch.tanh(logits / cap)
 
 
 # --------------------------------------------------------------------------------- feed-forward
@@ -362,11 +376,7 @@ class GPT(nn.Module):
             x = self.drop(x)
         rope = None
         if cfg.positions == "rope":
-            cos, sin = positions_of(self.rope_cos)[:, None], positions_of(self.rope_sin)[:, None]  # (B, 1, T, D/2)
-            if cos.dtype not in (torch.float32, torch.float64):  # a bfloat16 model: angles in float32
-                cos, sin = cos.float(), sin.float()
-            # cos + i sin once per forward (not per layer); compiled code rotates in reals instead
-            rope = (cos, sin) if torch.compiler.is_compiling() else (cos, sin, torch.complex(cos, sin))
+            rope = rope_factors(positions_of(self.rope_cos)[:, None], positions_of(self.rope_sin)[:, None])
 
         mask = self._attention_mask(T, start, kv_cache, idx.device)
         for layer, block in enumerate(self.blocks):
@@ -379,8 +389,8 @@ class GPT(nn.Module):
         if last_logits_only and targets is None:  # generation needs the next-token logits only
             x = x[:, -1:]
         logits = self.lm_head(self.norm_f(x))  # (B, T, V)
-        if cfg.logit_softcap is not None:  # smooth bound on the logits, |logit| <= cap
-            logits = cfg.logit_softcap * torch.tanh(logits / cfg.logit_softcap)
+        if cfg.logit_softcap is not None:
+            logits = soft_cap(logits, cfg.logit_softcap)
 
         loss = None
         if targets is not None:
