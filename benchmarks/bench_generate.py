@@ -37,11 +37,8 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from tinylm.generation import GenerationConfig, generate_many  # noqa: E402
-from tinylm.interop.gpt2 import from_hf_gpt2  # noqa: E402
+from tinylm.generation import GenerationConfig, generate_many
+from tinylm.interop.gpt2 import from_hf_gpt2
 
 SHARED_LLAMA2C = Path(__file__).resolve().parents[2] / "shared" / "anchors" / "llama2c"
 SHARED_VALID = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinystories" / "valid.txt"

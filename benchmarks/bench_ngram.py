@@ -23,24 +23,22 @@ import os
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
-import statistics  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-from pathlib import Path  # noqa: E402
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
 
-import numpy as np  # noqa: E402
+import numpy as np
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
-
-from tinylm.data.corpora import load_shakespeare  # noqa: E402
-from tinylm.data.splits import split_chunks  # noqa: E402
-from tinylm.errors import TinyLMError  # noqa: E402
-from tinylm.models.ngram import NGramLM  # noqa: E402
-from tinylm.tokenizers import new_tokenizer  # noqa: E402
-from tinylm.tokenizers.base import SOS_ID  # noqa: E402
+from tinylm.data.corpora import load_shakespeare
+from tinylm.data.splits import split_chunks
+from tinylm.errors import TinyLMError
+from tinylm.models.ngram import NGramLM
+from tinylm.tokenizers import new_tokenizer
+from tinylm.tokenizers.base import SOS_ID
 from tinylm.constants import EOS_ID
 
 LMPLZ = HERE / ".kenlm" / "bin" / "lmplz"

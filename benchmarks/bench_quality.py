@@ -34,9 +34,6 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
 SHARED = Path(__file__).resolve().parents[2] / "shared"
 DEFAULT_ANCHORS = SHARED / "anchors" / "llama2c"
 DEFAULT_DATA = SHARED / "data" / "tinystories" / "valid.txt"

@@ -61,18 +61,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
+import numpy as np
+import torch
+import torch.nn.functional as F
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
-from tinylm.config import ModelConfig, TrainConfig  # noqa: E402
-from tinylm.models.gpt import GPT  # noqa: E402
-from tinylm.training.grad_checkpoint import enable_grad_checkpointing  # noqa: E402
-from tinylm.training.memory import ActivationMeter, cuda_peak_bytes, cuda_peak_scope  # noqa: E402
-from tinylm.training.optim import make_optimizer, param_groups  # noqa: E402
-from tinylm.training.trainer import accumulate_gradients, compile_for_training  # noqa: E402
+from tinylm.config import ModelConfig, TrainConfig
+from tinylm.models.gpt import GPT
+from tinylm.training.grad_checkpoint import enable_grad_checkpointing
+from tinylm.training.memory import ActivationMeter, cuda_peak_bytes, cuda_peak_scope
+from tinylm.training.optim import make_optimizer, param_groups
+from tinylm.training.trainer import accumulate_gradients, compile_for_training
 
 SHARED = HERE.parents[1] / "shared"
 TINYSTORIES = SHARED / "data" / "tinystories"

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from conftest import tiny_run_config
-from tinylm.config import ModelConfig
+from tinylm.config import ModelConfig, check_config
 from tinylm.data.prepare import prepare
 from tinylm.data.tokens import Batches, encode_split
 from tinylm.errors import TinyLMError
@@ -49,8 +49,8 @@ def test_accumulated_step_equals_big_batch_float64(short_docs_split, accum):
     big_model, acc_model = base, GPT(base.config).double()
     acc_model.load_state_dict(initial)
     B = 8 // accum
-    big = micro_batches(batches, step=0, batch_size=8, accum=1, ctx=DistContext())
-    micro = micro_batches(batches, step=0, batch_size=B, accum=accum, ctx=DistContext())
+    big = micro_batches(batches, step=0, batch_size=8, accum=1, dist=DistContext())
+    micro = micro_batches(batches, step=0, batch_size=B, accum=accum, dist=DistContext())
     counts = [int((y != IGNORE_INDEX).sum()) for _, y in micro]
     assert len(set(counts)) > 1, "micro-batches should hold different numbers of real tokens"
     loss_big, n_big = _one_step(big_model, big, cfg)
@@ -101,8 +101,8 @@ def test_trainer_with_accumulation_matches_big_batch(tmp_path, stories_file):
 def test_bad_accumulation_and_batch_inputs(tmp_path, stories_file):
     cfg = tiny_run_config(tmp_path, stories_file)
     cfg.train.grad_accum_steps = 0
-    with pytest.raises(TinyLMError, match="grad_accum_steps must be >= 1"):
-        per_rank_batch_size(cfg.train, 1)
+    with pytest.raises(TinyLMError, match=r"train.grad_accum_steps must be >= 1 \(got 0\)"):
+        check_config(cfg)
     cfg.train.grad_accum_steps, cfg.train.global_batch_size = 2, 10
     with pytest.raises(TinyLMError, match=r"global_batch_size=10 is not divisible by world size 4 x train.grad_accum_steps 2"):
         per_rank_batch_size(cfg.train, 4)

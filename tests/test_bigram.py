@@ -7,10 +7,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from test_ngram import sample
 from tinylm.errors import TinyLMError
-from tinylm.models.bigram import (BigramConfig, NeuralBigramLM, pair_nll, stream_pairs, sweep_bigram,
-                                  train_bigram)
+from tinylm.models.bigram import NeuralBigramLM, pair_nll, stream_pairs
 from tinylm.models.ngram import NGramLM
+from tinylm.training.bigram import BigramConfig, sweep_bigram, train_bigram
 from tinylm.constants import EOS_ID, SOS_ID
 
 V = 12
@@ -97,11 +98,11 @@ def test_sweep_sorts_by_validation_loss():
 
 def test_generate_save_load(tmp_path):
     model = NeuralBigramLM(V, 8)
-    a = model.generate([SOS_ID], 20, temperature=1.0, seed=5)
-    assert a == model.generate([SOS_ID], 20, temperature=1.0, seed=5)
+    a = sample(model, [SOS_ID], 20, temperature=1.0, seed=5)
+    assert a == sample(model, [SOS_ID], 20, temperature=1.0, seed=5)
     assert all(0 <= t < V and t != SOS_ID for t in a)
-    greedy = model.generate([SOS_ID], 10, temperature=0.0, eos_id=None)
-    assert greedy == model.generate([SOS_ID], 10, temperature=1.0, top_k=1, seed=1, eos_id=None)
+    greedy = sample(model, [SOS_ID], 10, temperature=0.0, stop_ids=())
+    assert greedy == sample(model, [SOS_ID], 10, temperature=1.0, top_k=1, seed=1, stop_ids=())
     path = model.save(tmp_path / "bigram.pt")
     back = NeuralBigramLM.load(path)
     assert back.score(VALID) == pytest.approx(model.score(VALID))

@@ -1,5 +1,6 @@
 """The command line end to end: every bad input is one line on stderr and exit code 2."""
 import dataclasses
+import inspect
 import json
 import math
 import os
@@ -7,14 +8,18 @@ import subprocess
 import sys
 import typing
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from conftest import make_stories, tiny_run_config
-from tinylm.cli import COMMANDS, main
-from tinylm.pipeline import run_pipeline
+from tinylm.cli import COMMANDS, build_parser, main, options_from
+from tinylm.config import GENERATION_SURFACES, GenerationConfig, build_config
 from tinylm.models.checkpoint import load_checkpoint, save_checkpoint
+from tinylm.pipeline import run_pipeline
+from tinylm.serving.completions import generation_config
+from tinylm.serving.schemas import CompletionRequest
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -116,7 +121,7 @@ def test_bad_inputs_are_one_line_errors(trained_run, tmp_path, capsys):
     _bad(capsys, "train", "data.source=text", "--out", out, "model.nope=1", match="unknown config key model.nope")
     _bad(capsys, "train", "--out", out, "train.max_steps=many", match="expects an integer")
     _bad(capsys, "train", "--out", out, "data.source=tinystories", f"data.train={data}", "tokenizer.type=foo",
-         match="unknown tokenizer type 'foo'")
+         match="tokenizer.type='foo' is not one of bpe, char, word, word_bpe")
     _bad(capsys, "train", "--out", out, "data.source=tinystories", f"data.train={data}", "tokenizer.vocab_size=300",
          "model.n_heads=5", match="does not divide")
     _bad(capsys, "generate", "--checkpoint", run, "--prompt", "", match="encodes to no tokens")
@@ -174,9 +179,62 @@ def test_every_subcommand_has_help_listing_every_option(capsys):
         assert main([name, "--help"]) == 0
         out = capsys.readouterr().out
         assert out.startswith(f"usage: tinylm {name}") and fn.__doc__.split(".")[0].split()[0] in out
-        options = typing.get_type_hints(fn)["a"]
+        options = typing.get_type_hints(fn)[next(iter(inspect.signature(fn).parameters))]
         for f in dataclasses.fields(options):
-            shown = f.name if f.metadata["positional"] else "--" + f.name.replace("_", "-")
+            shown = f.name if f.metadata["positional"] else f.metadata.get("flag") or "--" + f.name.replace("_", "-")
             assert shown in out or (f.metadata["metavar"] or "@") in out, (name, f.name)
     assert set(COMMANDS) == {"demo", "prepare", "train", "generate", "evaluate", "export-hf", "report", "attention",
                              "serve", "experiments", "study", "tokenizer-stats"}
+
+
+@pytest.mark.parametrize("override, message", [
+    ("train.schedule=cosin", "train.schedule='cosin' is not one of cosine, linear, constant"),
+    ("train.precision=fp8", "train.precision='fp8' is not one of fp32, bf16, fp16"),
+    ("model.positions=alibi", "model.positions='alibi' is not one of learned, sinusoidal, rope, none"),
+    ("train.device=tpu", "train.device='tpu' is not one of auto, cpu, cuda, cuda:N, mps"),
+    ("train.schedule_clock=wall train.max_minutes=null", "train.schedule_clock=wall needs a wall budget"),
+    ("model.dropout=1.5", "model.dropout must be in [0, 1) (got 1.5)"),
+])
+def test_a_bad_option_is_refused_before_any_data_is_read(tmp_path, capsys, override, message):
+    """The data file does not exist: the option's error comes first, and nothing is written."""
+    out = tmp_path / "out"
+    _bad(capsys, "train", "--config", "demo", "--out", out, "data.source=text", f"data.train={tmp_path / 'none.txt'}",
+         *override.split(), match=message)
+    assert not out.exists()
+
+
+def test_serve_port_out_of_range_is_refused(capsys):
+    _bad(capsys, "serve", "--checkpoint", "none", "--port", "80000", match="--port must be in [0, 65535] (got 80000)")
+
+
+# a valid value other than the default for every decoding knob
+KNOB_VALUES = {"max_new_tokens": 7, "min_new_tokens": 2, "temperature": 0.5, "top_k": 3, "top_p": 0.9, "min_p": 0.1,
+               "repetition_penalty": 1.2, "no_repeat_ngram_size": 2, "stop_ids": (5,), "stop_strings": ("x",),
+               "seed": 9, "seed_per_row": True, "use_cache": False, "beam_width": 3, "length_penalty": 0.5,
+               "num_return_sequences": 2, "early_stopping": True, "compile": True}
+
+
+def test_every_decoding_knob_reaches_generation_from_the_cli_the_api_and_the_sample_section():
+    """GenerationConfig is the one definition; each surface offers every knob, except those
+    GENERATION_SURFACES names with None (and the reason beside them)."""
+    assert set(KNOB_VALUES) == {f.name for f in dataclasses.fields(GenerationConfig)}
+    parser, served = build_parser(), SimpleNamespace(tokenizer=SimpleNamespace(stop_ids=[3]), vocab_size=50)
+    for name, value in KNOB_VALUES.items():
+        flag, field = GENERATION_SURFACES.get(name, ("--" + name.replace("_", "-"), name))
+        words = [str(v) for v in value] if isinstance(value, tuple) else [] if isinstance(value, bool) else [str(value)]
+        if flag is not None:
+            argv = ["generate", "--checkpoint", "x"] + [w for word in words for w in (flag, word)] or [flag]
+            ns = parser.parse_args(argv if words else argv + [flag])
+            assert getattr(options_from(ns, ns._options), name) == value, name
+        if field is not None:
+            body = {"model": "m", "prompt": "a", field: list(value) if isinstance(value, tuple) else value}
+            if name == "num_return_sequences":  # n is the beams returned under beam search, else samples
+                body["beam_width"] = 3
+            cfg = generation_config(CompletionRequest(**body), served, tuple(body.get("stop", ())), seed=9)
+            assert getattr(cfg, name) == (value if name != "stop_ids" else (3, 5)), name
+        beam = ["sample.beam_width=3"] if name == "num_return_sequences" else []
+        sample = build_config(None, [f"sample.{name}={json.dumps(list(value) if isinstance(value, tuple) else value)}",
+                                     *beam])
+        assert getattr(sample.sample.generation(), name) == value, name
+    offered_nowhere = [name for name, (flag, field) in GENERATION_SURFACES.items() if flag is None and field is None]
+    assert offered_nowhere == ["seed_per_row"]  # always on: prompt (choice) i samples with seed + i

@@ -1,6 +1,10 @@
-import pytest
+import dataclasses
 
-from tinylm.config import ModelConfig, build_config, diff_configs, parse_overrides
+import pytest
+import yaml
+
+from tinylm.config import (GenerationConfig, ModelConfig, RunConfig, SampleConfig, build_config, check_config,
+                           config_from_dict, diff_configs, parse_overrides, preset_names, read_config)
 from tinylm.errors import TinyLMError
 
 
@@ -54,3 +58,45 @@ def test_seed_baseline_preset_loads():
 
 def test_diff_configs_names_keys():
     assert diff_configs({"a": {"b": 1, "c": 2}}, {"a": {"b": 1, "c": 3}}) == ["a.c"]
+
+
+def test_closed_choices_and_ranges_name_the_key_the_value_and_the_allowed_ones():
+    with pytest.raises(TinyLMError, match=r"^train\.schedule='cosin' is not one of cosine, linear, constant$"):
+        build_config("demo", ["train.schedule=cosin"])
+    with pytest.raises(TinyLMError, match=r"^model\.dropout must be in \[0, 1\) \(got 1\.0\)$"):
+        build_config(None, ["model.dropout=1"])
+    with pytest.raises(TinyLMError, match=r"^sample\.top_p must be in \(0, 1\] \(got 0\.0\)$"):
+        build_config(None, ["sample.top_p=0"])
+    with pytest.raises(TinyLMError, match=r"^data\.valid_fraction and data\.test_fraction .* sum to less than 1"):
+        build_config(None, ["data.valid_fraction=0.6", "data.test_fraction=0.4"])
+
+
+def test_a_config_built_in_code_is_checked_like_a_loaded_one():
+    cfg = RunConfig()
+    cfg.train.optimizer = "sgd"
+    with pytest.raises(TinyLMError, match="train.optimizer='sgd' is not one of adamw, muon"):
+        check_config(cfg)
+    cfg = RunConfig()
+    cfg.sample.min_new_tokens = 500
+    with pytest.raises(TinyLMError, match=r"^sample\.min_new_tokens must be between 0 and max_new_tokens"):
+        check_config(cfg)
+
+
+def test_saved_configs_load_back_and_old_sample_sections_still_load():
+    cfg = build_config("demo", ["sample.stop_strings=[\"THE END\"]", "sample.stop_ids=[3]"])
+    again = config_from_dict(yaml.safe_load(yaml.safe_dump(cfg.to_dict())))
+    assert again == cfg and again.sample.stop_strings == ("THE END",) and again.sample.stop_ids == (3,)
+    old = config_from_dict({"sample": {"prompts": ["Once"], "max_new_tokens": 20, "temperature": 0.7, "top_k": 40,
+                                       "top_p": None, "seed": 5}})
+    gen = old.sample.generation(stop_ids=(3,))
+    assert isinstance(gen, GenerationConfig) and not isinstance(gen, SampleConfig)
+    assert (gen.max_new_tokens, gen.temperature, gen.top_k, gen.seed, gen.stop_ids) == (20, 0.7, 40, 5, (3,))
+
+
+def test_every_run_config_default_passes_its_own_checks():
+    check_config(RunConfig())
+    for name in preset_names():
+        raw = read_config(name)
+        if "experiments" in raw or not set(raw) <= {f.name for f in dataclasses.fields(RunConfig)}:
+            continue  # a study's preset: its own loader checks it
+        check_config(build_config(name))

@@ -34,7 +34,7 @@ def test_rank_shards_tile_the_global_batch(tmp_path, stories_file, mode):
     prepared = prepare(cfg, tmp_path)
     batches = Batches(prepared.splits["train"], 32, mode, seed=7)
     world, accum, B = 2, 3, 2
-    (big_x, big_y), = micro_batches(batches, step=5, batch_size=world * accum * B, accum=1, ctx=DistContext())
+    (big_x, big_y), = micro_batches(batches, step=5, batch_size=world * accum * B, accum=1, dist=DistContext())
     parts = {}
     for rank in range(world):
         for m, (x, y) in enumerate(micro_batches(batches, 5, B, accum, DistContext(rank=rank, world_size=world))):
@@ -47,8 +47,8 @@ def test_rank_shards_tile_the_global_batch(tmp_path, stories_file, mode):
 
 def test_single_process_needs_no_process_group(monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    ctx = setup_distributed("cpu")
-    assert (ctx.world_size, ctx.rank, ctx.enabled) == (1, 0, False)
+    dist = setup_distributed("cpu")
+    assert (dist.world_size, dist.rank, dist.enabled) == (1, 0, False)
 
 
 def _free_port() -> int:
@@ -69,11 +69,11 @@ WORKER = textwrap.dedent("""
 
     cfg = config_from_dict(load_config_file(sys.argv[1]))
     prepared = prepare(cfg, sys.argv[2])  # reuses the cache the test wrote
-    ctx = distributed.setup_distributed("cpu")
+    dist = distributed.setup_distributed("cpu")
     # 1) the synchronised gradient of one step (2 micro-batches per rank), saved by rank 0
     torch.manual_seed(0)
     model = build_model(cfg, prepared.tokenizer.vocab_size)
-    ddp = distributed.wrap_ddp(model, ctx, torch.device("cpu"))
+    ddp = distributed.wrap_ddp(model, dist, torch.device("cpu"))
     syncs = []
 
     def counting_allreduce(state, bucket):  # counts DDP's gradient all-reduces
@@ -83,19 +83,19 @@ WORKER = textwrap.dedent("""
 
     ddp.register_comm_hook(None, counting_allreduce)
     batches = Batches(prepared.splits["train"], cfg.model.context_length, cfg.data.batching, seed=cfg.train.seed)
-    micro = micro_batches(batches, 0, 2, 2, ctx)
-    loss, n = accumulate_gradients(ddp, micro, torch.device("cpu"), ctx=ctx, ddp_model=ddp)
+    micro = micro_batches(batches, 0, 2, 2, dist)
+    loss, n = accumulate_gradients(ddp, micro, torch.device("cpu"), dist=dist, ddp_model=ddp)
     syncs_two_micro = len(syncs)
     grads = {k: p.grad.clone() for k, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
-    accumulate_gradients(ddp, micro[:1], torch.device("cpu"), ctx=ctx, ddp_model=ddp)
+    accumulate_gradients(ddp, micro[:1], torch.device("cpu"), dist=dist, ddp_model=ddp)
     syncs_one_micro = len(syncs) - syncs_two_micro
-    if ctx.is_main:
+    if dist.is_main:
         save_file({**grads, "loss": torch.tensor([loss], dtype=torch.float64),
                    "syncs": torch.tensor([syncs_two_micro, syncs_one_micro])}, sys.argv[3] + ".grads")
     # 2) a whole training run through train()
     train(cfg, prepared, sys.argv[3])
-    distributed.cleanup(ctx)
+    distributed.cleanup(dist)
 """)
 
 @pytest.mark.slow

@@ -169,17 +169,14 @@ def check_config(ns, overrides: list[str]) -> None:
         cfg, _ = load_experiment_config(ns.config, overrides, quick=ns.quick)
         check_model_shapes(cfg)
     elif name == "study":
-        from tinylm.studies.shakespeare import load_study_config
+        from tinylm.studies.study_config import load_study_config
 
         load_study_config(ns.config, overrides, quick=ns.quick)
     elif name == "generate":
-        from tinylm.cli import GenerateOptions, options_from
-        from tinylm.generation.processors import GenerationConfig
+        from tinylm.cli import GenerateOptions, decoding_config, options_from
 
         a = options_from(ns, GenerateOptions)
-        shared = {f.name for f in dataclasses.fields(GenerationConfig)} & {f.name for f in dataclasses.fields(a)}
-        GenerationConfig(**{k: getattr(a, k) for k in shared}, stop_strings=tuple(a.stop),
-                         use_cache=not a.no_cache).validate()
+        decoding_config(a).validate()
         assert a.prompt or a.prompts_file, "generate needs --prompt or --prompts-file"
         assert not (a.stream and a.beam_width > 1), "--stream does not work with --beam-width > 1"
 

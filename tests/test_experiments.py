@@ -63,6 +63,22 @@ def test_config_quick_section_and_overrides(corpus):
         load_experiment_config(config, ["experiments.bleu_sample=3"])
     with pytest.raises(TinyLMError, match="not a multiple of accumulation steps"):
         load_experiment_config(config, ["experiments.accum_steps=[1,3]"])
+    with pytest.raises(TinyLMError, match="experiments.bleu_selection='last' is not one of random, first"):
+        load_experiment_config(config, ["experiments.bleu_selection=last"])
+    with pytest.raises(TinyLMError, match=r"experiments.accum_steps must be >= 1 \(got 0\)"):
+        load_experiment_config(config, ["experiments.accum_steps=[0]"])
+
+
+def test_the_decoding_section_and_its_old_flat_keys(corpus, tmp_path):
+    config, data = corpus
+    exp = load_experiment_config(config, [*data, "experiments.decoding.temperature=0.5"])[1]
+    assert (exp.decoding.temperature, exp.decoding.top_k) == (0.5, 50)
+    old = tmp_path / "old.yaml"  # written before the section: decoding_temperature / decoding_top_k
+    old.write_text("experiments: {decoding_temperature: 0.85, decoding_top_k: 40, bleu_samples: 7}\n")
+    exp = load_experiment_config(old, [*data, "experiments.decoding_top_k=null"])[1]
+    assert (exp.decoding.temperature, exp.decoding.top_k, exp.bleu_samples) == (0.85, None, 7)
+    with pytest.raises(TinyLMError, match="experiments.decoding.top_k must be >= 1"):
+        load_experiment_config(config, [*data, "experiments.decoding.top_k=0"])
 
 
 @pytest.mark.slow
@@ -155,6 +171,7 @@ def test_the_shipped_assignment_config_loads():
     assert cfg.model.d_attn == 304 and cfg.tokenizer.type == "word" and cfg.data.train == "a.txt"
     assert (exp.bleu_samples, exp.prompt_tokens, exp.temperatures, exp.beam_widths) == (50, 5, [0.7, 1.0, 1.2], [5, 10])
     assert exp.accum_steps == [1, 2, 4, 8] and exp.smoothing == "method1"
+    assert (exp.decoding.temperature, exp.decoding.top_k) == (0.8, 50)
     quick_cfg, quick_exp = load_experiment_config(path, [], quick=True)
     assert quick_cfg.model.d_model < cfg.model.d_model and quick_cfg.train.max_minutes <= 2
     assert quick_exp.bleu_samples == 50 and quick_exp.tradeoff_micro_batches % 8 == 0

@@ -123,7 +123,7 @@ def test_cli_beam_stream_and_errors(checkpoint, capsys, tmp_path):
     streamed = capsys.readouterr().out.strip("\n")
     assert streamed == "the" + tok.decode(generate(model, [2, *tok.encode("the")], 8, temperature=0, eos_id=3))
     assert main(["generate", "--checkpoint", str(path), "--prompt", "the", "--top-p", "1.5"]) == 2
-    assert "top_p" in capsys.readouterr().err
+    assert "--top-p must be in (0, 1] (got 1.5)" in capsys.readouterr().err
     assert main(["generate", "--checkpoint", str(path), "--prompt", "x", "--beam-width", "999"]) == 2
     assert "beam_width" in capsys.readouterr().err
     assert main(["generate", "--checkpoint", str(tmp_path / "nope"), "--prompt", "x"]) == 2

@@ -3,11 +3,11 @@ stream afterwards, and far fewer bytes kept for backward."""
 import pytest
 import torch
 
-from tinylm.config import ModelConfig
+from tinylm.config import ModelConfig, TrainConfig, check_config
 from tinylm.errors import TinyLMError
 from tinylm.models.gpt import GPT
 from tinylm.training.grad_checkpoint import (CheckpointedBlock, disable_grad_checkpointing,
-                                             enable_grad_checkpointing, make_checkpoint_fn)
+                                             enable_grad_checkpointing)
 from tinylm.training.memory import measure_step_activation_bytes
 
 
@@ -131,5 +131,5 @@ def test_checkpointing_keeps_under_40_percent_of_activation_bytes():
 
 
 def test_unknown_impl_is_an_error():
-    with pytest.raises(TinyLMError, match="checkpoint_impl"):
-        make_checkpoint_fn("fancy")
+    with pytest.raises(TinyLMError, match="train.checkpoint_impl='fancy' is not one of tinylm, torch"):
+        check_config(TrainConfig(checkpoint_impl="fancy"), "train.")

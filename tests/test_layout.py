@@ -250,3 +250,44 @@ def test_deferred_third_party_imports_say_why():
         if not any("#" in text[n - 1] for n in span) or not any(n in comment_lines(i.module) for n in span):
             silent.append(f"{_where(i)}: {', '.join(i.names)}")
     assert not silent, "function-level imports without a comment saying why they are deferred:\n" + "\n".join(silent)
+
+
+# Bottom to top: a module may import tinylm modules of its own layer and of the layers before it.
+LAYERS = ("errors constants", "config", "tokenizers", "data", "models", "training", "generation", "evaluation",
+          "interop", "serving", "pipeline", "studies", "cli")
+LAYER_OF = {name: rank for rank, names in enumerate(LAYERS) for name in names.split()}
+MAX_FUNCTION_LINES = 100
+
+
+def layer(module: str) -> int:
+    parts = module.split(".")
+    return LAYER_OF[parts[1]] if len(parts) > 1 else -1  # tinylm/__init__.py sits below everything
+
+
+def test_every_module_has_a_layer():
+    unplaced = sorted({m.split(".")[1] for m in modules() if m != "tinylm"} - set(LAYER_OF))
+    assert not unplaced, f"packages or modules without a layer in LAYERS: {unplaced}"
+
+
+def test_each_layer_imports_only_the_layers_below_it():
+    upward = [f"{_where(i)}: {i.module} imports {target}" for i in imports() for target in targets(i)
+              if target != "tinylm" and layer(target) > layer(i.module)]
+    assert not upward, "imports of a higher layer:\n" + "\n".join(upward)
+
+
+def test_the_layer_check_sees_an_upward_import():
+    fake = Import("tinylm.models.bigram", 1, 1, ("tinylm.training.optim",), ("lr_at",), False)
+    assert layer(fake.module) < layer("tinylm.training.optim")
+    assert layer("tinylm.cli") == len(LAYERS) - 1 and layer("tinylm.errors") == layer("tinylm.constants") == 0
+
+
+def long_functions(tree: ast.AST, limit: int) -> list[tuple[str, int, int]]:
+    return [(node.name, node.lineno, node.end_lineno - node.lineno + 1) for node in ast.walk(tree)
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno + 1 > limit]
+
+
+def test_no_function_is_longer_than_the_limit():
+    assert long_functions(ast.parse("def f():\n" + "    x = 1\n" * 5), 5) == [("f", 1, 6)]
+    found = [f"{modules()[m].relative_to(ROOT)}:{line} {name} ({n} lines)" for m in modules()
+             for name, line, n in long_functions(ast.parse(source(m)), MAX_FUNCTION_LINES)]
+    assert not found, f"functions over {MAX_FUNCTION_LINES} lines:\n" + "\n".join(found)

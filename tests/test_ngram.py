@@ -7,7 +7,9 @@ from collections import Counter, defaultdict
 import numpy as np
 import pytest
 
+from tinylm.config import GenerationConfig
 from tinylm.errors import TinyLMError
+from tinylm.generation.sampling import sample_from_context
 from tinylm.models.ngram import NGramLM, _ok_windows, chen_goodman_discounts
 from tinylm.constants import EOS_ID, SOS_ID
 
@@ -180,22 +182,26 @@ def test_save_load_roundtrip(tmp_path):
         NGramLM.load(tmp_path / "missing.npz")
 
 
+def sample(lm, prompt, n: int, stop_ids=(EOS_ID,), **knobs) -> list[int]:
+    return sample_from_context(lm.next_token_logits, prompt, GenerationConfig(n, stop_ids=stop_ids, **knobs))
+
+
 def test_generation_is_seeded_in_vocabulary_and_greedy_at_temperature_zero():
     lm = NGramLM(3, V, "kneser_ney").fit(TRAIN)
-    a = lm.generate([SOS_ID], 30, temperature=1.0, seed=3)
-    assert a == lm.generate([SOS_ID], 30, temperature=1.0, seed=3)
+    a = sample(lm, [SOS_ID], 30, temperature=1.0, seed=3)
+    assert a == sample(lm, [SOS_ID], 30, temperature=1.0, seed=3)
     assert all(0 <= t < V and t not in (SOS_ID, EOS_ID) for t in a)
-    greedy = lm.generate([SOS_ID, 4], 5, temperature=0.0)
+    greedy = sample(lm, [SOS_ID, 4], 5, temperature=0.0)
     ctx = [SOS_ID, 4]
     for t in greedy:
         p = lm.distribution(ctx)
         p[SOS_ID] = 0
         assert t == int(np.argmax(p))
         ctx.append(t)
-    assert lm.generate([SOS_ID, 4], 5, temperature=1.0, top_k=1, seed=9) == greedy  # top-k 1 is greedy
+    assert sample(lm, [SOS_ID, 4], 5, temperature=1.0, top_k=1, seed=9) == greedy  # top-k 1 is greedy
     # low temperature concentrates on the most likely tokens
-    cold = lm.generate([SOS_ID], 200, temperature=0.2, seed=1, eos_id=None)
-    hot = lm.generate([SOS_ID], 200, temperature=2.0, seed=1, eos_id=None)
+    cold = sample(lm, [SOS_ID], 200, temperature=0.2, seed=1, stop_ids=())
+    hot = sample(lm, [SOS_ID], 200, temperature=2.0, seed=1, stop_ids=())
     assert len(set(cold)) < len(set(hot))
 
 

@@ -6,7 +6,7 @@ import dataclasses
 import pytest
 import torch
 
-from tinylm.config import ModelConfig, TrainConfig
+from tinylm.config import ModelConfig, TrainConfig, check_config
 from tinylm.errors import TinyLMError
 from tinylm.models.gpt import GPT
 from tinylm.training.optim import Muon, MuonWithAdamW, make_optimizer, orthogonalize
@@ -86,8 +86,10 @@ def test_muon_with_adamw_state_round_trip():
 
 
 def test_bad_optimizer_settings_are_named():
-    with pytest.raises(TinyLMError, match="train.optimizer"):
-        make_optimizer(_model(), TrainConfig(optimizer="sgd"))
-    with pytest.raises(TinyLMError, match="muon_lr"):
-        make_optimizer(_model(), dataclasses.replace(TrainConfig(optimizer="muon"), muon_lr=0.0))
+    with pytest.raises(TinyLMError, match="train.optimizer='sgd' is not one of adamw, muon"):
+        check_config(TrainConfig(optimizer="sgd"), "train.")
+    with pytest.raises(TinyLMError, match=r"train.muon_lr must be > 0 \(got 0.0\)"):
+        check_config(dataclasses.replace(TrainConfig(optimizer="muon"), muon_lr=0.0), "train.")
+    with pytest.raises(TinyLMError, match="needs a model with transformer blocks"):
+        make_optimizer(torch.nn.Linear(2, 2), TrainConfig(optimizer="muon"))
     assert isinstance(make_optimizer(_model(), TrainConfig(optimizer="muon")), MuonWithAdamW)

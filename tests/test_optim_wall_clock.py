@@ -6,7 +6,7 @@ import math
 import pytest
 
 from conftest import make_stories, tiny_run_config
-from tinylm.config import TrainConfig
+from tinylm.config import TrainConfig, check_config
 from tinylm.data.prepare import prepare
 from tinylm.errors import TinyLMError
 from tinylm.training import trainer as trainer_module
@@ -32,10 +32,10 @@ def test_wall_fraction_replaces_step_progress():
 def test_wall_clock_needs_a_budget_and_a_known_name():
     assert not wall_schedule_enabled(TrainConfig())
     assert wall_schedule_enabled(TrainConfig(max_minutes=5, schedule_clock="wall"))
-    with pytest.raises(TinyLMError, match="max_minutes"):
-        wall_schedule_enabled(TrainConfig(schedule_clock="wall"))
-    with pytest.raises(TinyLMError, match="schedule_clock"):
-        wall_schedule_enabled(TrainConfig(max_minutes=5, schedule_clock="hours"))
+    with pytest.raises(TinyLMError, match="train.schedule_clock=wall needs a wall budget: set train.max_minutes"):
+        check_config(TrainConfig(schedule_clock="wall"), "train.")
+    with pytest.raises(TinyLMError, match="train.schedule_clock='hours' is not one of steps, wall"):
+        check_config(TrainConfig(max_minutes=5, schedule_clock="hours"), "train.")
 
 
 class FakeTime:

@@ -107,7 +107,7 @@ def _accumulation_gap(prepared, precision: str, device: str) -> float:
     grads = []
     for batch, accum in ((8, 1), (4, 2)):
         model.zero_grad(set_to_none=True)
-        micro = micro_batches(batches, step=0, batch_size=batch, accum=accum, ctx=DistContext())
+        micro = micro_batches(batches, step=0, batch_size=batch, accum=accum, dist=DistContext())
         accumulate_gradients(model, micro, dev, precision)
         grads.append({k: p.grad.detach().clone() for k, p in model.named_parameters()})
     big, acc = grads

@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from tinylm.config import ModelConfig
+from tinylm.errors import TinyLMError
 from tinylm.generation import GenerationConfig, generate, generate_many, select_next
 from tinylm.generation.processors import (HistoryProcessor, min_p_filter, shape_distribution, top_k_filter,
                                           top_p_filter)
@@ -29,15 +30,15 @@ def tiny_model(vocab=40):
     (dict(no_repeat_ngram_size=-1), "no_repeat_ngram_size"), (dict(num_return_sequences=3, beam_width=2), "num_return_sequences"),
     (dict(beam_width=2, length_penalty=-1e308), "length_penalty"),
 ])
-def test_invalid_values_raise_valueerror_naming_the_argument(kwargs, name):
-    with pytest.raises(ValueError, match=name):
+def test_invalid_values_raise_tinylmerror_naming_the_argument(kwargs, name):
+    with pytest.raises(TinyLMError, match=name):
         GenerationConfig(**kwargs).validate(vocab_size=40)
 
 
 def test_beam_width_larger_than_vocabulary_is_rejected():
-    with pytest.raises(ValueError, match="beam_width"):
+    with pytest.raises(TinyLMError, match="beam_width"):
         generate(tiny_model(vocab=40), [1, 2], 5, temperature=0, beam_width=41)
-    with pytest.raises(ValueError, match="top_p"):
+    with pytest.raises(TinyLMError, match="top_p"):
         generate(tiny_model(), [1, 2], 5, top_p=0)
 
 

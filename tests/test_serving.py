@@ -1,11 +1,13 @@
 """`tinylm serve` through FastAPI's test client: every endpoint, every bad request, and the
 scheduler's promise that a request gets, token for token, what `tinylm generate` gives it alone."""
+import asyncio
 import concurrent.futures
 import dataclasses
 import json
 import math
 import random
 import threading
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -23,8 +25,8 @@ from tinylm.generation.core import fit_prompts
 from tinylm.generation.generate import encode_prompt, generate_many
 from tinylm.generation.processors import GenerationConfig
 from tinylm.models.gpt import GPT
-from tinylm.serving.app import create_app
-from tinylm.serving.completions import Limits, visible_text
+from tinylm.serving.app import ServerState, create_app, get_model, list_models
+from tinylm.serving.completions import APIError, Limits, visible_text
 from tinylm.serving.models import load_models, model_name
 from tinylm.serving.scheduler import DoneEvent, ErrorEvent, Row, Scheduler, TokenEvent
 
@@ -79,6 +81,24 @@ def test_model_names():
         names.append(model_name(path, taken))
         taken.add(names[-1])
     assert names == ["demo", "demo-2", "stories260K"]
+
+
+def test_routes_run_on_a_hand_made_state_without_an_app():
+    rng = random.Random(0)
+    fakes = {name: SimpleNamespace(name=name, created=rng.randrange(10**9)) for name in ("a", "b")}
+    state = ServerState(fakes, Limits())
+    assert asyncio.run(list_models(state)) == {"object": "list", "data": [
+        {"id": name, "object": "model", "created": fakes[name].created, "owned_by": "tinylm"} for name in ("a", "b")]}
+    assert get_model(state, "b") is fakes["b"]
+    assert get_model(ServerState({"a": fakes["a"]}, Limits()), None) is fakes["a"]  # the only model needs no name
+    with pytest.raises(APIError) as unknown:
+        get_model(state, "c")
+    assert unknown.value.status == 404 and unknown.value.body() == {"error": {
+        "message": "the model 'c' does not exist; served: a, b", "type": "invalid_request_error", "param": "model",
+        "code": "model_not_found"}}
+    with pytest.raises(APIError) as unnamed:
+        get_model(state, None)
+    assert (unnamed.value.status, unnamed.value.code) == (400, "model_required")
 
 
 def test_tokenize_detokenize_round_trip(client, models):
@@ -219,7 +239,8 @@ BAD = [
     ({"top_k": 0}, 400, "top_k"),
     ({"min_p": 2}, 400, "min_p"),
     ({"repetition_penalty": 0}, 400, "repetition_penalty"),
-    ({"min_tokens": 99}, 400, "min_tokens"),
+    ({"min_tokens": 99}, 400, "min_new_tokens"),  # vLLM's name, accepted as an alias
+    ({"stop_ids": [10**6]}, 400, "stop_ids"),
     ({"stop": [""]}, 400, "stop"),
     ({"presence_penalty": 0.5}, 400, "presence_penalty"),
     ({"seed": 10**30}, 400, "seed"),
@@ -268,7 +289,8 @@ def test_nothing_a_client_sends_crashes_the_server(client):
     values = [None, -1, 0, 1, 2.5, -1e308, 1e308, "", "x", "\x00\ud7ff", [], [1], ["a"], [[1, 2]], {}, {"a": 1},
               True, 10**30, [-(10**20)], "🙂" * 50]
     fields = ["model", "prompt", "max_tokens", "temperature", "top_p", "n", "stream", "stop", "seed", "echo",
-              "logprobs", "top_k", "min_p", "min_tokens", "repetition_penalty", "no_repeat_ngram_size",
+              "logprobs", "top_k", "min_p", "min_tokens", "min_new_tokens", "stop_ids", "early_stopping",
+              "repetition_penalty", "no_repeat_ngram_size",
               "beam_width", "length_penalty", "stream_options", "best_of"]
     statuses = set()
     for _ in range(examples(200)):  # 50 in the fast tier

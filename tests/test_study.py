@@ -1,10 +1,11 @@
 """The study end to end on a tiny corpus the test writes itself (a few seconds), resuming by stage,
 its refusal of a split shorter than one context window, the report preset's quick mode on
-Shakespeare (every stage, under 90 s), and the `tinylm study` command line."""
+Shakespeare (every stage, under 90 s), the study config's sections (old flat keys still load) and
+the `tinylm study` command line."""
 from __future__ import annotations
 
+import copy
 import csv
-import dataclasses
 import json
 import math
 import random
@@ -13,8 +14,10 @@ import time
 import pytest
 
 from tinylm.cli import build_parser, main
+from tinylm.config import parse_overrides
 from tinylm.errors import TinyLMError
-from tinylm.studies.shakespeare import StudyConfig, load_study_config, run_study
+from tinylm.studies.shakespeare import run_study
+from tinylm.studies.study_config import FLAT_KEYS, StudyConfig, load_study_config, study_config
 
 LINES = ["ROMEO. But soft, what light through yonder window breaks?", "JULIET. O Romeo, Romeo, wherefore art thou Romeo?",
          "HAMLET. To be, or not to be, that is the question.", "KING. Once more unto the breach, dear friends, once more.",
@@ -30,14 +33,15 @@ def corpus(tmp_path):
     return path
 
 
-def tiny_config(out_dir, corpus, **kw) -> StudyConfig:
-    base = dict(out_dir=str(out_dir), source="text", train_path=str(corpus), valid_fraction=0.15, test_fraction=0.15,
-                bpe_merges=[40], word_vocab=40, orders=[1, 2], bigram_d_embeds=[8], bigram_weight_decays=[0.0, 0.1],
-                bigram_max_steps=40, bigram_max_seconds=5.0, context_length=16, gpt_sizes=["t=1x16x2"],
-                dropout=0.0, gpt_batch_size=4, gpt_max_steps=4, gpt_minutes=0.5, gpt_eval_interval=2,
-                gpt_eval_batches=1, prompts=["ROMEO."], sample_tokens=5)
-    base.update(kw)
-    return StudyConfig(**base)
+def tiny_config(out_dir, corpus, *overrides: str) -> StudyConfig:
+    base = {"out_dir": str(out_dir),
+            "data": {"source": "text", "train": str(corpus), "valid_fraction": 0.15, "test_fraction": 0.15},
+            "tokenizers": {"bpe_merges": [40], "word_vocab": 40}, "ngram": {"orders": [1, 2]},
+            "bigram": {"d_embeds": [8], "weight_decays": [0.0, 0.1], "max_steps": 40, "max_seconds": 5.0},
+            "gpt": {"context_length": 16, "sizes": ["t=1x16x2"], "dropout": 0.0, "batch_size": 4, "max_steps": 4,
+                    "minutes": 0.5, "eval_interval": 2, "eval_batches": 1},
+            "sampling": {"prompts": ["ROMEO."], "max_new_tokens": 5}}
+    return study_config(base, parse_overrides(list(overrides)))
 
 
 @pytest.mark.slow
@@ -46,7 +50,7 @@ def test_study_writes_one_table_for_every_model_and_tokenizer(tmp_path, corpus):
     run_study(cfg)
     out = tmp_path / "study"
     rows = list(csv.DictReader(open(out / "results.csv")))
-    per_tokenizer = len(cfg.orders) * len(cfg.smoothings) + 2  # n-grams + neural bigram + GPT
+    per_tokenizer = len(cfg.ngram.orders) * len(cfg.ngram.smoothings) + 2  # n-grams + neural bigram + GPT
     assert len(rows) == 3 * per_tokenizer
     assert {r["tokenizer"] for r in rows} == {"bpe-40", "char", "word"}
     test_bytes = set()
@@ -78,11 +82,13 @@ def test_study_writes_one_table_for_every_model_and_tokenizer(tmp_path, corpus):
 
 @pytest.mark.slow
 def test_a_rerun_resumes_by_stage(tmp_path, corpus, caplog):
-    cfg = tiny_config(tmp_path / "study", corpus, char=False, word=False)
+    cfg = tiny_config(tmp_path / "study", corpus, "tokenizers.char=false", "tokenizers.word=false")
     first = run_study(cfg)
     caplog.clear()
+    again = copy.deepcopy(cfg)
+    again.gpt.max_steps = 2  # only the GPT stage depends on it
     with caplog.at_level("INFO"):
-        again = run_study(dataclasses.replace(cfg, gpt_max_steps=2))  # only the GPT stage depends on it
+        again = run_study(again)
     reused = [r.message.split()[-1] for r in caplog.records if "reusing bpe-40/stage" in r.message]
     assert reused == ["bpe-40/stage-tokenizer.json", "bpe-40/stage-ngram.json", "bpe-40/stage-bigram.json"]
     assert again["rows"][:-1] == first["rows"][:-1]
@@ -90,22 +96,66 @@ def test_a_rerun_resumes_by_stage(tmp_path, corpus, caplog):
 
 
 def test_a_split_shorter_than_the_context_is_an_error_not_infinity(tmp_path, corpus):
-    cfg = tiny_config(tmp_path / "study", corpus, context_length=100_000, char=False, word=False)
+    cfg = tiny_config(tmp_path / "study", corpus, "gpt.context_length=100000", "tokenizers.char=false",
+                      "tokenizers.word=false")
     with pytest.raises(TinyLMError, match="fewer than one context window"):
         run_study(cfg)
     # the report's 1% GPT run: its validation stream is shorter than the context
-    cfg = tiny_config(tmp_path / "frac", corpus, context_length=64, gpt_data_fraction=0.01, char=False, word=False)
+    cfg = tiny_config(tmp_path / "frac", corpus, "gpt.context_length=64", "gpt.data_fraction=0.01",
+                      "tokenizers.char=false", "tokenizers.word=false")
     with pytest.raises(TinyLMError, match="fewer than one context window"):
         run_study(cfg)
 
 
 def test_grids_and_sizes_come_from_the_command_line():
-    cfg = load_study_config("shakespeare-report", ['gpt_sizes=["tiny=2x32x2"]', "bigram_lrs=[1e-3]",
-                                                   "bpe_merges=[50,60]", "model_merges=[50]", "start_padding=single"])
-    assert cfg.gpt_sizes == ["tiny=2x32x2"] and cfg.bigram_lrs == [1e-3] and cfg.start_padding == "single"
-    assert cfg.bpe_type == "word_bpe" and cfg.bigram_d_embeds == [64, 128] and cfg.valid_fraction == 0.05
-    with pytest.raises(TinyLMError, match="name=LAYERSxD_MODELxHEADS"):
-        run_study(load_study_config("shakespeare-report", ["gpt_sizes=[big]", "out_dir=/nonexistent/x"]))
+    cfg = load_study_config("shakespeare-report", ['gpt.sizes=["tiny=2x32x2"]', "bigram.lrs=[1e-3]",
+                                                   "tokenizers.bpe_merges=[50,60]", "tokenizers.model_merges=[50]",
+                                                   "ngram.start_padding=single"])
+    assert cfg.gpt.sizes == ["tiny=2x32x2"] and cfg.bigram.lrs == [1e-3] and cfg.ngram.start_padding == "single"
+    assert cfg.tokenizers.bpe_type == "word_bpe" and cfg.bigram.d_embeds == [64, 128] and cfg.data.valid_fraction == 0.05
+    with pytest.raises(TinyLMError, match="gpt.sizes: 'big' is not of the form name=LAYERSxD_MODELxHEADS"):
+        load_study_config("shakespeare-report", ['gpt.sizes=["big"]', "out_dir=/nonexistent/x"])
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ("bigram.mode=minibatch", "bigram.mode='minibatch' is not one of auto, counts, pairs"),
+    ("tokenizers.bpe_type=sentencepiece", "tokenizers.bpe_type='sentencepiece' is not one of bpe, word_bpe"),
+    ('ngram.smoothings=["witten_bell"]', "ngram.smoothings='witten_bell' is not one of laplace, add_0.1"),
+    ("gpt.data_fraction=1.5", "gpt.data_fraction must be in (0, 1] (got 1.5)"),
+    ("tokenizers.model_merges=[5000]", "tokenizers.model_merges [5000] must be among bpe_merges"),
+    ("ngram.fixed_weights=[0.5,0.5]", "ngram.fixed_weights needs 5 weights"),
+    ('gpt.tokenizers=["char"]', "gpt.tokenizers ['char'] are not modelled tokenizers"),
+    ("bigram.lrs=[] bigram.d_embeds=[]", "bigram.lrs is empty and so is d_embeds x weight_decays")])
+def test_a_bad_setting_is_one_error_naming_the_key_before_any_work(overrides, message):
+    with pytest.raises(TinyLMError) as info:
+        load_study_config("shakespeare-report", overrides.split())
+    assert message in str(info.value) and "\n" not in str(info.value)
+    assert load_study_config("shakespeare-report", ["bigram.lrs=[]"]).bigram.lrs == []  # the grid alone is a sweep
+
+
+def test_old_flat_keys_load_into_their_sections():
+    flat = {"source": "text", "train_path": "plays.jsonl", "valid_fraction": 0.2, "bpe_type": "word_bpe",
+            "bpe_merges": [10, 20], "normalizations": ["aggressive"], "word_vocab": 300, "orders": [1, 2],
+            "smoothings": ["laplace"], "start_padding": "order", "bigram_lrs": [0.5], "bigram_max_steps": 7,
+            "bigram_sweep_on": "all", "gpt": False, "gpt_sizes": ["a=1x8x2"], "gpt_minutes": 0.25, "context_length": 32,
+            "dropout": 0.0, "prompts": ["HAMLET."], "sample_tokens": 9, "temperature": 0.5, "seed": 7, "threads": 2}
+    cfg = study_config(flat)
+    assert (cfg.data.source, cfg.data.train, cfg.data.valid_fraction, cfg.data.split_by) == (
+        "text", "plays.jsonl", 0.2, "chunk")
+    assert (cfg.tokenizers.bpe_type, cfg.tokenizers.bpe_merges, cfg.tokenizers.normalizations) == (
+        "word_bpe", [10, 20], ["aggressive"])
+    assert (cfg.tokenizers.word_vocab, cfg.ngram.orders, cfg.ngram.smoothings, cfg.ngram.start_padding) == (
+        300, [1, 2], ["laplace"], "order")
+    assert (cfg.bigram.lrs, cfg.bigram.max_steps, cfg.bigram.sweep_on) == ([0.5], 7, "all")
+    assert (cfg.gpt.enabled, cfg.gpt.sizes, cfg.gpt.minutes, cfg.gpt.context_length, cfg.gpt.dropout) == (
+        False, ["a=1x8x2"], 0.25, 32, 0.0)
+    assert (cfg.sampling.prompts, cfg.sampling.max_new_tokens, cfg.sampling.temperature) == (["HAMLET."], 9, 0.5)
+    assert (cfg.seed, cfg.threads) == (7, 2)
+    # a flat key on the command line too, and a flat file with a section beside it
+    assert study_config(flat, parse_overrides(["gpt_max_steps=11"])).gpt.max_steps == 11
+    assert study_config({"gpt_minutes": 2, "gpt": {"max_steps": 5}}).gpt.minutes == 2
+    assert {key.split("_")[0] for key in FLAT_KEYS if key.startswith(("bigram_", "gpt_"))} == {"bigram", "gpt"}
+    assert len(FLAT_KEYS) == 45 and all(dotted.count(".") == 1 for dotted in FLAT_KEYS.values())
 
 
 @pytest.mark.slow
@@ -133,7 +183,7 @@ def test_the_report_preset_quick_mode_covers_every_stage_under_90_s(tmp_path):
 def test_cli_registers_the_study_and_reports_errors_on_one_line(tmp_path, capsys):
     args = build_parser().parse_args(["study", "shakespeare", "--quick", "--out", str(tmp_path / "q")])
     assert args.quick and args.out == str(tmp_path / "q") and args.corpus == "shakespeare"
-    assert load_study_config(quick=True).gpt_minutes * 60 * 5 < 60  # five quick GPTs stay within a minute of training
+    assert load_study_config(quick=True).gpt.minutes * 60 * 5 < 60  # five quick GPTs stay within a minute of training
     with pytest.raises(SystemExit):
         build_parser().parse_args(["study", "tinystories"])
     capsys.readouterr()

@@ -7,7 +7,7 @@ import torch
 from conftest import prepared_stories_run, with_overrides
 from tinylm.errors import TinyLMError
 from tinylm.models.checkpoint import load_checkpoint, model_state, save_checkpoint
-from tinylm.training.precision import check_precision, make_grad_scaler
+from tinylm.training.precision import make_grad_scaler
 from tinylm.training.metrics import read_metrics
 from tinylm.training.trainer import build_model, train
 
@@ -95,8 +95,8 @@ def test_unsupported_precision_combinations_are_one_line_errors(prepared_run, tm
     base, prepared = prepared_run
     with pytest.raises(TinyLMError, match="precision=fp16 needs a CUDA device"):
         train(_cfg(base, precision="fp16", device="cpu"), prepared, tmp_path)
-    with pytest.raises(TinyLMError, match="not one of fp32, bf16, fp16"):
-        check_precision(torch.device("cpu"), "fp8")
+    with pytest.raises(TinyLMError, match="train.precision='fp8' is not one of fp32, bf16, fp16"):
+        train(_cfg(base, precision="fp8"), prepared, tmp_path)
     assert not make_grad_scaler(torch.device("cpu"), "bf16").is_enabled()
 
 

@@ -13,19 +13,22 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import inspect
 import json
 import logging
 import math
 import sys
+import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Literal
 
 import torch
 
 from tinylm import __version__
-from tinylm.config import build_config, preset_names
+from tinylm.config import (GENERATION_SURFACES, GenerationConfig, build_config, check_range, config_value, option,
+                           preset_names)
 from tinylm.data.corpora import load_text_file
 from tinylm.data.prepare import prepare as prepare_data
 from tinylm.errors import TinyLMError
@@ -34,49 +37,51 @@ from tinylm.evaluation.plots import attention_html, attention_maps, save_attenti
 from tinylm.evaluation.protocol import SAMPLING_TEMPERATURES, BleuProtocol, Decoding, format_bleu, run_bleu
 from tinylm.evaluation.report import write_report as write_run_report
 from tinylm.generation.generate import TextStream, complete, encode_prompt, prompt_head
-from tinylm.generation.processors import GenerationConfig
 from tinylm.interop.loading import export_hf, load_any_checkpoint
 from tinylm.models.checkpoint import load_checkpoint
 from tinylm.pipeline import run_pipeline
 from tinylm.serving.app import serve as serve_models
 from tinylm.serving.completions import Limits
 from tinylm.serving.models import load_models
-from tinylm.studies.shakespeare import load_study_config, run_study
+from tinylm.studies.shakespeare import run_study
+from tinylm.studies.study_config import load_study_config
 from tinylm.studies.tinystories import PARTS, load_experiment_config, run_experiments
 from tinylm.studies.tinystories_report import write_report as write_experiments_report
 from tinylm.tokenizers.io import load_tokenizer
 from tinylm.tokenizers.stats import collect, format_table, train_spec
-from tinylm.training.precision import PRECISIONS
 from tinylm.training.resume import resume_run_config
 
 log = logging.getLogger("tinylm")
 
 
 # --------------------------------------------------------------------------- options -> argparse
-def opt(help: str, default: Any = None, *, flag: str | None = None, choices=None, positional: bool = False,
-        nargs: str | None = None, metavar: str | None = None, required: bool = False, minimum: float | None = None,
-        group: str | None = None):
-    """A dataclass field that is also a command-line option (or positional argument)."""
-    meta = {"help": help, "flag": flag, "choices": choices, "positional": positional, "nargs": nargs,
-            "metavar": metavar, "required": required, "minimum": minimum, "group": group}
-    if isinstance(default, list):
-        return field(default_factory=lambda: list(default), metadata=meta)
-    return field(default=default, metadata=meta)
+def opt(help: str, default: Any = None, *, flag: str | None = None, positional: bool = False,
+        nargs: str | None = None, metavar: str | None = None, required: bool = False, group: str | None = None,
+        **bounds: float):
+    """A dataclass field that is also a command-line option (or positional argument); a ``Literal``
+    type gives its choices, ``bounds`` (ge, gt, le, lt) its range, both checked as it is parsed."""
+    return option(default, help, flag=flag, positional=positional, nargs=nargs, metavar=metavar, required=required,
+                  group=group, **bounds)
 
 
-def _converter(kind: type, name: str, minimum: float | None) -> Callable[[str], Any]:
+def _converter(kind: Any, name: str, bounds: tuple | None) -> Callable[[str], Any]:
     def convert(text: str):
         try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} expects {'an integer' if kind is int else 'a number'}, "
-                                             f"got {text!r}") from None
-        if kind is float and not math.isfinite(value):
-            raise argparse.ArgumentTypeError(f"{name} must be a finite number, got {text!r}")
-        if minimum is not None and value < minimum:
-            raise argparse.ArgumentTypeError(f"{name} must be >= {minimum:g}, got {text!r}")
+            value = config_value(name, text, kind)
+            check_range(name, value, bounds)
+        except TinyLMError as exc:
+            raise argparse.ArgumentTypeError(str(exc).replace("config key ", "")) from None
         return value
     return convert
+
+
+def _item_type(kind: Any) -> tuple[Any, bool]:
+    """The type of one value of an option, and whether the option holds a list of them."""
+    if typing.get_origin(kind) in (typing.Union, types.UnionType):
+        kind = next(a for a in typing.get_args(kind) if a is not type(None))
+    if typing.get_origin(kind) in (list, tuple):
+        return typing.get_args(kind)[0], True
+    return kind, False
 
 
 def add_options(parser: argparse.ArgumentParser, options: type) -> None:
@@ -84,34 +89,31 @@ def add_options(parser: argparse.ArgumentParser, options: type) -> None:
     hints = typing.get_type_hints(options)
     groups: dict[str, Any] = {}
     for f in dataclasses.fields(options):
-        meta, kind = f.metadata, hints[f.name]
-        target = parser
-        if meta.get("group"):
-            target = groups.setdefault(meta["group"], parser.add_argument_group(meta["group"]))
-        args = typing.get_args(kind)
-        if typing.get_origin(kind) in (typing.Union, getattr(__import__("types"), "UnionType")):
-            kind = next(a for a in args if a is not type(None))
-        is_list = typing.get_origin(kind) is list
-        item = typing.get_args(kind)[0] if is_list else kind
+        meta = f.metadata
+        target = groups.setdefault(meta["group"], parser.add_argument_group(meta["group"])) if meta.get("group") \
+            else parser
+        item, is_list = _item_type(hints[f.name])
         flag = meta.get("flag") or "--" + f.name.replace("_", "-")
         shown = f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
-        suffix = f" (default: {shown})" if shown not in (None, False, [], "") and not meta["positional"] else ""
-        kw: dict[str, Any] = {"help": meta["help"] + suffix, "choices": meta.get("choices")}
+        inverted = item is bool and flag.startswith("--no-")
+        suffix = f" (default: {shown})" if shown not in (None, False, [], (), "") and not meta["positional"] \
+            and not inverted else ""
+        kw: dict[str, Any] = {"help": meta["help"] + suffix}
         if meta.get("metavar"):
             kw["metavar"] = meta["metavar"]
-        if item in (int, float):
-            kw["type"] = _converter(item, flag if not meta["positional"] else f.name, meta.get("minimum"))
+        if typing.get_origin(item) is Literal:
+            kw["choices"] = list(typing.get_args(item))
+        elif item in (int, float):
+            kw["type"] = _converter(item, flag if not meta["positional"] else f.name, meta.get("range"))
         if meta["positional"]:
             target.add_argument(f.name, nargs=meta.get("nargs"), **kw)
             continue
         kw["dest"] = f.name
         if item is bool:
-            kw.pop("choices")
-            target.add_argument(flag, action="store_true", **kw)
-        elif is_list and meta.get("nargs"):
-            target.add_argument(flag, nargs=meta["nargs"], default=None, **kw)
+            target.add_argument(flag, action="store_false" if inverted else "store_true", **kw)
         elif is_list:
-            target.add_argument(flag, action="append", default=None, **kw)
+            target.add_argument(flag, **({"nargs": meta["nargs"]} if meta.get("nargs") else {"action": "append"}),
+                                default=None, **kw)
         else:
             target.add_argument(flag, default=f.default, required=meta.get("required", False), **kw)
     parser.set_defaults(_options=options)
@@ -121,9 +123,9 @@ def options_from(ns: argparse.Namespace, options: type):
     values = {}
     for f in dataclasses.fields(options):
         value = getattr(ns, f.name)
-        if value is None and f.default_factory is not dataclasses.MISSING:
-            value = f.default_factory()
-        values[f.name] = value
+        if value is None:  # a list option given no value: its default
+            value = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        values[f.name] = tuple(value) if isinstance(f.default, tuple) else value
     return options(**values)
 
 
@@ -138,7 +140,7 @@ COMMANDS: dict[str, Callable[[Any], int]] = {}
 
 
 def command(name: str):
-    """Register a subcommand; its options are the dataclass its one parameter is annotated with."""
+    """Register a subcommand; its options are the dataclass its parameter is annotated with."""
     def register(fn):
         COMMANDS[name] = fn
         return fn
@@ -152,7 +154,8 @@ def build_parser() -> argparse.ArgumentParser:
     for name, fn in COMMANDS.items():
         doc = (fn.__doc__ or "").strip()
         p = sub.add_parser(name, help=doc.splitlines()[0], description=doc)
-        add_options(p, typing.get_type_hints(fn)["a"])
+        first = next(iter(inspect.signature(fn).parameters))
+        add_options(p, typing.get_type_hints(fn)[first])
         p.set_defaults(_run=fn)
     return parser
 
@@ -213,10 +216,10 @@ class RunOptions:
                                metavar="section.key=value")
 
 
-def _run_config(a: RunOptions):
-    cfg = build_config(a.config, a.overrides, quick=a.quick)
-    if a.out:
-        cfg.out_dir = a.out
+def _run_config(opts: RunOptions):
+    cfg = build_config(opts.config, opts.overrides, quick=opts.quick)
+    if opts.out:
+        cfg.out_dir = opts.out
     return cfg
 
 
@@ -226,9 +229,9 @@ class DemoOptions(RunOptions):
 
 
 @command("demo")
-def demo(a: DemoOptions) -> int:
+def demo(opts: DemoOptions) -> int:
     """Shakespeare end to end: corpus, tokenizer, GPT, perplexity, samples, report."""
-    cfg = _run_config(a)
+    cfg = _run_config(opts)
     summary = run_pipeline(cfg, cfg.out_dir)
     print(f"\ndemo finished in {summary['total_seconds']:.0f} s; everything is in {cfg.out_dir}/ "
           f"(report.md, metrics.csv, samples.txt, checkpoints/)")
@@ -237,9 +240,9 @@ def demo(a: DemoOptions) -> int:
 
 
 @command("prepare")
-def prepare(a: RunOptions) -> int:
+def prepare(opts: RunOptions) -> int:
     """Corpus, cleaning, splits, tokenizer and token cache, written into the run directory."""
-    cfg = _run_config(a)
+    cfg = _run_config(opts)
     prepare_data(cfg, cfg.out_dir)
     return 0
 
@@ -248,25 +251,26 @@ def prepare(a: RunOptions) -> int:
 class TrainOptions(RunOptions):
     resume: str | None = opt("continue from a checkpoint (or the newest one in a run directory)", metavar="DIR")
     force: bool = opt("with --resume: accept changed keys such as train.max_steps")
-    precision: str | None = opt("the same as train.precision=... (fp32, bf16 autocast, fp16 on CUDA)",
-                                choices=list(PRECISIONS))
+    precision: Literal["fp32", "bf16", "fp16"] | None = opt("the same as train.precision=... (bf16 autocast, fp16 on "
+                                                            "CUDA)")
     compile: bool = opt("the same as train.compile=true: torch.compile the training step")
 
 
 @command("train")
-def train(a: TrainOptions) -> int:
+def train(opts: TrainOptions) -> int:
     """Prepare (cached), train, evaluate, sample and report."""
-    shortcuts = ([f"train.precision={a.precision}"] if a.precision else []) + (["train.compile=true"] if a.compile else [])
-    a = dataclasses.replace(a, overrides=list(a.overrides) + shortcuts)
-    if a.resume:
-        cfg, ckpt, _ = resume_run_config(a.resume, a.config, a.overrides, force=a.force, quick=a.quick)
-        if a.out:
-            cfg.out_dir = a.out
-        run_pipeline(cfg, cfg.out_dir, resume=ckpt, force=a.force)
+    shortcuts = [f"train.precision={opts.precision}"] if opts.precision else []
+    shortcuts += ["train.compile=true"] if opts.compile else []
+    opts = dataclasses.replace(opts, overrides=list(opts.overrides) + shortcuts)
+    if opts.resume:
+        cfg, ckpt, _ = resume_run_config(opts.resume, opts.config, opts.overrides, force=opts.force, quick=opts.quick)
+        if opts.out:
+            cfg.out_dir = opts.out
+        run_pipeline(cfg, cfg.out_dir, resume=ckpt, force=opts.force)
         return 0
-    if a.force:
+    if opts.force:
         raise TinyLMError("--force only applies together with --resume DIR")
-    cfg = _run_config(a)
+    cfg = _run_config(opts)
     run_pipeline(cfg, cfg.out_dir)
     return 0
 
@@ -279,38 +283,48 @@ class ModelOptions:
     tokenizer: str | None = opt("tokenizer file (required for a llama2.c .bin: its tokenizer.bin)")
 
 
+# `tinylm generate`'s defaults where they differ from GenerationConfig's
+GENERATE_DEFAULTS = {"temperature": 0.8, "seed": 0}
+
+
+def _decoding_field(f: dataclasses.Field) -> tuple[str, Any, Any]:
+    """A GenerationConfig field as an option of `tinylm generate`: its help, range and flag."""
+    bounds = {k: v for k, v in zip(("ge", "gt", "le", "lt"), f.metadata["range"]) if v is not None}
+    flag = GENERATION_SURFACES.get(f.name, (None,))[0]
+    cli = opt(f.metadata["help"], GENERATE_DEFAULTS.get(f.name, f.default), flag=flag, group="decoding",
+              metavar="TEXT" if flag == "--stop" else None, **bounds)
+    return f.name, typing.get_type_hints(GenerationConfig)[f.name], cli
+
+
+# Every GenerationConfig knob the command line offers (GENERATION_SURFACES names the exceptions)
+DecodingOptions = dataclasses.make_dataclass(
+    "DecodingOptions", [_decoding_field(f) for f in dataclasses.fields(GenerationConfig)
+                        if GENERATION_SURFACES.get(f.name, ("",))[0] is not None])
+
+
 @dataclass
-class GenerateOptions(ModelOptions):
+class GenerateOptions(ModelOptions, DecodingOptions):
     prompt: list[str] = opt("prompt text (repeatable)", [])
     prompts_file: str | None = opt("one prompt per line")
-    max_new_tokens: int = opt("new tokens at most", 100, minimum=0)
-    min_new_tokens: int = opt("stop tokens are banned until this many were generated", 0, minimum=0)
-    temperature: float = opt("0 for greedy", 0.8, minimum=0)
-    top_k: int | None = opt("keep the k most likely tokens", minimum=1)
-    top_p: float | None = opt("keep the smallest set of tokens whose probability reaches p")
-    min_p: float | None = opt("drop tokens less likely than min_p x the most likely one")
-    repetition_penalty: float = opt("divide the logits of seen tokens (CTRL / Hugging Face)", 1.0)
-    no_repeat_ngram_size: int = opt("ban tokens that would repeat an n-gram (0: off)", 0, minimum=0)
-    stop: list[str] = opt("stop string (repeatable)", [], metavar="TEXT")
-    seed: int = opt("prompt i samples with seed + i", 0)
-    beam_width: int = opt("beam search with this many beams (1: sampling or greedy)", 1, minimum=1)
-    length_penalty: float = opt("beam score / length**alpha (0: none)", 1.0)
-    num_return_sequences: int = opt("beam search: hypotheses printed per prompt", 1, minimum=1)
-    batch_size: int = opt("prompts generated together (left-padded)", 1, minimum=1)
-    no_cache: bool = opt("recompute the whole context every step")
+    batch_size: int = opt("prompts generated together (left-padded)", 1, ge=1)
     stream: bool = opt("print text as tokens arrive")
     json: bool = opt("one JSON object per result (text, tokens, tokens_per_s)")
-    threads: int | None = opt("torch threads (default: torch's choice)", minimum=1)
-    compile: bool = opt("compile the decoding step with torch.compile (paid once per batch shape; "
-                        "the time is printed)")
-    dtype: str = opt("weights for decoding: bfloat16 halves their memory and shifts the numbers "
-                     "slightly (bits per byte: benchmarks/bench_generate.py)", "float32", choices=["float32", "bfloat16"])
+    threads: int | None = opt("torch threads (default: torch's choice)", ge=1)
+    dtype: Literal["float32", "bfloat16"] = opt("weights for decoding: bfloat16 halves their memory and shifts the "
+                                                "numbers slightly (bits per byte: benchmarks/bench_generate.py)",
+                                                "float32")
 
 
-def _read_prompts(a: GenerateOptions) -> list[str]:
-    prompts = list(a.prompt)
-    if a.prompts_file:
-        path = Path(a.prompts_file)
+def decoding_config(opts: DecodingOptions, stop_ids=()) -> GenerationConfig:
+    """The command's decoding options, with the tokenizer's stop ids beside the ones given."""
+    knobs = {f.name: getattr(opts, f.name) for f in dataclasses.fields(DecodingOptions)}
+    return GenerationConfig(**{**knobs, "stop_ids": tuple(stop_ids) + tuple(opts.stop_ids)})
+
+
+def _read_prompts(opts: GenerateOptions) -> list[str]:
+    prompts = list(opts.prompt)
+    if opts.prompts_file:
+        path = Path(opts.prompts_file)
         if not path.is_file():
             raise TinyLMError(f"prompts file {path} does not exist")
         try:
@@ -324,43 +338,38 @@ def _read_prompts(a: GenerateOptions) -> list[str]:
 
 
 @command("generate")
-def generate(a: GenerateOptions) -> int:
+def generate(opts: GenerateOptions) -> int:
     """Continue prompts with a tinylm, llama2.c .bin or Hugging Face checkpoint."""
-    if a.threads:
-        torch.set_num_threads(a.threads)
-    model, tokenizer, _ = load_any_checkpoint(a.checkpoint, a.tokenizer)
-    if a.dtype == "bfloat16":
+    if opts.threads:
+        torch.set_num_threads(opts.threads)
+    model, tokenizer, _ = load_any_checkpoint(opts.checkpoint, opts.tokenizer)
+    if opts.dtype == "bfloat16":
         model = model.to(torch.bfloat16)
-    prompts = _read_prompts(a)
-    shared = {f.name for f in dataclasses.fields(GenerationConfig)} & {f.name for f in dataclasses.fields(a)}
-    try:
-        cfg = GenerationConfig(**{k: getattr(a, k) for k in shared}, stop_ids=tuple(tokenizer.stop_ids),
-                               stop_strings=tuple(a.stop), use_cache=not a.no_cache).validate(model.config.vocab_size)
-        if a.stream and not a.json:
-            if a.beam_width > 1:
-                raise TinyLMError("--stream works with sampling/greedy only, not with --beam-width > 1")
-            for i, prompt in enumerate(prompts):
-                ids = encode_prompt(tokenizer, prompt)
-                sys.stdout.write(prompt_head(tokenizer, prompt, ids))
+    prompts = _read_prompts(opts)
+    cfg = decoding_config(opts, tokenizer.stop_ids).validate(model.config.vocab_size)
+    if opts.stream and not opts.json:
+        if opts.beam_width > 1:
+            raise TinyLMError("--stream works with sampling/greedy only, not with --beam-width > 1")
+        for i, prompt in enumerate(prompts):
+            ids = encode_prompt(tokenizer, prompt)
+            sys.stdout.write(prompt_head(tokenizer, prompt, ids))
+            sys.stdout.flush()
+            stream = TextStream(model, lambda new, ids=ids: tokenizer.decode_continuation(ids, new), ids,
+                                dataclasses.replace(cfg, seed=opts.seed + i, seed_per_row=True))
+            for piece in stream:
+                sys.stdout.write(piece)
                 sys.stdout.flush()
-                stream = TextStream(model, lambda new, ids=ids: tokenizer.decode_continuation(ids, new), ids,
-                                    dataclasses.replace(cfg, seed=a.seed + i, seed_per_row=True))
-                for piece in stream:
-                    sys.stdout.write(piece)
-                    sys.stdout.flush()
-                sys.stdout.write("\n\n")
-            return 0
-        for c in complete(model, tokenizer, prompts, cfg, batch_size=a.batch_size):
-            for i, r in enumerate(c.results):
-                if a.json:
-                    print(json.dumps({"prompt": c.prompt, "text": c.text(tokenizer, i), "tokens": len(r.tokens),
-                                      "token_ids": r.tokens, "tokens_per_s": round(c.tokens_per_s, 1),
-                                      "finish_reason": r.finish_reason}, ensure_ascii=False))
-                else:
-                    print(c.text(tokenizer, i))
-                    print()
-    except ValueError as exc:  # GenerationConfig.validate names the bad knob
-        raise TinyLMError(str(exc)) from exc
+            sys.stdout.write("\n\n")
+        return 0
+    for c in complete(model, tokenizer, prompts, cfg, batch_size=opts.batch_size):
+        for i, r in enumerate(c.results):
+            if opts.json:
+                print(json.dumps({"prompt": c.prompt, "text": c.text(tokenizer, i), "tokens": len(r.tokens),
+                                  "token_ids": r.tokens, "tokens_per_s": round(c.tokens_per_s, 1),
+                                  "finish_reason": r.finish_reason}, ensure_ascii=False))
+            else:
+                print(c.text(tokenizer, i))
+                print()
     return 0
 
 
@@ -368,29 +377,28 @@ def generate(a: GenerateOptions) -> int:
 @dataclass
 class EvaluateOptions(ModelOptions):
     data: str = opt("text file (TinyStories format: each story scored alone), or .jsonl", required=True)
-    batch_size: int = opt("documents scored together", 32, minimum=1)
-    max_docs: int | None = opt("score only the first N documents", minimum=1)
+    batch_size: int = opt("documents scored together", 32, ge=1)
+    max_docs: int | None = opt("score only the first N documents", ge=1)
     json: bool = opt("print one JSON object")
     bleu: bool = opt("prompt with the first tokens of each story, continue, score BLEU", group="BLEU protocol")
-    samples: int = opt("stories to use", BleuProtocol.n_samples, minimum=1, group="BLEU protocol")
-    prompt_tokens: int = opt("prompt = the story's first N tokens", BleuProtocol.prompt_tokens, minimum=1,
+    samples: int = opt("stories to use", BleuProtocol.n_samples, ge=1, group="BLEU protocol")
+    prompt_tokens: int = opt("prompt = the story's first N tokens", BleuProtocol.prompt_tokens, ge=1,
                              group="BLEU protocol")
     max_continuation: int | None = opt("cap on reference/continuation tokens (default: the rest of the story)",
-                                       BleuProtocol.max_continuation, minimum=1, group="BLEU protocol")
-    selection: str = opt("which stories: drawn at random with --seed, or the first N", BleuProtocol.selection,
-                         choices=["random", "first"], group="BLEU protocol")
+                                       BleuProtocol.max_continuation, ge=1, group="BLEU protocol")
+    selection: Literal["random", "first"] = opt("which stories: drawn at random with --seed, or the first N",
+                                                BleuProtocol.selection, group="BLEU protocol")
     temperature: list[float] = opt("sampling temperature, repeatable (default "
-                                   f"{', '.join(map(str, SAMPLING_TEMPERATURES))}); 0 is greedy", [], minimum=0,
+                                   f"{', '.join(map(str, SAMPLING_TEMPERATURES))}); 0 is greedy", [], ge=0,
                                    group="BLEU protocol")
-    top_k: int | None = opt("sample from the k most likely tokens", minimum=1, group="BLEU protocol")
-    beam_width: list[int] = opt("also decode with beam search of this width (repeatable)", [], minimum=1,
+    top_k: int | None = opt("sample from the k most likely tokens", ge=1, group="BLEU protocol")
+    beam_width: list[int] = opt("also decode with beam search of this width (repeatable)", [], ge=1,
                                 group="BLEU protocol")
-    smoothing: str = opt("for BLEU-1..4", BleuProtocol.smoothing, choices=["method1", "exp", "none"],
-                         group="BLEU protocol")
+    smoothing: Literal["method1", "exp", "none"] = opt("for BLEU-1..4", BleuProtocol.smoothing, group="BLEU protocol")
     seed: int = opt("draws the stories; sample k decodes with seed + k", BleuProtocol.seed, group="BLEU protocol")
     csv_dir: str = opt("where bleu_samples_<setting>.csv go", ".", group="BLEU protocol")
     decode_threads: int = opt("torch threads while decoding (token-by-token decoding is many small ops, which "
-                              "slow down with more threads on a busy CPU)", 1, minimum=1, group="BLEU protocol")
+                              "slow down with more threads on a busy CPU)", 1, ge=1, group="BLEU protocol")
 
 
 METRICS = ("token_ppl", "bpb", "word_ppl", "tokens", "bytes", "words")
@@ -411,24 +419,26 @@ def _finite_or_reason(m: dict) -> tuple[dict, dict]:
 
 
 @command("evaluate")
-def evaluate(a: EvaluateOptions) -> int:
+def evaluate(opts: EvaluateOptions) -> int:
     """Token perplexity, bits per byte and word perplexity on a file (and the BLEU protocol)."""
-    model, tokenizer, _ = load_any_checkpoint(a.checkpoint, a.tokenizer)
-    docs = load_text_file(a.data)[: a.max_docs]
+    model, tokenizer, _ = load_any_checkpoint(opts.checkpoint, opts.tokenizer)
+    docs = load_text_file(opts.data)[: opts.max_docs]
     if not docs:
-        raise TinyLMError(f"{a.data} holds no document to score")
-    m = evaluate_texts(model, tokenizer, docs, batch_size=a.batch_size)
+        raise TinyLMError(f"{opts.data} holds no document to score")
+    m = evaluate_texts(model, tokenizer, docs, batch_size=opts.batch_size)
     bleu = None
-    if a.bleu:
-        torch.set_num_threads(a.decode_threads)
-        protocol = BleuProtocol(a.samples, a.prompt_tokens, a.max_continuation, a.seed, a.smoothing, a.selection)
-        settings = [Decoding("greedy" if t == 0 else f"T{t:g}", temperature=t, top_k=a.top_k)
-                    for t in (a.temperature or SAMPLING_TEMPERATURES)]
-        settings += [Decoding(f"beam{k}", beam_width=k) for k in a.beam_width]
-        bleu = run_bleu(model, tokenizer, docs, protocol, settings, csv_dir=Path(a.csv_dir))
-    if a.json:
+    if opts.bleu:
+        torch.set_num_threads(opts.decode_threads)
+        protocol = BleuProtocol(opts.samples, opts.prompt_tokens, opts.max_continuation, opts.seed, opts.smoothing,
+                                opts.selection)
+        settings = [Decoding("greedy" if t == 0 else f"T{t:g}", temperature=t, top_k=opts.top_k)
+                    for t in (opts.temperature or SAMPLING_TEMPERATURES)]
+        settings += [Decoding(f"beam{k}", beam_width=k) for k in opts.beam_width]
+        bleu = run_bleu(model, tokenizer, docs, protocol, settings, csv_dir=Path(opts.csv_dir))
+    if opts.json:
         values, reasons = _finite_or_reason(m)
-        print(json.dumps({**values, **({"not_finite": reasons} if reasons else {}), **({"bleu": bleu} if bleu else {})}))
+        print(json.dumps({**values, **({"not_finite": reasons} if reasons else {}),
+                          **({"bleu": bleu} if bleu else {})}))
         return 0
     print(f"documents        {len(docs):,}")
     print(f"token perplexity {m['token_ppl']:.4f}   (exp of mean NLL over {m['tokens']:,} tokens)")
@@ -447,10 +457,10 @@ class ExportOptions(ModelOptions):
 
 
 @command("export-hf")
-def export_hf_dir(a: ExportOptions) -> int:
+def export_hf_dir(opts: ExportOptions) -> int:
     """Write a GPT-2- or Llama-shaped checkpoint as a Hugging Face model directory."""
-    model, tokenizer, _ = load_any_checkpoint(a.checkpoint, a.tokenizer)
-    out = export_hf(model, a.out, tokenizer)
+    model, tokenizer, _ = load_any_checkpoint(opts.checkpoint, opts.tokenizer)
+    out = export_hf(model, opts.out, tokenizer)
     kind = "GPT-2" if model.config.positions == "learned" else "Llama"
     print(f"wrote a Hugging Face {kind} model ({model.num_parameters():,} parameters) to {out}")
     return 0
@@ -462,9 +472,9 @@ class ReportOptions:
 
 
 @command("report")
-def report(a: ReportOptions) -> int:
+def report(opts: ReportOptions) -> int:
     """(Re)write report.md and report.html for a run directory."""
-    run = Path(a.run_dir)
+    run = Path(opts.run_dir)
     if not run.is_dir():
         raise TinyLMError(f"run directory {run} does not exist")
     write_report = write_experiments_report if (run / "experiments.json").is_file() else write_run_report
@@ -487,14 +497,14 @@ class AttentionOptions:
 
 
 @command("attention")
-def attention(a: AttentionOptions) -> int:
+def attention(opts: AttentionOptions) -> int:
     """Attention maps of a text: a PNG grid per layer, optionally one HTML page."""
-    model, tokenizer, _ = load_checkpoint(a.checkpoint)
-    maps = attention_maps(model, tokenizer, a.text)
-    out = Path(a.out)
+    model, tokenizer, _ = load_checkpoint(opts.checkpoint)
+    maps = attention_maps(model, tokenizer, opts.text)
+    out = Path(opts.out)
     for path in save_attention_pngs(maps, out):
         print(path)
-    if a.html:
+    if opts.html:
         print(attention_html(maps, out / "attention.html"))
     print(f"{maps.n_layers} layers x {maps.n_heads} heads over {len(maps.tokens)} tokens: {' '.join(maps.tokens)}")
     return 0
@@ -507,25 +517,26 @@ class ServeOptions:
     tokenizer: list[str] = opt("the i-th goes with the i-th --checkpoint (a llama2.c .bin needs one; 'none' for a "
                                "checkpoint that brings its own)", [])
     host: str = opt("address to bind; anything but loopback exposes the API (use --api-key)", "127.0.0.1")
-    port: int = opt("TCP port", 8000, minimum=0)
+    port: int = opt("TCP port", 8000, ge=0, le=65535)
     api_key: str | None = opt("require `Authorization: Bearer KEY` on every /v1 call")
-    threads: int | None = opt("torch threads (default: torch's choice)", minimum=1)
-    max_batch: int = opt("rows decoded together at most (requests beyond wait their turn)", 32, minimum=1)
-    max_tokens: int = opt("refuse max_tokens above this", 512, minimum=1)
-    max_choices: int = opt("refuse requests asking for more choices (prompts x n)", 16, minimum=1)
-    max_body_bytes: int = opt("refuse bodies larger than this (413)", 1_000_000, minimum=1)
+    threads: int | None = opt("torch threads (default: torch's choice)", ge=1)
+    max_batch: int = opt("rows decoded together at most (requests beyond wait their turn)", 32, ge=1)
+    max_tokens: int = opt("refuse max_tokens above this", 512, ge=1)
+    max_choices: int = opt("refuse requests asking for more choices (prompts x n)", 16, ge=1)
+    max_body_bytes: int = opt("refuse bodies larger than this (413)", 1_000_000, ge=1)
 
 
 @command("serve")
-def serve(a: ServeOptions) -> int:
+def serve(opts: ServeOptions) -> int:
     """The playground page and an OpenAI-compatible API for one or more models (FastAPI + uvicorn)."""
-    if a.threads:
-        torch.set_num_threads(a.threads)
-    if a.host not in ("127.0.0.1", "localhost", "::1"):
-        log.warning("WARNING: serving on %s, reachable from other machines, %s", a.host,
-                    "API calls need the API key" if a.api_key else "WITHOUT AUTHENTICATION (give --api-key)")
-    models = load_models(a.checkpoint, a.tokenizer, a.max_batch)
-    serve_models(models, a.host, a.port, Limits(a.max_tokens, a.max_choices, a.max_body_bytes), a.api_key)
+    if opts.threads:
+        torch.set_num_threads(opts.threads)
+    if opts.host not in ("127.0.0.1", "localhost", "::1"):
+        log.warning("WARNING: serving on %s, reachable from other machines, %s", opts.host,
+                    "API calls need the API key" if opts.api_key else "WITHOUT AUTHENTICATION (give --api-key)")
+    models = load_models(opts.checkpoint, opts.tokenizer, opts.max_batch)
+    limits = Limits(opts.max_tokens, opts.max_choices, opts.max_body_bytes)
+    serve_models(models, opts.host, opts.port, limits, opts.api_key)
     return 0
 
 
@@ -538,15 +549,15 @@ class ExperimentsOptions(RunOptions):
 
 
 @command("experiments")
-def experiments(a: ExperimentsOptions) -> int:
+def experiments(opts: ExperimentsOptions) -> int:
     """The TinyStories assignment: train, BLEU, decoding, KV cache, accumulation, checkpointing, attention."""
-    cfg, exp = load_experiment_config(a.config, a.overrides, quick=a.quick)
-    if a.out:
-        cfg.out_dir = a.out
-    only = [p.strip() for p in a.only.split(",") if p.strip()] if a.only else None
-    words = ([f"--config {a.config}"] if a.config else []) + (["--quick"] if a.quick else [])
-    words += ([f"--out {a.out}"] if a.out else []) + list(a.overrides)
-    manifest = run_experiments(cfg, exp, cfg.out_dir, quick=a.quick, only=only,
+    cfg, exp = load_experiment_config(opts.config, opts.overrides, quick=opts.quick)
+    if opts.out:
+        cfg.out_dir = opts.out
+    only = [p.strip() for p in opts.only.split(",") if p.strip()] if opts.only else None
+    words = ([f"--config {opts.config}"] if opts.config else []) + (["--quick"] if opts.quick else [])
+    words += ([f"--out {opts.out}"] if opts.out else []) + list(opts.overrides)
+    manifest = run_experiments(cfg, exp, cfg.out_dir, quick=opts.quick, only=only,
                                command="tinylm experiments " + " ".join(words))
     for name, status in manifest["parts"].items():
         print(f"  {name:<14} {status}")
@@ -555,29 +566,28 @@ def experiments(a: ExperimentsOptions) -> int:
 
 @dataclass
 class StudyOptions:
-    corpus: str = opt("the corpus of the study", positional=True, choices=["shakespeare"])
+    corpus: Literal["shakespeare"] = opt("the corpus of the study", positional=True)
     config: str = opt("study preset (shakespeare-study, shakespeare-report) or YAML file of StudyConfig fields",
                       "shakespeare-study")
     quick: bool = opt("the preset's quick section (every stage on a few plays, under 90 s)")
     out: str | None = opt("run directory (default: the preset's out_dir)")
-    gpt_minutes: float | None = opt("training budget of each GPT", minimum=0)
-    no_gpt: bool = opt("skip the GPT stage")
-    bpe_merges: list[int] | None = opt("e.g. 1000 2000 3000", nargs="+", minimum=1)
-    threads: int | None = opt("torch threads", minimum=1)
-    overrides: list[str] = opt("StudyConfig fields, e.g. orders=[1,2] word_vocab=4000", [], positional=True,
+    gpt_minutes: float | None = opt("training budget of each GPT (gpt.minutes)", ge=0)
+    no_gpt: bool = opt("skip the GPT stage (gpt.enabled=false)")
+    bpe_merges: list[int] | None = opt("e.g. 1000 2000 3000", nargs="+", ge=1)
+    threads: int | None = opt("torch threads", ge=1)
+    overrides: list[str] = opt("StudyConfig fields, e.g. ngram.orders=[1,2] tokenizers.word_vocab=4000", [],
+                               positional=True,
                                nargs="*", metavar="key=value")
 
 
 @command("study")
-def study(a: StudyOptions) -> int:
+def study(opts: StudyOptions) -> int:
     """The four-stage Shakespeare study: tokenizers, n-grams, neural bigram, GPT."""
-    cfg = load_study_config(a.config, a.overrides, quick=a.quick)
-    for name, value in (("out_dir", a.out), ("gpt_minutes", a.gpt_minutes), ("bpe_merges", a.bpe_merges),
-                        ("threads", a.threads)):
-        if value is not None:
-            setattr(cfg, name, value)
-    if a.no_gpt:
-        cfg.gpt = False
+    shortcuts = {"out_dir": opts.out, "gpt.minutes": opts.gpt_minutes, "threads": opts.threads,
+                 "tokenizers.bpe_merges": json.dumps(opts.bpe_merges) if opts.bpe_merges else None,
+                 "gpt.enabled": "false" if opts.no_gpt else None}
+    words = [f"{key}={value}" for key, value in shortcuts.items() if value is not None]
+    cfg = load_study_config(opts.config, list(opts.overrides) + words, quick=opts.quick)
     run_study(cfg)
     return 0
 
@@ -589,30 +599,30 @@ class TokenizerStatsOptions:
     train: list[str] = opt("train a tokenizer on the first --data split, e.g. bpe:1260 (1,000 merges); repeatable",
                            [], metavar="TYPE:VOCAB")
     data: list[str] = opt("a split's text file (.txt, .jsonl, TinyStories format); repeatable, e.g. "
-                          "--data train=a.txt", [], metavar="[NAME=]FILE")
+                          "--data train=opts.txt", [], metavar="[NAME=]FILE")
     json: bool = opt("print the rows as JSON instead of a table")
 
 
 @command("tokenizer-stats")
-def tokenizer_stats(a: TokenizerStatsOptions) -> int:
+def tokenizer_stats(opts: TokenizerStatsOptions) -> int:
     """Vocabulary, tokens per word, bytes per token, <unk> rate and round trip, per tokenizer and split."""
-    if not a.tokenizer and not a.train:
+    if not opts.tokenizer and not opts.train:
         raise TinyLMError("give at least one --tokenizer FILE or --train TYPE:VOCAB")
-    if not a.data:
+    if not opts.data:
         raise TinyLMError("give at least one --data [NAME=]FILE")
     splits: dict[str, list[str]] = {}
-    for spec in a.data:
+    for spec in opts.data:
         name, sep, path = spec.partition("=")
         name, path = (name, path) if sep else (Path(spec).stem, spec)
         docs = [d for d in load_text_file(path) if d]
         if not docs:
             raise TinyLMError(f"data file {path} holds no text")
         splits[name] = docs
-    tokenizers = {spec: load_tokenizer(spec) for spec in a.tokenizer}
+    tokenizers = {spec: load_tokenizer(spec) for spec in opts.tokenizer}
     first = next(iter(splits.values()))
-    tokenizers.update({spec: train_spec(spec, first) for spec in a.train})
+    tokenizers.update({spec: train_spec(spec, first) for spec in opts.train})
     rows = collect(tokenizers, splits)
-    print(json.dumps(rows, indent=1) if a.json else format_table(rows))
+    print(json.dumps(rows, indent=1) if opts.json else format_table(rows))
     return 0
 
 

@@ -1,8 +1,10 @@
 """Configuration as dataclasses: load from YAML/TOML, override with ``section.key=value``.
 
-A run is described by one ``RunConfig`` with a section per pipeline stage. Unknown keys, values
-of the wrong type and floats that are not finite are errors that name the key, never silently
-ignored.
+A run is described by one ``RunConfig`` with a section per pipeline stage, one typed schema:
+closed choices are ``Literal``s, numbers declare their range beside the field (``option``), and
+rules between fields live in one ``validate()`` per section. ``check_config`` checks it whole
+before any work; unknown keys, values of the wrong type or out of range and floats that are not
+finite are errors that name the key, never silently ignored.
 
 Presets ship inside the package (``tinylm/presets/*.yaml``), so ``--config tinystories-cpu-1h``
 works from any directory and from an installed wheel; a path to a file works too. A preset may
@@ -16,89 +18,181 @@ import copy
 import dataclasses
 import json
 import math
+import re
 import types
 import typing
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 
-from tinylm.data.cleaning import CleanOptions
 from tinylm.errors import TinyLMError
+
+
+# ------------------------------------------------------------------------------------- schema
+def option(default: Any = None, help: str = "", *, ge: float | None = None, gt: float | None = None,
+           le: float | None = None, lt: float | None = None, factory: Any = None, **extra: Any) -> Any:
+    """A config field with its help text and the range its number (or each number of a list) must
+    lie in; ``extra`` holds what one surface needs beside it (the command line's flag, ...)."""
+    meta = {"help": help, "range": (ge, gt, le, lt), **extra}  # extra wins: a field's metadata copied whole
+    if factory is not None:
+        return field(default_factory=factory, metadata=meta)
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+def describe_range(bounds: tuple) -> str:
+    ge, gt, le, lt = bounds
+    low = f"[{ge:g}" if ge is not None else f"({gt:g}" if gt is not None else None
+    high = f"{le:g}]" if le is not None else f"{lt:g})" if lt is not None else None
+    return f"in {low}, {high}" if low and high else f">= {ge:g}" if ge is not None else f"> {gt:g}" \
+        if gt is not None else f"<= {le:g}" if le is not None else f"< {lt:g}"
+
+
+def check_range(key: str, value: Any, bounds: tuple | None) -> None:
+    """Refuse a number (or a list holding one) outside ``bounds`` = (ge, gt, le, lt)."""
+    if not bounds or all(b is None for b in bounds) or value is None:
+        return
+    for v in value if isinstance(value, (list, tuple)) else [value]:
+        ge, gt, le, lt = bounds
+        if (ge is not None and v < ge) or (gt is not None and v <= gt) or (le is not None and v > le) \
+                or (lt is not None and v >= lt):
+            raise TinyLMError(f"{key} must be {describe_range(bounds)} (got {v!r})")
+
+
+def check_fields(obj: Any, prefix: str = "") -> Any:
+    """Each leaf field of a config dataclass checked against its type, closed choices and range."""
+    hints = typing.get_type_hints(type(obj))
+    for f in dataclasses.fields(obj):
+        key, value = f"{prefix}{f.name}", getattr(obj, f.name)
+        if not dataclasses.is_dataclass(value):
+            value = config_value(key, value, hints[f.name])
+            check_range(key, value, f.metadata.get("range"))
+            setattr(obj, f.name, value)
+    return obj
+
+
+def check_config(obj: Any, prefix: str = "") -> Any:
+    """Every field of a config dataclass (and of its sections) checked against its type, its
+    closed choices and its range, then each section's ``validate()`` (the rules that tie fields
+    together). Returns ``obj``; the first problem is one TinyLMError naming the key."""
+    check_fields(obj, prefix)
+    for f in dataclasses.fields(obj):
+        if dataclasses.is_dataclass(getattr(obj, f.name)):
+            check_config(getattr(obj, f.name), f"{prefix}{f.name}.")
+    if hasattr(obj, "validate"):
+        try:
+            obj.validate()
+        except TinyLMError as exc:
+            message = str(exc)
+            raise TinyLMError(message if message.startswith(prefix) else f"{prefix}{message}") from None
+    return obj
+
+
+# ----------------------------------------------------------------------------------- sections
+@dataclass
+class CleanOptions:
+    """The cleaning steps (tinylm.data.cleaning), each a flag counted in the prepare report."""
+
+    fix_unicode: bool = True
+    normalize_whitespace: bool = True
+    lowercase: bool = False
+    standardize_punctuation: bool = False
+    remove_urls: bool = False
+    remove_emails: bool = False
+    remove_html: bool = False
+    remove_repeats: bool = False  # a word or phrase repeated right after itself is kept once
+    letters_and_punctuation_only: bool = False  # drop every character but letters, digits, basic punctuation
+    collapse_dots: bool = False  # "..", "...", ". . ." and "…" become one "."
+    deduplicate: bool = True
+    min_chars: int = option(1, ge=0)
+    max_chars: int | None = option(None, ge=1)
 
 
 @dataclass
 class DataConfig(CleanOptions):
     """Where the documents come from and how they are split and batched; the cleaning flags
-    (``data.fix_unicode`` etc., each counted in the prepare report) come from CleanOptions, so
-    ``cfg.data`` is what the cleaning functions take."""
+    (``data.fix_unicode`` etc.) come from CleanOptions, so ``cfg.data`` is what the cleaning
+    functions take."""
 
-    # source: "shakespeare", "tinystories" (text file, json shard(s) or hub id), or "text" (.txt/.jsonl)
-    source: str = "shakespeare"
+    # TinyStories is a text file, json shard(s) or a hub id; text is .txt/.jsonl
+    source: Literal["shakespeare", "tinystories", "text"] = "shakespeare"
     train: str | None = None  # path (or hub id for tinystories); None for shakespeare
     valid: str | None = None  # optional; when None a split is made from train
     test: str | None = None
-    hub_story_limit: int | None = None  # TinyStories through `datasets`: stream at most this many
-    valid_fraction: float = 0.05
-    test_fraction: float = 0.05
-    split_by: str = "document"  # "document" (whole plays/stories) or "chunk" (contiguous chunks)
-    max_documents: int | None = None
-    # how token batches are formed: "packed" (nanoGPT stream) or "stories" (one padded sequence each)
-    batching: str = "packed"
+    hub_story_limit: int | None = option(None, ge=1)  # TinyStories through `datasets`: stream at most this many
+    valid_fraction: float = option(0.05, ge=0, lt=1)
+    test_fraction: float = option(0.05, ge=0, lt=1)
+    split_by: Literal["document", "chunk"] = "document"  # whole plays/stories, or contiguous chunks
+    max_documents: int | None = option(None, ge=1)
+    # how token batches are formed: packed (nanoGPT stream) or stories (one padded sequence each)
+    batching: Literal["packed", "stories"] = "packed"
     # training split only: this fraction of the stories (a fixed seeded draw) gets its quotes,
     # apostrophes and dashes written as UTF-8-read-as-Windows-1252 mojibake ("â€œ"), as the
     # official TinyStories files carry it (tinylm.data.augment)
-    mojibake_fraction: float = 0.0
+    mojibake_fraction: float = option(0.0, ge=0, le=1)
+
+    def validate(self) -> None:
+        if self.valid_fraction + self.test_fraction >= 1:
+            raise TinyLMError("data.valid_fraction and data.test_fraction must be >= 0 and sum to less than 1")
+        if self.source == "text" and not self.train:
+            raise TinyLMError("data.source=text needs data.train=PATH (a .txt or .jsonl file)")
 
 
 @dataclass
 class TokenizerConfig:
-    type: str = "bpe"  # bpe | char | word | word_bpe
-    vocab_size: int = 1024
-    merges: int | None = None  # word_bpe: number of merges (None: as many as make vocab_size)
-    normalization: str = "lower_nopunct"  # word_bpe: lower_nopunct | aggressive | none
+    type: Literal["bpe", "char", "word", "word_bpe"] = "bpe"
+    vocab_size: int = option(1024, ge=0)
+    merges: int | None = option(None, ge=0)  # word_bpe: number of merges (None: as many as make vocab_size)
+    normalization: Literal["lower_nopunct", "aggressive", "none"] = "lower_nopunct"  # word_bpe
     lowercase: bool = False  # word-level only
     path: str | None = None  # reuse a saved tokenizer instead of training one
-    min_count: int = 1  # word-level: keep only words seen this often (with the vocab_size cap; 0 = no cap)
+    # word-level: keep only words seen this often (with the vocab_size cap; 0 = no cap)
+    min_count: int = option(1, ge=0)
     keep_punctuation: bool = True  # word-level: punctuation marks are tokens (else dropped)
-    splitter: str = "regex"  # word-level: regex | spacy (spaCy's rule-based English tokenizer)
+    splitter: Literal["regex", "spacy"] = "regex"  # word-level: spacy is spaCy's rule-based English tokenizer
     # word-level: the order of the special tokens, and whether they come before the words or after them
-    special_tokens: list[str] = field(default_factory=lambda: ["<pad>", "<unk>", "<sos>", "<eos>"])
-    specials_at: str = "start"  # start | end
-    oov: str = "unk"  # word-level: words out of the vocabulary become unk | bpe (character BPE pieces)
-    oov_merges: int = 1000  # word-level with oov=bpe: merges of the pieces' BPE
+    special_tokens: list[str] = option(factory=lambda: ["<pad>", "<unk>", "<sos>", "<eos>"])
+    specials_at: Literal["start", "end"] = "start"
+    oov: Literal["unk", "bpe"] = "unk"  # word-level: words out of the vocabulary become unk or character BPE pieces
+    oov_merges: int = option(1000, ge=0)  # word-level with oov=bpe: merges of the pieces' BPE
     pattern: str = "gpt2"  # bpe pre-tokenisation split: gpt2 | gpt4 | a custom regex
 
 
 @dataclass
 class ModelConfig:
-    vocab_size: int = 0  # 0: taken from the tokenizer
-    context_length: int = 128
-    d_model: int = 128
-    n_layers: int = 4
-    n_heads: int = 4
-    d_attn: int | None = None  # attention width; None means d_model (300 with 8 heads needs 304)
-    n_kv_heads: int | None = None  # grouped-query attention; None means n_heads
-    d_ff: int | None = None  # None means 4 * d_model
-    dropout: float = 0.0  # on the embeddings and on each block's residual branches
+    vocab_size: int = option(0, ge=0)  # 0: taken from the tokenizer
+    context_length: int = option(128, ge=1)
+    d_model: int = option(128, ge=1)
+    n_layers: int = option(4, ge=1)
+    n_heads: int = option(4, ge=1)
+    d_attn: int | None = option(None, ge=1)  # attention width; None means d_model (300 with 8 heads needs 304)
+    n_kv_heads: int | None = option(None, ge=1)  # grouped-query attention; None means n_heads
+    d_ff: int | None = option(None, ge=1)  # None means 4 * d_model
+    dropout: float = option(0.0, ge=0, lt=1)  # on the embeddings and on each block's residual branches
     # on the attention weights; None means `dropout`. On CPU any attention dropout takes SDPA off its
     # fused kernel (the T x T weights are materialised and masked), so 0 here trains much faster.
-    attn_dropout: float | None = None
-    positions: str = "learned"  # learned | sinusoidal | rope | none
-    rope_theta: float = 10000.0
-    norm: str = "layernorm"  # layernorm | rmsnorm
-    norm_eps: float = 1e-5
-    ffn: str = "gelu"  # gelu (GPT-2's tanh approximation) | relu | relu2 (relu(x)^2) | swiglu
-    init: str = "gpt2"  # gpt2: N(0, 0.02), residual projections scaled | xavier: Xavier-uniform matrices
+    attn_dropout: float | None = option(None, ge=0, lt=1)
+    positions: Literal["learned", "sinusoidal", "rope", "none"] = "learned"
+    rope_theta: float = option(10000.0, gt=0)
+    norm: Literal["layernorm", "rmsnorm"] = "layernorm"
+    norm_eps: float = option(1e-5, gt=0)
+    ffn: Literal["gelu", "relu", "relu2", "swiglu"] = "gelu"  # gelu is GPT-2's tanh approximation; relu2 relu(x)^2
+    init: Literal["gpt2", "xavier"] = "gpt2"  # gpt2: N(0, 0.02), residual projections scaled; xavier: uniform
     bias: bool = True
     tie_weights: bool = True
-    d_embed: int | None = None  # token embedding width; None = d_model, else a learned projection to d_model
-    attention: str = "sdpa"  # manual (matmul, mask, softmax) | sdpa (F.scaled_dot_product_attention)
+    d_embed: int | None = option(None, ge=1)  # token embedding width; None = d_model, else a learned projection
+    attention: Literal["manual", "sdpa"] = "sdpa"  # manual: matmul, mask, softmax; sdpa: F.scaled_dot_product_attention
     qk_norm: bool = False  # RMS-normalise each head's queries and keys (no gain) before the rotary positions
-    logit_softcap: float | None = None  # logits -> cap * tanh(logits / cap); None: off
+    logit_softcap: float | None = option(None, gt=0)  # logits -> cap * tanh(logits / cap); None: off
     zero_init_out: bool = False  # residual output projections (attention out, FFN down) start at zero
+
+    def validate(self) -> None:
+        """The shapes fit together (the vocabulary may still come from the tokenizer)."""
+        dataclasses.replace(self, vocab_size=self.vocab_size or 1).resolved()
 
     def resolved(self) -> "ModelConfig":
         """Fill the derived widths and check that the shapes fit together."""
@@ -119,10 +213,9 @@ class ModelConfig:
                 f"d_model={cfg.d_model}; set model.tie_weights=false (the embedding then goes through a "
                 f"learned projection) or model.d_embed={cfg.d_model}"
             )
-        for name in ("vocab_size", "context_length", "d_model", "n_layers", "n_heads", "d_attn", "n_kv_heads", "d_ff",
-                     "d_embed"):
-            if getattr(cfg, name) < 1:
-                raise TinyLMError(f"model.{name} must be at least 1 (got {getattr(cfg, name)})")
+        check_fields(cfg, "model.")  # a config built in code is checked like a loaded one
+        if cfg.vocab_size < 1:
+            raise TinyLMError(f"model.vocab_size must be at least 1 (got {cfg.vocab_size})")
         if cfg.d_attn % cfg.n_heads:
             raise TinyLMError(
                 f"model.n_heads={cfg.n_heads} does not divide the attention width {cfg.d_attn}; "
@@ -130,100 +223,175 @@ class ModelConfig:
                 f"{-(-cfg.d_attn // cfg.n_heads) * cfg.n_heads})"
             )
         if cfg.n_heads % cfg.n_kv_heads:
-            raise TinyLMError(
-                f"model.n_kv_heads={cfg.n_kv_heads} must divide model.n_heads={cfg.n_heads}"
-            )
+            raise TinyLMError(f"model.n_kv_heads={cfg.n_kv_heads} must divide model.n_heads={cfg.n_heads}")
         if cfg.positions == "rope" and (cfg.d_attn // cfg.n_heads) % 2:
             raise TinyLMError("rotary positions need an even head width (d_attn / n_heads)")
-        for name in ("dropout", "attn_dropout"):
-            if not 0.0 <= getattr(cfg, name) < 1.0:
-                raise TinyLMError(f"model.{name} must be in [0, 1) (got {getattr(cfg, name)})")
-        _check_choice("model.positions", cfg.positions, ("learned", "sinusoidal", "rope", "none"))
-        _check_choice("model.norm", cfg.norm, ("layernorm", "rmsnorm"))
-        _check_choice("model.ffn", cfg.ffn, ("gelu", "relu", "relu2", "swiglu"))
-        if cfg.logit_softcap is not None and cfg.logit_softcap <= 0:
-            raise TinyLMError(f"model.logit_softcap must be positive or null (got {cfg.logit_softcap})")
-        _check_choice("model.init", cfg.init, ("gpt2", "xavier"))
-        _check_choice("model.attention", cfg.attention, ("manual", "sdpa"))
         return cfg
-
 
 @dataclass
 class TrainConfig:
-    batch_size: int = 16  # sequences per micro-batch (per process)
+    batch_size: int = option(16, ge=1)  # sequences per micro-batch (per process)
     # sequences per optimizer step over all processes and micro-steps; when set, batch_size is
     # derived as global_batch_size / (world size * grad_accum_steps), which must divide evenly
-    global_batch_size: int | None = None
-    grad_accum_steps: int = 1
-    max_steps: int = 1000
+    global_batch_size: int | None = option(None, ge=1)
+    grad_accum_steps: int = option(1, ge=1)
+    max_steps: int = option(1000, ge=0)
     # passes over the training split instead of max_steps: every story (packed: every context
     # window) once per epoch in a seeded order; one row per epoch in epochs.csv
-    epochs: int | None = None
-    max_minutes: float | None = None  # wall-clock budget, checked every step
-    lr: float = 1e-3
-    min_lr: float = 1e-4
-    warmup_steps: int = 100
-    schedule: str = "cosine"  # cosine | linear | constant (after warmup)
+    epochs: int | None = option(None, ge=1)
+    max_minutes: float | None = option(None, ge=0)  # wall-clock budget, checked every step
+    lr: float = option(1e-3, ge=0)
+    min_lr: float = option(1e-4, ge=0)
+    warmup_steps: int = option(100, ge=0)
+    schedule: Literal["cosine", "linear", "constant"] = "cosine"  # the decay after warmup
     # what the decay after warmup follows: "steps" (progress = step / max_steps) or "wall" (progress =
     # elapsed / max_minutes, so a wall-clock budget ends at min_lr on any machine; needs max_minutes)
-    schedule_clock: str = "steps"
-    weight_decay: float = 0.1
+    schedule_clock: Literal["steps", "wall"] = "steps"
+    weight_decay: float = option(0.1, ge=0)
     # adamw, or muon: Muon (torch.optim.Muon) for the blocks' weight matrices, AdamW for the rest
     # (embeddings, output head, norm gains, biases) at train.lr
-    optimizer: str = "adamw"
-    muon_lr: float = 0.02  # Muon's peak learning rate; the schedule scales it like train.lr
-    muon_momentum: float = 0.95
+    optimizer: Literal["adamw", "muon"] = "adamw"
+    muon_lr: float = option(0.02, gt=0)  # Muon's peak learning rate; the schedule scales it like train.lr
+    muon_momentum: float = option(0.95, ge=0, lt=1)
     # exponential moving average of the weights (0: off): updated every step, evaluated at the end
     # and saved as checkpoints/ema; decay d averages over about 1 / (1 - d) steps
-    ema_decay: float = 0.0
-    beta1: float = 0.9
-    beta2: float = 0.95
-    grad_clip: float = 1.0  # 0 disables clipping
+    ema_decay: float = option(0.0, ge=0, lt=1)
+    beta1: float = option(0.9, ge=0, lt=1)
+    beta2: float = option(0.95, ge=0, lt=1)
+    grad_clip: float = option(1.0, ge=0)  # 0 disables clipping
     # training targets mixed with the uniform distribution (F.cross_entropy's label_smoothing);
     # validation losses and perplexities are always the plain NLL
-    label_smoothing: float = 0.0
-    eval_interval: int = 100
-    eval_batches: int = 20  # 0: the whole validation split
-    log_interval: int = 10
+    label_smoothing: float = option(0.0, ge=0, lt=1)
+    eval_interval: int = option(100, ge=1)
+    eval_batches: int = option(20, ge=0)  # 0: the whole validation split
+    log_interval: int = option(10, ge=1)
     seed: int = 1337
     device: str = "auto"  # auto | cpu | cuda | cuda:N | mps
-    precision: str = "fp32"  # fp32 | bf16 | fp16
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     # torch.compile forward, loss and backward (each block alone under grad_checkpointing with the
     # tinylm implementation) and use AdamW's fused kernel
     compile: bool = False
     grad_checkpointing: bool = False
-    checkpoint_impl: str = "tinylm"  # tinylm (our autograd.Function) | torch (reference)
-    keep_last: int = 2  # resumable step-N checkpoints kept (plus best and last)
-    save_interval: int = 0  # steps between resumable checkpoints; 0: at every evaluation
-    early_stopping_patience: int = 0  # evaluations without improvement; 0 disables
+    checkpoint_impl: Literal["tinylm", "torch"] = "tinylm"  # our autograd.Function, or torch's as the reference
+    keep_last: int = option(2, ge=0)  # resumable step-N checkpoints kept (plus best and last)
+    save_interval: int = option(0, ge=0)  # steps between resumable checkpoints; 0: at every evaluation
+    early_stopping_patience: int = option(0, ge=0)  # evaluations without improvement; 0 disables
     tensorboard: bool = False
-    threads: int | None = None  # torch.set_num_threads; None leaves torch's default
+    threads: int | None = option(None, ge=1)  # torch.set_num_threads; None leaves torch's default
     progress: bool = True
+
+    def validate(self) -> None:
+        if not re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", self.device):
+            raise TinyLMError(f"train.device={self.device!r} is not one of auto, cpu, cuda, cuda:N, mps")
+        if self.schedule_clock == "wall" and not self.max_minutes:
+            raise TinyLMError("train.schedule_clock=wall needs a wall budget: set train.max_minutes")
+
+
+# The smallest temperature and repetition penalty accepted: logits divided by less overflow to
+# inf (softmax then gives nan), and any value this small is greedy in all but name.
+MIN_SCALE = 1e-6
 
 
 @dataclass
-class SampleConfig:
-    prompts: list[str] = field(default_factory=lambda: ["ROMEO:"])
-    max_new_tokens: int = 100
-    temperature: float = 0.8
-    top_k: int | None = 50
-    top_p: float | None = None
-    seed: int = 0
+class GenerationConfig:
+    """Every decoding knob, declared once: `tinylm generate`'s options, the HTTP request's fields
+    and the run config's sample section are made from these fields (see GENERATION_SURFACES)."""
+
+    max_new_tokens: int = option(100, "new tokens at most", ge=0)
+    min_new_tokens: int = option(0, "stop tokens are banned until this many were generated", ge=0)
+    temperature: float = option(1.0, "0 for greedy", ge=0)
+    top_k: int | None = option(None, "keep the k most likely tokens (ties at the k-th value: lower ids win)", ge=1)
+    top_p: float | None = option(None, "keep the smallest set of tokens whose probability reaches p", gt=0, le=1)
+    min_p: float | None = option(None, "drop tokens less likely than min_p x the most likely one", ge=0, le=1)
+    repetition_penalty: float = option(1.0, "divide the logits of seen tokens (CTRL / Hugging Face)", ge=MIN_SCALE)
+    no_repeat_ngram_size: int = option(0, "ban tokens that would repeat an n-gram (0: off)", ge=0)
+    stop_ids: tuple[int, ...] = option((), "a row ends at any of these token ids (not included in the output)", ge=0)
+    stop_strings: tuple[str, ...] = option((), "a row ends when its continuation contains one of these")
+    seed: int | None = option(None, "sampling seed (prompt or choice i of a batch draws with seed + i)")
+    # False: one generator for the whole batch (draws match HF's batched sampling); True: row i
+    # samples from its own generator seeded seed + i, so a batch reproduces single-prompt runs
+    seed_per_row: bool = option(False, "row i of a batch samples with seed + i")
+    use_cache: bool = option(True, "reuse the attention keys and values of earlier tokens (off: recompute the "
+                                   "whole context every step)")
+    beam_width: int = option(1, "beam search with this many beams (1: sampling or greedy)", ge=1)
+    # lengths ** huge exponents overflow to 0 or inf
+    length_penalty: float = option(1.0, "beam score = sum log p / length ** penalty (0: none)", ge=-10, le=10)
+    num_return_sequences: int = option(1, "beam search: the best hypotheses returned per prompt", ge=1)
+    early_stopping: bool = option(False, "beam search: stop once beam_width hypotheses finished (HF's)")
+    compile: bool = option(False, "run the decoding step under torch.compile (once per batch shape and process)")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def validate(self, vocab_size: int | None = None) -> "GenerationConfig":
+        """Raise TinyLMError naming the first knob whose value is invalid."""
+        check_fields(self)
+        if self.min_new_tokens > self.max_new_tokens:
+            raise TinyLMError(f"min_new_tokens must be between 0 and max_new_tokens (got {self.min_new_tokens})")
+        if not (self.temperature == 0 or MIN_SCALE <= self.temperature):
+            raise TinyLMError(f"temperature must be 0 (greedy) or a finite number >= {MIN_SCALE:g} "
+                              f"(got {self.temperature!r})")
+        if self.num_return_sequences > self.beam_width:
+            raise TinyLMError(f"num_return_sequences must be between 1 and beam_width ({self.beam_width}) "
+                              f"(got {self.num_return_sequences})")
+        if vocab_size is not None:
+            check_range("beam_width", self.beam_width, (1, None, vocab_size, None))
+            check_range("stop_ids", self.stop_ids, (0, None, None, vocab_size))
+        if any(not s for s in self.stop_strings):
+            raise TinyLMError(f"stop_strings must be non-empty strings (got {list(self.stop_strings)!r})")
+        return self
+
+
+# Where each decoding knob is reachable besides the sample section: (the command line's flag,
+# the HTTP request's field); None where a surface does not offer it, for the reason beside it.
+GENERATION_SURFACES: dict[str, tuple[str | None, str | None]] = {
+    "max_new_tokens": ("--max-new-tokens", "max_tokens"),  # OpenAI's name
+    "min_new_tokens": ("--min-new-tokens", "min_new_tokens"),
+    "stop_strings": ("--stop", "stop"),  # OpenAI's name
+    "stop_ids": ("--stop-id", "stop_ids"),  # beside the tokenizer's own end-of-text ids
+    "num_return_sequences": ("--num-return-sequences", "n"),  # OpenAI's name: choices per prompt
+    "use_cache": ("--no-cache", None),  # the server's batched scheduler always decodes with the cache
+    "seed_per_row": (None, None),  # always on in both: prompt (choice) i samples with seed + i
+    "compile": ("--compile", None),  # one compiled step serves every request; not a per-request choice
+}
+
+
+@dataclass
+class SampleConfig(GenerationConfig):
+    """The run's sample continuations: prompt i continued with seed ``seed + i``."""
+
+    prompts: list[str] = option(["ROMEO:"], "prompts continued after training")
+    temperature: float = option(0.8, **GenerationConfig.__dataclass_fields__["temperature"].metadata)
+    top_k: int | None = option(50, **GenerationConfig.__dataclass_fields__["top_k"].metadata)
+    seed: int | None = option(0, **GenerationConfig.__dataclass_fields__["seed"].metadata)
+
+    def generation(self, stop_ids=()) -> GenerationConfig:
+        knobs = {f.name: getattr(self, f.name) for f in dataclasses.fields(GenerationConfig)}
+        return GenerationConfig(**{**knobs, "stop_ids": tuple(self.stop_ids) + tuple(stop_ids)})
 
 
 @dataclass
 class EmbeddingsConfig:
-    """Pretrained / FastText-trained token embeddings (see tinylm/embeddings.py)."""
+    """Pretrained / FastText-trained token embeddings (see tinylm/models/embeddings.py)."""
 
-    kind: str = "none"  # none | auto | vec | bin | gensim | train (gensim FastText on the train split)
+    # gensim: a saved gensim model; train: gensim FastText on the train split; auto: by the file's suffix
+    kind: Literal["none", "auto", "vec", "bin", "gensim", "train"] = "none"
     path: str | None = None  # the .vec / .bin / gensim file (not for none/train)
     freeze: bool = False  # no gradient into the embedding matrix
-    oov: str = "subword"  # words without a vector: subword (FastText n-grams, when available) | noise
-    noise_std: float | None = None  # None: the std of the vectors found
+    oov: Literal["subword", "noise"] = "subword"  # words without a vector: FastText n-grams (when available) or noise
+    noise_std: float | None = option(None, ge=0)  # None: the std of the vectors found
     seed: int = 0
-    train_epochs: int = 5  # kind=train only
-    train_window: int = 5
-    train_min_count: int = 1
+    train_epochs: int = option(5, ge=1)  # kind=train only
+    train_window: int = option(5, ge=1)
+    train_min_count: int = option(1, ge=1)
+
+    def validate(self) -> None:
+        if self.kind in ("none", "train") and self.path:
+            raise TinyLMError(f"embeddings.kind={self.kind!r} does not read a file; "
+                              "choose one of auto, vec, bin, gensim")
+        if self.kind in ("auto", "vec", "bin", "gensim") and not self.path:
+            raise TinyLMError(f"embeddings.kind={self.kind} needs embeddings.path")
 
 
 @dataclass
@@ -236,26 +404,28 @@ class RunConfig:
     sample: SampleConfig = field(default_factory=SampleConfig)
     embeddings: EmbeddingsConfig = field(default_factory=EmbeddingsConfig)
 
+    def validate(self) -> None:
+        if self.embeddings.freeze and self.model.tie_weights and self.embeddings.kind != "none":
+            raise TinyLMError("embeddings.freeze=true with model.tie_weights=true would freeze the output layer too; "
+                              "set model.tie_weights=false")
+
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        return json.loads(json.dumps(dataclasses.asdict(self)))  # tuples as lists, as YAML and JSON read back
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
 
 
-def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise TinyLMError(f"{name}={value!r} is not one of {', '.join(choices)}")
-
-
-def _field_types(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
-
-
-def _coerce(key: str, value: Any, annotation: Any) -> Any:
+# ------------------------------------------------------------------------------ reading values
+def config_value(key: str, value: Any, annotation: Any) -> Any:
     """Check (and for strings from the command line, convert) a value against a field type."""
     origin = typing.get_origin(annotation)
     args = typing.get_args(annotation)
+    if origin is Literal:
+        for choice in args:
+            if value == choice or (isinstance(value, str) and value == str(choice)):
+                return choice
+        raise TinyLMError(f"{key}={value!r} is not one of {', '.join(map(str, args))}")
     if origin in (typing.Union, types.UnionType):
         if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
             if type(None) in args:
@@ -265,11 +435,11 @@ def _coerce(key: str, value: Any, annotation: Any) -> Any:
             if arg is type(None):
                 continue
             try:
-                return _coerce(key, value, arg)
+                return config_value(key, value, arg)
             except TinyLMError as exc:
                 errors.append(str(exc))
         raise TinyLMError(errors[0] if errors else f"{key}: bad value {value!r}")
-    if origin is list:
+    if origin in (list, tuple):
         if isinstance(value, str):
             try:
                 value = json.loads(value)
@@ -277,9 +447,9 @@ def _coerce(key: str, value: Any, annotation: Any) -> Any:
                 value = [value]
             except RecursionError:
                 raise TinyLMError(f"config key {key}: the list {value[:20]}... is nested too deeply") from None
-        if not isinstance(value, list):
+        if not isinstance(value, (list, tuple)):
             raise TinyLMError(f"config key {key} expects a list, got {value!r}")
-        return [_coerce(key, v, args[0]) for v in value] if args else value
+        return origin(config_value(key, v, args[0]) for v in value) if args else origin(value)
     if annotation in _EXPECTS:
         result = _scalar(annotation, value)
         if result is None:
@@ -313,12 +483,11 @@ def _scalar(annotation: type, value: Any) -> Any:
 
 def apply_updates(obj: Any, updates: dict[str, Any], prefix: str = "") -> None:
     """Set a (nested) dict of values on a config dataclass, checking every key and type."""
-    hints = _field_types(type(obj))
-    names = {f.name for f in dataclasses.fields(obj)}
+    hints = typing.get_type_hints(type(obj))
     for key, value in updates.items():
         full = f"{prefix}{key}"
-        if not isinstance(key, str) or key not in names:
-            close = [n for n in names if isinstance(key, str) and key and n.startswith(key[:3])]
+        if not isinstance(key, str) or key not in hints:
+            close = [n for n in hints if isinstance(key, str) and key and n.startswith(key[:3])]
             hint = f" (did you mean {', '.join(prefix + c for c in close)}?)" if close else ""
             raise TinyLMError(f"unknown config key {full}{hint}")
         current = getattr(obj, key)
@@ -326,8 +495,8 @@ def apply_updates(obj: Any, updates: dict[str, Any], prefix: str = "") -> None:
             if not isinstance(value, dict):
                 raise TinyLMError(f"config key {full} is a section; give keys like {full}.name=value")
             apply_updates(current, value, prefix=f"{full}.")
-        else:
-            setattr(obj, key, _coerce(full, value, hints[key]))
+        else:  # ranges and the rules between fields are check_config's, once every value is set
+            setattr(obj, key, config_value(full, value, hints[key]))
 
 
 def parse_overrides(pairs: list[str]) -> dict[str, Any]:
@@ -397,24 +566,20 @@ def read_config(spec: str | Path | None, quick: bool = False) -> dict[str, Any]:
     return merge_dicts(raw, quick_section) if quick else raw
 
 
-def build_config(
-    path: str | Path | None = None,
-    overrides: list[str] | None = None,
-    quick: bool = False,
-) -> RunConfig:
+def build_config(path: str | Path | None = None, overrides: list[str] | None = None, quick: bool = False) -> RunConfig:
     """Defaults <- the file (or preset) at ``path`` (its quick section too with ``quick``) <-
     command-line ``overrides``."""
     cfg = RunConfig()
     apply_updates(cfg, read_config(path, quick))
     if overrides:
         apply_updates(cfg, parse_overrides(overrides))
-    return cfg
+    return check_config(cfg)
 
 
 def config_from_dict(data: dict[str, Any]) -> RunConfig:
     cfg = RunConfig()
     apply_updates(cfg, data)
-    return cfg
+    return check_config(cfg)
 
 
 def diff_configs(a: dict[str, Any], b: dict[str, Any], prefix: str = "") -> list[str]:

@@ -11,8 +11,6 @@ import logging
 import time
 from pathlib import Path
 
-import torch
-
 from tinylm.config import RunConfig, SampleConfig
 from tinylm.data.prepare import prepare
 from tinylm.errors import TinyLMError
@@ -20,7 +18,6 @@ from tinylm.evaluation.perplexity import evaluate_split
 from tinylm.evaluation.plots import plot_curves
 from tinylm.evaluation.report import write_report
 from tinylm.generation.generate import complete
-from tinylm.generation.processors import GenerationConfig
 from tinylm.models.checkpoint import load_checkpoint
 from tinylm.training import distributed
 from tinylm.training.trainer import train
@@ -30,8 +27,7 @@ log = logging.getLogger(__name__)
 
 def sample_prompts(model, tokenizer, sample: SampleConfig) -> list[dict]:
     """The configured prompts continued one by one (prompt i with seed ``sample.seed + i``)."""
-    cfg = GenerationConfig(max_new_tokens=sample.max_new_tokens, temperature=sample.temperature, top_k=sample.top_k,
-                           top_p=sample.top_p, seed=sample.seed, stop_ids=tokenizer.stop_ids)
+    cfg = sample.generation(stop_ids=tokenizer.stop_ids)
     return [{"prompt": c.prompt, "continuation": c.continuation(tokenizer), "new_tokens": len(c.results[0].tokens)}
             for c in complete(model, tokenizer, sample.prompts, cfg)]
 
@@ -51,10 +47,9 @@ def run_pipeline(cfg: RunConfig, out_dir: str | Path, *, resume=None, force: boo
             raise TinyLMError(f"no {name} split was prepared")
         n = prepared.splits[name].n_tokens
         if n < cfg.model.context_length + 1:
-            raise TinyLMError(
-                f"the {name} split has {n} tokens, fewer than one context window ({cfg.model.context_length + 1}); "
-                "use more data, a larger data.valid_fraction, or a smaller model.context_length"
-            )
+            raise TinyLMError(f"the {name} split has {n} tokens, fewer than one context window "
+                              f"({cfg.model.context_length + 1}); use more data, a larger data.valid_fraction, or a "
+                              "smaller model.context_length")
     result = train(cfg, prepared, out_dir, resume=resume, force=force)
     distributed.cleanup(ctx)
     if not ctx.is_main:
@@ -64,7 +59,6 @@ def run_pipeline(cfg: RunConfig, out_dir: str | Path, *, resume=None, force: boo
     evals, evals_best = {}, {}
     for ckpt in dict.fromkeys(("best", chosen)):  # the chosen one last: it writes the samples below
         model, tokenizer, meta = load_checkpoint(result.checkpoint_dir / ckpt)
-        model.to(torch.device("cpu"))
         for name in ("valid", "test"):
             if name in prepared.splits and (ckpt == chosen or name == "valid"):
                 m = evaluate_split(model, prepared.splits[name], eos_id=tokenizer.eos_id)
@@ -74,20 +68,11 @@ def run_pipeline(cfg: RunConfig, out_dir: str | Path, *, resume=None, force: boo
     samples = sample_prompts(model, tokenizer, cfg.sample)
     for s in samples:
         log.info(f"--- {s['prompt']!r}\n{s['prompt']}{s['continuation']}")
-    summary = {
-        "parameters": model.num_parameters(),
-        "steps": result.steps,
-        "train_seconds": round(result.seconds, 2),
-        "prepare_seconds": round(t_prepare, 2),
-        "tokens_per_s": round(result.tokens_per_s, 1),
-        "best_val_loss": result.best_val_loss,
-        "final_train_loss": result.final_train_loss,
-        "stopped_because": result.stopped_because,
-        "checkpoint": f"checkpoints/{chosen}",
-        "eval": evals,
-        **({"eval_best": evals_best} if evals_best else {}),
-        "total_seconds": round(time.perf_counter() - t0, 2),
-    }
+    summary = {"parameters": model.num_parameters(), "steps": result.steps, "train_seconds": round(result.seconds, 2),
+               "prepare_seconds": round(t_prepare, 2), "tokens_per_s": round(result.tokens_per_s, 1),
+               "best_val_loss": result.best_val_loss, "final_train_loss": result.final_train_loss,
+               "stopped_because": result.stopped_because, "checkpoint": f"checkpoints/{chosen}", "eval": evals,
+               **({"eval_best": evals_best} if evals_best else {}), "total_seconds": round(time.perf_counter() - t0, 2)}
     (out_dir / "eval.json").write_text(json.dumps(summary, indent=2))
     (out_dir / "samples.json").write_text(json.dumps(samples, indent=2, ensure_ascii=False))
     (out_dir / "samples.txt").write_text(

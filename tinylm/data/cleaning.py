@@ -6,6 +6,8 @@ import hashlib
 import re
 from dataclasses import dataclass, field
 
+from tinylm.config import CleanOptions
+
 _URL = re.compile(r"(?:https?://|www\.)\S+", re.I)
 _EMAIL = re.compile(r"\b[\w.+-]+@[\w-]+\.[\w.-]+\b")
 _HTML = re.compile(r"<(?:/?[a-zA-Z][^<>]*|!--.*?--)>", re.S)
@@ -22,23 +24,6 @@ _PUNCT = str.maketrans({
     "\u2013": "-", "\u2014": "-", "\u2015": "-", "\u2212": "-",
     "\u2026": "...", "\u00ab": '"', "\u00bb": '"',
 })
-
-
-@dataclass
-class CleanOptions:
-    fix_unicode: bool = True
-    normalize_whitespace: bool = True
-    lowercase: bool = False
-    standardize_punctuation: bool = False
-    remove_urls: bool = False
-    remove_emails: bool = False
-    remove_html: bool = False
-    remove_repeats: bool = False  # a word or phrase repeated right after itself is kept once
-    letters_and_punctuation_only: bool = False  # drop every other character (see _NOT_ESSENTIAL)
-    collapse_dots: bool = False  # "..", "...", ". . ." and "…" become one "."
-    deduplicate: bool = True
-    min_chars: int = 1
-    max_chars: int | None = None
 
 
 @dataclass
@@ -93,8 +78,7 @@ def _normalize_whitespace(text: str) -> str:
 
 
 def clean_documents(docs: list[str], opts: CleanOptions) -> tuple[list[str], CleanReport]:
-    report = CleanReport(documents_in=len(docs))
-    report.dropped = {"empty": 0, "too_short": 0, "too_long": 0, "duplicate": 0}
+    report = CleanReport(documents_in=len(docs), dropped={"empty": 0, "too_short": 0, "too_long": 0, "duplicate": 0})
     seen: set[bytes] = set()
     out = []
     for doc in docs:

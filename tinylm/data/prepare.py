@@ -9,7 +9,7 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from tinylm.config import DataConfig, RunConfig, TokenizerConfig
+from tinylm.config import DataConfig, RunConfig, check_config
 from tinylm.data.augment import augment_mojibake
 from tinylm.data.cleaning import clean_documents
 from tinylm.data.corpora import HUB_TINYSTORIES, load_shakespeare, load_text_file, load_tinystories
@@ -19,7 +19,6 @@ from tinylm.errors import TinyLMError
 from tinylm.tokenizers import Tokenizer, load_tokenizer, train_from_config
 
 log = logging.getLogger(__name__)
-
 
 
 @dataclass
@@ -41,24 +40,16 @@ def load_raw_documents(data: DataConfig) -> dict[str, list[str]]:
         docs = load_tinystories(data.train or HUB_TINYSTORIES, "train", data.hub_story_limit)
         given = {name: load_tinystories(getattr(data, name), name, data.hub_story_limit)
                  for name in ("valid", "test") if getattr(data, name)}
-    elif src == "text":
-        if not data.train:
-            raise TinyLMError("data.source=text needs data.train=PATH (a .txt or .jsonl file)")
+    else:  # text
         docs = load_text_file(data.train)
         given = {name: load_text_file(getattr(data, name)) for name in ("valid", "test") if getattr(data, name)}
-    else:
-        raise TinyLMError(f"data.source={src!r} is not one of shakespeare, tinystories, text")
     if data.max_documents:
         docs = docs[: data.max_documents]
     if "valid" in given:
         return {"train": docs, **given}
     test_fraction = 0.0 if "test" in given else data.test_fraction
-    if data.split_by == "chunk":
-        out = split_chunks(docs, data.valid_fraction, test_fraction)
-    elif data.split_by == "document":
-        out = split_documents(docs, data.valid_fraction, test_fraction, seed=0)
-    else:
-        raise TinyLMError(f"data.split_by={data.split_by!r} is not one of document, chunk")
+    out = (split_chunks(docs, data.valid_fraction, test_fraction) if data.split_by == "chunk"
+           else split_documents(docs, data.valid_fraction, test_fraction, seed=0))
     out.update(given)
     return {k: v for k, v in out.items() if v}
 
@@ -69,12 +60,9 @@ def _fingerprint(cfg: RunConfig) -> str:
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def train_tokenizer(tok_cfg: TokenizerConfig, texts: list[str]) -> Tokenizer:
-    return train_from_config(tok_cfg, texts)
-
-
 def prepare(cfg: RunConfig, out_dir: str | Path) -> Prepared:
     """Write ``tokenizer.json``, ``data/*.bin`` and ``prepare.json`` into ``out_dir``."""
+    check_config(cfg)  # a config built in code is checked like a loaded one, before any data is read
     out_dir = Path(out_dir)
     data_dir = out_dir / "data"
     report_path = out_dir / "prepare.json"
@@ -97,16 +85,11 @@ def prepare(cfg: RunConfig, out_dir: str | Path) -> Prepared:
             raise TinyLMError(f"the {name} split is empty after cleaning ({rep.summary()})")
     augmented = 0
     if cfg.data.mojibake_fraction:  # the training split only: evaluation scores the files as they are
-        try:
-            cleaned["train"], augmented = augment_mojibake(cleaned["train"], cfg.data.mojibake_fraction, seed=0)
-        except ValueError as exc:  # the range check lives with the augmentation
-            raise TinyLMError(f"data.mojibake_fraction: {exc}") from exc
+        cleaned["train"], augmented = augment_mojibake(cleaned["train"], cfg.data.mojibake_fraction, seed=0)
         log.info(f"prepare: train: {augmented} documents rewritten with mojibake punctuation")
 
-    if cfg.tokenizer.path:
-        tokenizer = load_tokenizer(cfg.tokenizer.path)
-    else:
-        tokenizer = train_tokenizer(cfg.tokenizer, cleaned["train"])
+    tokenizer = (load_tokenizer(cfg.tokenizer.path) if cfg.tokenizer.path
+                 else train_from_config(cfg.tokenizer, cleaned["train"]))
     out_dir.mkdir(parents=True, exist_ok=True)
     tokenizer.save(tok_path)
     log.info(f"prepare: {cfg.tokenizer.type} tokenizer with {tokenizer.vocab_size} tokens -> {tok_path}")

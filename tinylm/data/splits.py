@@ -20,10 +20,8 @@ def split_documents(docs: list[str], valid_fraction: float, test_fraction: float
     n_valid = max(1, round(valid_fraction * len(docs))) if valid_fraction > 0 else 0
     n_test = max(1, round(test_fraction * len(docs))) if test_fraction > 0 else 0
     if n_valid + n_test >= len(docs):
-        raise TinyLMError(
-            f"{len(docs)} documents are too few to split by document into train/valid/test; "
-            "use data.split_by=chunk"
-        )
+        raise TinyLMError(f"{len(docs)} documents are too few to split by document into train/valid/test; "
+                          "use data.split_by=chunk")
     pick = lambda idx: [docs[i] for i in sorted(idx)]  # noqa: E731  (keep corpus order inside a split)
     return {"valid": pick(order[:n_valid]), "test": pick(order[n_valid : n_valid + n_test]),
             "train": pick(order[n_valid + n_test :])}

@@ -51,12 +51,8 @@ def encode_split(name: str, docs: list[str], tokenizer: Tokenizer, out_dir: str 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     dtype = np.uint16 if tokenizer.vocab_size <= 65536 else np.uint32
-    pieces, offsets, pos = [], [0], 0
-    for doc in docs:
-        ids = np.asarray([tokenizer.sos_id, *tokenizer.encode(doc), tokenizer.eos_id], dtype=dtype)
-        pieces.append(ids)
-        pos += len(ids)
-        offsets.append(pos)
+    pieces = [np.asarray([tokenizer.sos_id, *tokenizer.encode(doc), tokenizer.eos_id], dtype=dtype) for doc in docs]
+    offsets = np.cumsum([0, *map(len, pieces)])
     stream = np.concatenate(pieces)
     _atomic_save(out_dir / f"{name}.bin", stream.tobytes())
     np.save(out_dir / f"{name}.offsets.npy", np.asarray(offsets, dtype=np.int64))
@@ -120,15 +116,12 @@ class Batches:
         if mode not in ("packed", "stories"):
             raise TinyLMError(f"data.batching={mode!r} is not one of packed, stories")
         if split.n_tokens < context_length + 1:
-            raise TinyLMError(
-                f"the {split.name} split has {split.n_tokens} tokens, fewer than one context window "
-                f"({context_length + 1}); use more data or a smaller model.context_length"
-            )
+            raise TinyLMError(f"the {split.name} split has {split.n_tokens} tokens, fewer than one context window "
+                              f"({context_length + 1}); use more data or a smaller model.context_length")
         self.split, self.T, self.mode, self.seed = split, context_length, mode, seed
         self._ids = torch.from_numpy(np.asarray(split.ids, dtype=np.int64))
-        lengths = np.diff(split.offsets)
         self._starts = torch.from_numpy(split.offsets[:-1].astype(np.int64))
-        self._lengths = torch.from_numpy(lengths.astype(np.int64))
+        self._lengths = torch.from_numpy(np.diff(split.offsets).astype(np.int64))
         # epochs: every unit (a story, or a non-overlapping packed window) once per epoch, in a fresh
         # seeded order, ``epoch_rows`` units per step; a last partial batch is dropped
         self.epoch_rows = epoch_rows
@@ -151,12 +144,9 @@ class Batches:
         first = i * self.epoch_rows + row_start
         return self._order[1][first : first + n_rows]
 
-    def _generator(self, step: int) -> torch.Generator:
-        return torch.Generator().manual_seed(self.seed * 1_000_003 + step)
-
     def get(self, step: int, row_start: int, n_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows ``row_start .. row_start + n_rows`` of the global batch of ``step``."""
-        g = self._generator(step)
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
         n_total = row_start + n_rows
         T = self.T
         if self.mode == "packed":
@@ -183,12 +173,10 @@ class Batches:
             seqs.append(self._ids[start : start + length])
         return pad_rows([s[:-1] for s in seqs], PAD_ID, T), pad_rows([s[1:] for s in seqs], IGNORE_INDEX, T)
 
-    def sequential(self, batch_size: int, max_batches: int | None = None):
+    def sequential(self, batch_size: int):
         """Non-overlapping packed windows in order (for a quick validation loss)."""
         T = self.T
         n_windows = (self.split.n_tokens - 1) // T
-        if max_batches:
-            n_windows = min(n_windows, max_batches * batch_size)
         for b in range(0, n_windows, batch_size):
             idx = torch.arange(b, min(b + batch_size, n_windows))[:, None] * T + torch.arange(T + 1)
             rows = self._ids[idx]

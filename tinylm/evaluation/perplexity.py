@@ -29,13 +29,7 @@ def document_windows(ids: Sequence[int], context_length: int, stride: int | None
     ids = list(ids)
     n = len(ids)
     stride = stride or max(1, context_length // 2)
-    if n < 2:
-        return  # nothing to predict
-    if n - 1 <= context_length:
-        yield ids[:-1], ids[1:]
-        return
-    scored = 0  # targets ids[1 .. scored] are done
-    begin = 0
+    scored, begin = 0, 0  # targets ids[1 .. scored] are done
     while scored < n - 1:
         end = min(begin + context_length, n - 1)  # inputs ids[begin:end], targets ids[begin+1 : end+1]
         targets = [ids[j] if j > scored else IGNORE_INDEX for j in range(begin + 1, end + 1)]
@@ -45,13 +39,8 @@ def document_windows(ids: Sequence[int], context_length: int, stride: int | None
 
 
 @torch.no_grad()
-def score_token_documents(
-    model: torch.nn.Module,
-    documents: Iterable[Sequence[int]],
-    context_length: int | None = None,
-    batch_size: int = 32,
-    stride: int | None = None,
-) -> tuple[float, int]:
+def score_token_documents(model: torch.nn.Module, documents: Iterable[Sequence[int]], context_length: int | None = None,
+                          batch_size: int = 32, stride: int | None = None) -> tuple[float, int]:
     """Sum of NLL (nats) and count of scored tokens over documents that start with ``<sos>``."""
     context_length = context_length or model.config.context_length
     device = next(model.parameters()).device
@@ -79,15 +68,10 @@ def _perplexity(mean_nll: float) -> float:
 
 
 def metrics(total_nll: float, n_tokens: int, n_bytes: int, n_words: int) -> dict:
-    return {
-        "token_ppl": _perplexity(total_nll / n_tokens) if n_tokens else float("nan"),
-        "bpb": total_nll / (math.log(2) * n_bytes) if n_bytes else float("nan"),
-        "word_ppl": _perplexity(total_nll / n_words) if n_words else float("nan"),
-        "nll": total_nll,
-        "tokens": n_tokens,
-        "bytes": n_bytes,
-        "words": n_words,
-    }
+    return {"token_ppl": _perplexity(total_nll / n_tokens) if n_tokens else float("nan"),
+            "bpb": total_nll / (math.log(2) * n_bytes) if n_bytes else float("nan"),
+            "word_ppl": _perplexity(total_nll / n_words) if n_words else float("nan"),
+            "nll": total_nll, "tokens": n_tokens, "bytes": n_bytes, "words": n_words}
 
 
 def _strip_eos(ids: np.ndarray, score_eos: bool, eos_id: int = EOS_ID) -> list[int]:

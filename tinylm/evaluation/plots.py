@@ -102,10 +102,8 @@ def plot_attention_layer(maps: AttentionMaps, layer: int, path: str | Path) -> P
         ax = axes[0, h]
         im = ax.imshow(np.ma.masked_array(w[h], mask=future), cmap=cmap, vmin=0.0, vmax=1.0, interpolation="nearest")
         ax.set_title(f"layer {layer} head {h}", fontsize=9)
-        ax.set_xticks(range(T))
-        ax.set_yticks(range(T))
-        ax.set_xticklabels(maps.tokens, rotation=90, fontsize=fontsize)
-        ax.set_yticklabels(maps.tokens, fontsize=fontsize)
+        ax.set_xticks(range(T), maps.tokens, rotation=90, fontsize=fontsize)
+        ax.set_yticks(range(T), maps.tokens, fontsize=fontsize)
         ax.set_xlabel("key (attended to)", fontsize=8)
         if h == 0:
             ax.set_ylabel("query", fontsize=8)

@@ -24,10 +24,12 @@ import random
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import torch
 from tabulate import tabulate
 
+from tinylm.config import check_fields, option
 from tinylm.constants import IGNORE_INDEX, PAD_ID
 from tinylm.data.tokens import pad_rows
 from tinylm.errors import TinyLMError
@@ -43,12 +45,12 @@ SAMPLING_TEMPERATURES = (0.7, 1.0, 1.2)  # the reports' temperature sweep
 
 @dataclass
 class BleuProtocol:
-    n_samples: int = 50
-    prompt_tokens: int = 5
-    max_continuation: int | None = None  # None: the rest of the story (what fits in the context)
+    n_samples: int = option(50, ge=1)
+    prompt_tokens: int = option(5, ge=1)
+    max_continuation: int | None = option(None, "None: the rest of the story (what fits in the context)", ge=1)
     seed: int = 0
-    smoothing: str = "method1"  # for BLEU-1..4 (see tinylm.evaluation.bleu)
-    selection: str = "random"  # random: N stories drawn with `seed` | first: the first N in file order
+    smoothing: Literal["method1", "exp", "none"] = "method1"  # for BLEU-1..4 (see tinylm.evaluation.bleu)
+    selection: Literal["random", "first"] = "random"  # random: N stories drawn with `seed`; first: file order
 
 
 @dataclass
@@ -82,15 +84,7 @@ class SampleSet:
 def select_samples(tokenizer, texts: list[str], protocol: BleuProtocol, context_length: int) -> SampleSet:
     """``n_samples`` stories long enough to have a continuation: drawn in a seeded random order, or
     the first ones in file order."""
-    if protocol.selection not in ("random", "first"):
-        raise TinyLMError(f"BLEU story selection {protocol.selection!r} is not one of random, first")
-    if protocol.max_continuation is not None and protocol.max_continuation < 1:
-        raise TinyLMError(f"max_continuation must be at least 1 (got {protocol.max_continuation})")
-    P = protocol.prompt_tokens
-    if P < 1:
-        raise TinyLMError(f"the BLEU prompt needs at least 1 token (got prompt_tokens={P})")
-    if protocol.n_samples < 1:
-        raise TinyLMError(f"the BLEU protocol needs at least 1 sample (got n_samples={protocol.n_samples})")
+    P = check_fields(protocol, "BLEU protocol ").prompt_tokens
     room = context_length - 1 - P  # <sos> + prompt + continuation must fit in the context
     if room < 1:
         raise TinyLMError(f"a prompt of {P} tokens leaves no room for a continuation in a context of {context_length}")
@@ -115,7 +109,8 @@ def select_samples(tokenizer, texts: list[str], protocol: BleuProtocol, context_
         notes.append(f"{cut} of {len(samples)} references are longer than the context leaves after the prompt; "
                      f"they are cut to {room} tokens")
     if len(samples) < protocol.n_samples:
-        notes.append(f"asked for {protocol.n_samples} samples, only {len(samples)} usable stories exist; using them all")
+        notes.append(f"asked for {protocol.n_samples} samples, only {len(samples)} usable stories exist; "
+                     "using them all")
     if not samples:
         raise TinyLMError(f"no story in the evaluation text is longer than the {P}-token prompt")
     return SampleSet(samples, protocol.n_samples, len(texts), skipped, cut, notes)
@@ -137,8 +132,7 @@ def reference_nll(model, samples: list[Sample], bos_id: int | None, batch_size: 
                           for q, s in zip(seqs, chunk)], IGNORE_INDEX)
             _, nll = model(x.to(device), y.to(device), loss_reduction="none")
             nll = nll.view(x.shape).cpu()
-            for r, s in enumerate(chunk):
-                out.append((float(nll[r].sum()), len(s.reference_ids)))
+            out += [(float(nll[r].sum()), len(s.reference_ids)) for r, s in enumerate(chunk)]
     return out
 
 
@@ -150,7 +144,7 @@ def continue_sample(model, sample: Sample, setting: Decoding, max_new_tokens: in
             return generate(model, prompt, max_new_tokens, beam_width=setting.beam_width, stop_ids=stop_ids)
         return generate(model, prompt, max_new_tokens, setting.temperature, setting.top_k, setting.top_p,
                         seed=seed, stop_ids=stop_ids)
-    except ValueError as exc:  # a bad knob (temperature < 0, top_p outside (0, 1], ...) names itself
+    except TinyLMError as exc:  # a bad knob (temperature < 0, top_p outside (0, 1], ...) names itself
         raise TinyLMError(f"decoding setting {setting.name}: {exc}") from exc
 
 
@@ -162,9 +156,8 @@ def decode_all(model, sample_set: SampleSet, settings: list[Decoding], seed: int
     generation per setting first pays one-time costs."""
     outs = {st.name: [] for st in settings}
     seconds = {st.name: 0.0 for st in settings}
-    first = sample_set.samples[0]
     for st in settings:
-        continue_sample(model, first, st, 2, seed, **ids)
+        continue_sample(model, sample_set.samples[0], st, 2, seed, **ids)
     for k, s in enumerate(sample_set.samples):
         for st in settings:
             t0 = time.perf_counter()
@@ -184,8 +177,7 @@ def run_bleu(model, tokenizer, texts: list[str], protocol: BleuProtocol, setting
     names = [st.name for st in settings]
     if len(set(names)) != len(names):
         raise TinyLMError(f"decoding settings must be different (got {', '.join(names)})")
-    ctx = model.config.context_length
-    sample_set = select_samples(tokenizer, texts, protocol, ctx)
+    sample_set = select_samples(tokenizer, texts, protocol, model.config.context_length)
     for note in sample_set.notes:
         log.info(f"bleu: {note}")
     nll = reference_nll(model, sample_set.samples, bos_id)
@@ -193,18 +185,12 @@ def run_bleu(model, tokenizer, texts: list[str], protocol: BleuProtocol, setting
     total_nll, total_tokens = sum(s for s, _ in nll), sum(n for _, n in nll)
     prompts = [tokenizer.decode(s.prompt_ids) for s in sample_set.samples]
     references = [tokenizer.decode(s.reference_ids) for s in sample_set.samples]
-    result = {
-        "protocol": asdict(protocol),
-        "samples": len(sample_set.samples), "requested": sample_set.requested,
-        "available_stories": sample_set.available, "skipped_too_short": sample_set.skipped_too_short,
-        "cut_to_context": sample_set.cut_to_context,
-        "notes": sample_set.notes,
-        "reference_ppl": math.exp(total_nll / total_tokens), "reference_tokens": total_tokens,
-        "mean_per_sample_ppl": sum(ppls) / len(ppls),
-        "bleu_tokenization": f"lowercased, regex {BLEU_TOKEN_PATTERN}",
-        "meaning": BLEU_MEANING,
-        "settings": [],
-    }
+    result = {"protocol": asdict(protocol), "samples": len(sample_set.samples), "requested": sample_set.requested,
+              "available_stories": sample_set.available, "skipped_too_short": sample_set.skipped_too_short,
+              "cut_to_context": sample_set.cut_to_context, "notes": sample_set.notes,
+              "reference_ppl": math.exp(total_nll / total_tokens), "reference_tokens": total_tokens,
+              "mean_per_sample_ppl": sum(ppls) / len(ppls),
+              "bleu_tokenization": f"lowercased, regex {BLEU_TOKEN_PATTERN}", "meaning": BLEU_MEANING, "settings": []}
     csv_dir = Path(csv_dir) if csv_dir is not None else None
     all_outs, all_seconds = decode_all(model, sample_set, settings, protocol.seed, bos_id=bos_id, stop_ids=stop_ids)
     for setting in settings:
@@ -229,8 +215,7 @@ def write_samples_csv(path: Path, prompts, references, hypotheses, ppls) -> None
     with open(path, "w", newline="", encoding="utf-8") as f:
         w = csv.writer(f)
         w.writerow(CSV_COLUMNS)
-        for row in zip(prompts, references, hypotheses, ppls):
-            w.writerow([row[0], row[1], row[2], f"{row[3]:.6g}"])
+        w.writerows([p, r, h, f"{ppl:.6g}"] for p, r, h, ppl in zip(prompts, references, hypotheses, ppls))
 
 
 def format_bleu(result: dict) -> str:

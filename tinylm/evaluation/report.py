@@ -40,16 +40,19 @@ def read_json(path: Path):
         return None
 
 
-def _fmt(v, digits=4):
-    if v is None:
-        return "missing"
+def format_number(v, digits: int | None = 4, *, missing: str = "missing", grouped: bool = False) -> str:
+    """A table cell: ``missing`` for None or "", yes / no for a bool, a float with ``digits``
+    decimals (``grouped``: 1,234.5), an int as 1,234; with ``digits=None`` any value as its source
+    printed it (str)."""
+    if v is None or v == "":
+        return missing
+    if digits is None or isinstance(v, str):
+        return str(v)
     if isinstance(v, bool):
         return "yes" if v else "no"
     if isinstance(v, float):
-        return f"{v:.{digits}f}"
-    if isinstance(v, int):
-        return f"{v:,}"
-    return str(v)
+        return f"{v:,.{digits}f}" if grouped else f"{v:.{digits}f}"
+    return f"{v:,}" if isinstance(v, int) else str(v)
 
 
 # ------------------------------------------------------------------------------------- document
@@ -72,7 +75,7 @@ class Doc:
 
     def table(self, headers, rows):
         self.blocks.append("\n".join([_row(headers), "|" + "---|" * len(headers),
-                                      *(_row(c if isinstance(c, str) else _fmt(c) for c in r) for r in rows)]))
+                                      *(_row(c if isinstance(c, str) else format_number(c) for c in r) for r in rows)]))
 
     def img(self, src: str, alt: str):
         """``src``: a path relative to the run directory."""
@@ -112,9 +115,9 @@ def section_config(doc: Doc, run: Path, ev, baseline, prep):
     if not cfg:
         doc.lack("config.yaml (the run's configuration)")
         return
-    m, t, d = cfg["model"], cfg["train"], cfg["data"]
-    rows = [("data source", d["source"]), ("tokenizer", f"{cfg['tokenizer']['type']}"
-                                                        f"{' (lowercased)' if cfg['tokenizer'].get('lowercase') else ''}"),
+    m, t, d, tok = cfg["model"], cfg["train"], cfg["data"], cfg["tokenizer"]
+    rows = [("data source", d["source"]),
+            ("tokenizer", f"{tok['type']}{' (lowercased)' if tok.get('lowercase') else ''}"),
             ("vocabulary", m["vocab_size"]), ("d_model", m["d_model"]), ("attention width (d_attn)", m["d_attn"]),
             ("layers", m["n_layers"]), ("heads", m["n_heads"]), ("d_ff", m["d_ff"]),
             ("context length", m["context_length"]), ("dropout", str(m["dropout"])), ("positions", m["positions"]),
@@ -135,8 +138,7 @@ def section_config(doc: Doc, run: Path, ev, baseline, prep):
                  if isinstance(info, dict) and "coverage" in info else "embeddings.json missing")
         rows.append(("token embeddings", f"{emb['kind']}{' ' + emb['path'] if emb.get('path') else ''}, "
                                          f"{'frozen' if emb.get('freeze') else 'fine-tuned'}; {where}"))
-    total = (baseline or {}).get("parameters_total") or (ev or {}).get("parameters")
-    rows.append(("parameters (total)", total))
+    rows.append(("parameters (total)", (baseline or {}).get("parameters_total") or (ev or {}).get("parameters")))
     if baseline:
         rows.append(("parameters (trainable)", baseline.get("parameters_trainable")))
     doc.table(["setting", "value"], rows)
@@ -160,7 +162,7 @@ def section_training(doc: Doc, run: Path, ev, want_curves: bool = False):
         evals = [r for r in read_metrics(run / "metrics.csv") if r.get("val_loss") is not None]
         if evals:
             doc.table(["step", "train loss", "valid loss", "valid ppl"],
-                      [(str(r["step"]), _fmt(r.get("train_loss")), _fmt(r["val_loss"]), _fmt(r.get("val_ppl"), 2))
+                      [(str(r["step"]), r.get("train_loss"), r["val_loss"], format_number(r.get("val_ppl"), 2))
                        for r in evals])
         else:
             doc.lack("validation rows in metrics.csv (training stopped before its first evaluation)")
@@ -169,8 +171,9 @@ def section_training(doc: Doc, run: Path, ev, want_curves: bool = False):
     if (run / "epochs.csv").is_file():
         doc.p("Per epoch (train loss: the epoch's mean over its steps, with dropout; valid: after the epoch):")
         doc.table(["epoch", "step", "train loss", "valid loss", "train ppl", "valid ppl", "elapsed s"],
-                  [(r["epoch"], r["step"], _fmt(r["train_loss"]), _fmt(r["val_loss"]), _fmt(r["train_ppl"], 2),
-                    _fmt(r["val_ppl"], 2), _fmt(r["elapsed_s"], 1)) for r in read_metrics(run / "epochs.csv")])
+                  [(r["epoch"], r["step"], r["train_loss"], r["val_loss"], format_number(r["train_ppl"], 2),
+                    format_number(r["val_ppl"], 2), format_number(r["elapsed_s"], 1))
+                   for r in read_metrics(run / "epochs.csv")])
     if (run / "curves.png").is_file():
         doc.img("curves.png", "loss and perplexity curves")
     elif want_curves:

@@ -24,9 +24,10 @@ from __future__ import annotations
 
 import torch
 
+from tinylm.config import GenerationConfig
 from tinylm.generation.core import Generated, cache_slots, fit_prompts, full_forward, prefill
 from tinylm.generation.decode import decode_step, prepare_for_inference
-from tinylm.generation.processors import GenerationConfig, HistoryProcessor
+from tinylm.generation.processors import HistoryProcessor
 from tinylm.models.gpt import eval_mode
 
 START_PENALTY = -1e9  # initial score of beams 1..k-1 (HF's value)
@@ -45,9 +46,6 @@ class _Prompt:
         self.finished.sort(key=lambda h: -h[0])  # stable: an earlier equal score stays ahead
         del self.finished[self.k :]
 
-    def worst_finished(self) -> float:
-        return self.finished[-1][0] if len(self.finished) == self.k else START_PENALTY
-
 
 def beam_search(model, prompts, cfg: GenerationConfig) -> list[list[Generated]]:
     cfg.validate(model.config.vocab_size)
@@ -63,7 +61,6 @@ def _beam_search(model, prompts: list[list[int]], cfg: GenerationConfig) -> list
     k, B, V = cfg.beam_width, len(prompts), model.config.vocab_size
     if cfg.max_new_tokens == 0:
         return [[Generated([], "length", 0.0)] for _ in prompts]
-    alpha = cfg.length_penalty
     stop_set = set(cfg.stop_ids)
     states = [_Prompt(k) for _ in prompts]
     # beam rows are prompt-major: row b * k + j is beam j of prompt b
@@ -89,7 +86,7 @@ def _beam_search(model, prompts: list[list[int]], cfg: GenerationConfig) -> list
 
     for step in range(cfg.max_new_tokens):
         last_step = step == cfg.max_new_tokens - 1
-        norm = (step + 1) ** alpha  # generated length so far, including this step's token
+        norm = (step + 1) ** cfg.length_penalty  # generated length so far, including this step's token
         log_probs = torch.log_softmax(logits.float(), dim=-1)
         if history is not None:
             log_probs = history(log_probs, step)
@@ -118,7 +115,7 @@ def _beam_search(model, prompts: list[list[int]], cfg: GenerationConfig) -> list
                 score, row, token = ended.pop(0) if ended else running[-1]
                 running.append((score + START_PENALTY, row, token))
             # can the best running beam still beat the worst kept hypothesis?
-            if len(state.finished) == k and (cfg.early_stopping or running[0][0] / norm <= state.worst_finished()):
+            if len(state.finished) == k and (cfg.early_stopping or running[0][0] / norm <= state.finished[-1][0]):
                 state.done = True
             for score, row, token in running:
                 next_scores.append(score)
@@ -136,20 +133,19 @@ def _beam_search(model, prompts: list[list[int]], cfg: GenerationConfig) -> list
         if history is not None:
             history.reorder(next_rows)
             history.observe(tokens, next_tokens)
-        if cfg.use_cache:
-            if cache.length >= cache.max_len:  # full: re-prefill the last half-context per beam
-                seqs = [prompts[r // k] + generated[r, : step + 1].tolist() for r in range(B * k)]
-                cache, logits, positions = prefill(model, [s[-(ctx // 2) :] for s in seqs], ctx)
-                continue
+        if cfg.use_cache and cache.length < cache.max_len:
             cache.reorder(rows)
             if positions is not None:
                 positions = positions[rows]
             logits = decode_step(prepared, cache, tokens, positions, cfg.compile)
             if positions is not None:
                 positions += 1
-        else:
+        else:  # no cache, or a full one: the last half-context per beam is re-prefilled
             seqs = [prompts[r // k] + generated[r, : step + 1].tolist() for r in range(B * k)]
-            logits = full_forward(model, [s[-ctx:] for s in seqs])
+            if cfg.use_cache:
+                cache, logits, positions = prefill(model, [s[-(ctx // 2) :] for s in seqs], ctx)
+            else:
+                logits = full_forward(model, [s[-ctx:] for s in seqs])
 
     return [[Generated(list(t), reason, score) for score, t, reason in state.finished[: cfg.num_return_sequences]]
             for state in states]

@@ -28,11 +28,12 @@ from typing import Callable, Iterator
 
 import torch
 
+from tinylm.config import GenerationConfig
 from tinylm.errors import TinyLMError
 from tinylm.generation.beam import beam_search
 from tinylm.generation.core import Generated, cache_slots, fit_prompts, full_forward, model_device, prefill
 from tinylm.generation.decode import decode_step, prepare_for_inference
-from tinylm.generation.processors import GenerationConfig, HistoryProcessor
+from tinylm.generation.processors import HistoryProcessor
 from tinylm.generation.sampling import select_next
 from tinylm.models.gpt import eval_mode
 
@@ -63,7 +64,6 @@ class TokenStream:
         seqs = [list(p) for p in self.prompts]  # prompt + accepted tokens: windows for re-prefill
         outs = [r.tokens for r in self.results]
         done = [False] * B
-        n_done = 0
         stop_set = set(cfg.stop_ids)
         generator = None
         if cfg.seed is not None and cfg.seed_per_row:
@@ -88,16 +88,14 @@ class TokenStream:
                     continue
                 if t in stop_set:
                     done[r], self.results[r].finish_reason = True, "stop_token"
-                    n_done += 1
                     continue
                 outs[r].append(t)
                 seqs[r].append(t)
                 emitted[r] = t
                 if cfg.stop_strings and hits_stop_string(self.decode, outs[r], cfg.stop_strings):
                     done[r], self.results[r].finish_reason = True, "stop_string"
-                    n_done += 1
             yield emitted
-            if n_done == B:
+            if all(done):
                 break
 
     @staticmethod
@@ -124,7 +122,6 @@ class TokenStream:
         if history is not None:
             history.observe(tokens, token_list)
         return cache, positions, tokens, token_list
-
 
 
 def hits_stop_string(decode: Callable[[list[int]], str], ids: list[int], stop_strings) -> bool:
@@ -177,18 +174,9 @@ class TextStream:
             yield text[len(shown) :]
 
 
-def generate(
-    model,
-    prompt_ids: list[int] | torch.Tensor,
-    max_new_tokens: int,
-    temperature: float = 1.0,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    eos_id: int | None = None,
-    use_cache: bool = True,
-    seed: int | None = None,
-    **options,
-) -> list[int]:
+def generate(model, prompt_ids: list[int] | torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
+             top_k: int | None = None, top_p: float | None = None, eos_id: int | None = None, use_cache: bool = True,
+             seed: int | None = None, **options) -> list[int]:
     """Continue one prompt; returns the new token ids (without the prompt, stopping at ``eos_id``,
     which is not included). ``options``: any other GenerationConfig field (min_p,
     repetition_penalty, no_repeat_ngram_size, min_new_tokens, stop_ids, beam_width, ...);

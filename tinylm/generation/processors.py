@@ -1,4 +1,4 @@
-"""Every decoding knob in one validated dataclass, and the logits processing it implies.
+"""The logits processing the decoding knobs (tinylm.config.GenerationConfig) imply.
 
 Processing order (the order Hugging Face applies them, so results are comparable):
 
@@ -12,81 +12,11 @@ sampling (temperature > 0).
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-
 import torch
 
+from tinylm.config import GenerationConfig
+
 NEG_INF = float("-inf")
-# The smallest temperature and repetition penalty accepted: logits divided by less overflow to
-# inf (softmax then gives nan), and any value this small is greedy in all but name.
-MIN_SCALE = 1e-6
-
-
-@dataclass
-class GenerationConfig:
-    max_new_tokens: int = 100
-    min_new_tokens: int = 0  # stop tokens are banned until this many tokens were generated
-    temperature: float = 1.0  # 0 means greedy
-    top_k: int | None = None  # keep exactly k tokens (ties at the k-th value: lower ids win)
-    top_p: float | None = None  # keep the smallest set of tokens whose probability reaches top_p
-    min_p: float | None = None  # drop tokens less likely than min_p * the most likely one
-    repetition_penalty: float = 1.0  # HF/CTRL: divide positive logits of seen tokens, multiply negative
-    no_repeat_ngram_size: int = 0  # 0 disables; n bans any token that would repeat an n-gram
-    stop_ids: tuple[int, ...] = ()  # generation of a row ends at any of these (not included in the output)
-    stop_strings: tuple[str, ...] = ()  # ... or when the decoded continuation contains one of these
-    seed: int | None = None
-    # False: one generator for the whole batch (draws match HF's batched sampling); True: row i
-    # samples from its own generator seeded seed + i, so a batch reproduces single-prompt runs
-    seed_per_row: bool = False
-    use_cache: bool = True
-    beam_width: int = 1
-    length_penalty: float = 1.0  # beam score = sum log p / generated_length ** length_penalty (0: none)
-    num_return_sequences: int = 1
-    early_stopping: bool = False  # beam: stop once beam_width hypotheses finished (HF's early_stopping)
-    # run the decoding step under torch.compile: each (batch, cache size) compiles once per process
-    compile: bool = False
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
-
-    def validate(self, vocab_size: int | None = None) -> "GenerationConfig":
-        """Raise ValueError naming the first argument whose value is invalid."""
-        def bad(name, value, rule):
-            raise ValueError(f"{name} must be {rule} (got {value!r})")
-
-        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 0:
-            bad("max_new_tokens", self.max_new_tokens, "an integer >= 0")
-        if self.min_new_tokens < 0 or self.min_new_tokens > self.max_new_tokens:
-            bad("min_new_tokens", self.min_new_tokens, "between 0 and max_new_tokens")
-        if self.temperature is None or not (self.temperature == 0 or MIN_SCALE <= self.temperature < math.inf):
-            bad("temperature", self.temperature, f"0 (greedy) or a finite number >= {MIN_SCALE:g}")
-        if self.top_k is not None and (not isinstance(self.top_k, int) or self.top_k < 1):
-            bad("top_k", self.top_k, "an integer >= 1")
-        if self.top_p is not None and not 0.0 < self.top_p <= 1.0:
-            bad("top_p", self.top_p, "in (0, 1]")
-        if self.min_p is not None and not 0.0 <= self.min_p <= 1.0:
-            bad("min_p", self.min_p, "in [0, 1]")
-        if not MIN_SCALE <= self.repetition_penalty < math.inf:
-            bad("repetition_penalty", self.repetition_penalty, f"a finite number >= {MIN_SCALE:g}")
-        if self.no_repeat_ngram_size < 0:
-            bad("no_repeat_ngram_size", self.no_repeat_ngram_size, ">= 0")
-        if not isinstance(self.beam_width, int) or self.beam_width < 1:
-            bad("beam_width", self.beam_width, "an integer >= 1")
-        if vocab_size is not None and self.beam_width > vocab_size:
-            bad("beam_width", self.beam_width, f"at most the vocabulary size {vocab_size}")
-        if not -10.0 <= self.length_penalty <= 10.0:  # lengths ** huge exponents overflow to 0 or inf
-            bad("length_penalty", self.length_penalty, "in [-10, 10]")
-        if self.num_return_sequences < 1 or self.num_return_sequences > self.beam_width:
-            bad("num_return_sequences", self.num_return_sequences, f"between 1 and beam_width ({self.beam_width})")
-        if vocab_size is not None:
-            for i in self.stop_ids:
-                if not 0 <= i < vocab_size:
-                    bad("stop_ids", i, f"token ids in [0, {vocab_size})")
-        if any(not s for s in self.stop_strings):
-            bad("stop_strings", list(self.stop_strings), "non-empty strings")
-        return self
 
 
 # ------------------------------------------------------------------------- distribution shaping

@@ -7,7 +7,6 @@ from typing import Callable, Iterable
 import torch
 
 from tinylm.constants import SOS_ID
-from tinylm.errors import TinyLMError
 from tinylm.generation.processors import GenerationConfig, shape_distribution
 
 
@@ -30,10 +29,7 @@ def sample_from_context(next_logits: Callable[[list[int]], torch.Tensor], prompt
     ``next_logits(context)`` gives (V,) logits or log probabilities. ``<sos>`` is never drawn (it
     would start a document inside this one); the continuation ends before any of ``cfg.stop_ids``;
     draws come from a generator seeded with ``cfg.seed``."""
-    try:
-        cfg.validate()
-    except ValueError as exc:
-        raise TinyLMError(str(exc)) from exc
+    cfg.validate()
     generator = torch.Generator().manual_seed(cfg.seed or 0)
     context, out = [int(t) for t in prompt_ids], []
     for _ in range(cfg.max_new_tokens):

@@ -19,8 +19,7 @@ def _check(cond: bool, what: str) -> None:
         raise TinyLMError(f"GPT-2 model not supported by tinylm: {what}")
 
 
-def config_from_gpt2(hf_config) -> ModelConfig:
-    c = hf_config
+def config_from_gpt2(c) -> ModelConfig:
     _check(c.activation_function in ("gelu_new", "gelu_pytorch_tanh"), f"activation {c.activation_function!r} (tinylm uses tanh GELU)")
     _check(bool(getattr(c, "scale_attn_weights", True)), "scale_attn_weights=False")
     _check(not getattr(c, "scale_attn_by_inverse_layer_idx", False), "scale_attn_by_inverse_layer_idx=True")

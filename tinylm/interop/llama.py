@@ -36,20 +36,16 @@ LAYER_WEIGHTS = [
 ]
 
 
-def _rename_layers(sd: dict, n_layers: int, to_tinylm: bool, permute_rows, n_heads: int, n_kv_heads: int) -> dict:
+def _rename_layers(sd: dict, cfg: ModelConfig, to_tinylm: bool, permute_rows) -> dict:
     """Per-layer weights of ``sd`` under the other side's names, q/k rows permuted by ``permute_rows``."""
+    heads = {"self_attn.q_proj.weight": cfg.n_heads, "self_attn.k_proj.weight": cfg.n_kv_heads}
     out = {}
-    for i in range(n_layers):
+    for i in range(cfg.n_layers):
         for hf_name, our_name in LAYER_WEIGHTS:
             src, dst = (f"model.layers.{i}.{hf_name}", f"blocks.{i}.{our_name}")
             if not to_tinylm:
                 src, dst = dst, src
-            w = sd[src]
-            if hf_name.startswith("self_attn.q_proj"):
-                w = permute_rows(w, n_heads)
-            elif hf_name.startswith("self_attn.k_proj"):
-                w = permute_rows(w, n_kv_heads)
-            out[dst] = w
+            out[dst] = permute_rows(sd[src], heads[hf_name]) if hf_name in heads else sd[src]
     return out
 
 
@@ -83,11 +79,10 @@ def config_from_llama(c) -> ModelConfig:
 def from_hf_llama(hf_model) -> GPT:
     cfg = config_from_llama(hf_model.config)
     model = GPT(cfg)
-    r = model.config
     sd = {k: v.detach().float() for k, v in hf_model.state_dict().items()}
     new = {"tok_emb.weight": sd["model.embed_tokens.weight"], "norm_f.weight": sd["model.norm.weight"],
            "lm_head.weight": sd.get("lm_head.weight", sd["model.embed_tokens.weight"])}
-    new.update(_rename_layers(sd, r.n_layers, True, hf_to_meta_rows, r.n_heads, r.n_kv_heads))
+    new.update(_rename_layers(sd, model.config, True, hf_to_meta_rows))
     model.load_state_dict({k: v.contiguous() for k, v in new.items()}, strict=True)
     return model.eval()
 
@@ -99,18 +94,17 @@ def to_hf_llama(model: GPT, bos_id: int = 2, eos_id: int = 3):
     cfg = model.config
     if not is_llama_shape(cfg):
         raise TinyLMError("only a Llama-shaped tinylm model (rope, RMSNorm, SwiGLU, no biases) exports to Llama")
-    head_dim = cfg.d_attn // cfg.n_heads
     hf_cfg = LlamaConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.d_ff,
                          num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads,
-                         num_key_value_heads=cfg.n_kv_heads, head_dim=head_dim, hidden_act="silu",
+                         num_key_value_heads=cfg.n_kv_heads, head_dim=cfg.d_attn // cfg.n_heads, hidden_act="silu",
                          max_position_embeddings=cfg.context_length, rms_norm_eps=cfg.norm_eps,
-                         rope_theta=cfg.rope_theta, tie_word_embeddings=cfg.tie_weights,
-                         attention_bias=False, mlp_bias=False, bos_token_id=bos_id, eos_token_id=eos_id)
+                         rope_theta=cfg.rope_theta, tie_word_embeddings=cfg.tie_weights, attention_bias=False,
+                         mlp_bias=False, bos_token_id=bos_id, eos_token_id=eos_id)
     hf = LlamaForCausalLM(hf_cfg)
     sd = {k: v.detach().float() for k, v in model.state_dict().items()}
     new = {"model.embed_tokens.weight": sd["tok_emb.weight"], "model.norm.weight": sd["norm_f.weight"],
            "lm_head.weight": sd["lm_head.weight"]}
-    new.update(_rename_layers(sd, cfg.n_layers, False, meta_to_hf_rows, cfg.n_heads, cfg.n_kv_heads))
+    new.update(_rename_layers(sd, cfg, False, meta_to_hf_rows))
     missing, unexpected = hf.load_state_dict({k: v.contiguous() for k, v in new.items()}, strict=False)
     missing = [k for k in missing if "rotary_emb" not in k]
     if missing or unexpected:

@@ -26,7 +26,7 @@ import torch
 from tinylm.config import ModelConfig
 from tinylm.errors import TinyLMError
 from tinylm.interop.llama import is_llama_shape
-from tinylm.models.gpt import GPT
+from tinylm.models.gpt import GPT, rope_tables
 
 HEADER = struct.Struct("<7i")
 BOS_ID, EOS_ID = 1, 2
@@ -120,13 +120,11 @@ def save_llama2c(model: GPT, path: str | Path) -> Path:
     sd = {k: v.detach().float().cpu() for k, v in model.state_dict().items()}
     L = cfg.n_layers
     stack = lambda name: torch.stack([sd[f"blocks.{i}.{name}"] for i in range(L)])  # noqa: E731
-    head = cfg.d_model // cfg.n_heads
-    angles = torch.outer(torch.arange(cfg.context_length, dtype=torch.float32),
-                         1.0 / cfg.rope_theta ** (torch.arange(0, head, 2, dtype=torch.float32) / head))
+    cos, sin = rope_tables(cfg.context_length, cfg.d_model // cfg.n_heads, cfg.rope_theta)
     parts = [sd["tok_emb.weight"], stack("norm1.weight"), stack("attn.q_proj.weight"), stack("attn.k_proj.weight"),
              stack("attn.v_proj.weight"), stack("attn.out_proj.weight"), stack("norm2.weight"),
              stack("ffn.gate.weight"), stack("ffn.down.weight"), stack("ffn.up.weight"), sd["norm_f.weight"],
-             angles.cos(), angles.sin()]
+             cos, sin]
     if not cfg.tie_weights:
         parts.append(sd["lm_head.weight"])
     vocab = cfg.vocab_size if cfg.tie_weights else -cfg.vocab_size

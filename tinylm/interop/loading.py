@@ -59,16 +59,12 @@ def load_hf_dir(path: str | Path):
     except (OSError, ValueError, RecursionError) as exc:  # ValueError: not JSON, or not UTF-8
         raise TinyLMError(f"{path}/config.json is missing or unreadable ({exc})") from exc
     kind = config.get("model_type") if isinstance(config, dict) else None
-    if kind == "gpt2":
-        from transformers import GPT2LMHeadModel as hf_class  # deferred: transformers takes seconds to import
-
-        convert = from_hf_gpt2
-    elif kind == "llama":
-        from transformers import LlamaForCausalLM as hf_class  # deferred: transformers takes seconds to import
-
-        convert = from_hf_llama
-    else:
+    if kind not in ("gpt2", "llama"):
         raise TinyLMError(f"{path} holds a {kind!r} model; tinylm imports gpt2 and llama")
+    import transformers  # deferred: transformers takes seconds to import
+
+    hf_class = transformers.GPT2LMHeadModel if kind == "gpt2" else transformers.LlamaForCausalLM
+    convert = from_hf_gpt2 if kind == "gpt2" else from_hf_llama
     try:  # transformers raises many kinds of errors on a damaged directory; keep the first line
         hf, info = hf_class.from_pretrained(path, output_loading_info=True)
     except Exception as exc:

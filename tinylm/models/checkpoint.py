@@ -73,15 +73,9 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def save_checkpoint(
-    path: str | Path,
-    model: torch.nn.Module,
-    tokenizer: Tokenizer,
-    run_config=None,
-    info: dict | None = None,
-    extra_files: dict[str, bytes] | None = None,
-    extra_tensors: dict[str, dict[str, torch.Tensor]] | None = None,
-) -> Path:
+def save_checkpoint(path: str | Path, model: torch.nn.Module, tokenizer: Tokenizer, run_config=None,
+                    info: dict | None = None, extra_files: dict[str, bytes] | None = None,
+                    extra_tensors: dict[str, dict[str, torch.Tensor]] | None = None) -> Path:
     """Write a checkpoint directory atomically. ``extra_tensors`` maps file names to tensor dicts
     (saved as safetensors, e.g. optimizer state); ``extra_files`` maps file names to raw bytes."""
     path = Path(path)
@@ -114,14 +108,17 @@ def save_checkpoint(
     return path
 
 
+def _step_dirs(root: Path) -> list[Path]:
+    """The step-N directories under ``root``, oldest first."""
+    steps = (d for d in root.glob(f"{STEP_PREFIX}*") if d.is_dir() and d.name[len(STEP_PREFIX):].isdigit())
+    return sorted(steps, key=lambda d: int(d.name[len(STEP_PREFIX):]))
+
+
 def prune_step_checkpoints(ckpt_root: str | Path, keep_last: int) -> list[Path]:
     """Delete all but the newest ``keep_last`` step-N checkpoints (``best`` and ``last`` are separate)."""
-    root = Path(ckpt_root)
-    if keep_last < 1 or not root.is_dir():
+    if keep_last < 1:
         return []
-    steps = sorted((d for d in root.iterdir() if d.is_dir() and d.name.startswith(STEP_PREFIX)
-                    and d.name[len(STEP_PREFIX):].isdigit()), key=lambda d: int(d.name[len(STEP_PREFIX):]))
-    removed = steps[:-keep_last]
+    removed = _step_dirs(Path(ckpt_root))[:-keep_last]
     for d in removed:
         shutil.rmtree(d)
     return removed
@@ -141,8 +138,7 @@ def resolve_checkpoint_dir(path: str | Path) -> Path:
         if (path / sub / "checkpoint.json").is_file():
             return path / sub
     for root in (path / "checkpoints", path):  # a run cut short before best/last: its newest step-N
-        steps = sorted((d for d in root.glob(f"{STEP_PREFIX}*") if (d / "checkpoint.json").is_file()
-                        and d.name[len(STEP_PREFIX):].isdigit()), key=lambda d: int(d.name[len(STEP_PREFIX):]))
+        steps = [d for d in _step_dirs(root) if (d / "checkpoint.json").is_file()]
         if steps:
             return steps[-1]
     raise TinyLMError(f"{path} is not a tinylm checkpoint directory (no checkpoint.json)")
@@ -162,10 +158,8 @@ def read_checkpoint_meta(path: str | Path) -> tuple[Path, dict]:
     if meta.get("format") != FORMAT_NAME:
         raise TinyLMError(f"{ckpt} was not written by tinylm (format {meta.get('format')!r})")
     if meta.get("version") != FORMAT_VERSION:
-        raise TinyLMError(
-            f"checkpoint {ckpt} has format version {meta.get('version')}, this tinylm reads version "
-            f"{FORMAT_VERSION}; re-save it with a matching tinylm"
-        )
+        raise TinyLMError(f"checkpoint {ckpt} has format version {meta.get('version')}, this tinylm reads version "
+                          f"{FORMAT_VERSION}; re-save it with a matching tinylm")
     return ckpt, meta
 
 

@@ -57,9 +57,6 @@ class VectorSource:
     subword: Callable[[str], np.ndarray | None] | None = None
     name: str = ""
 
-    def get(self, key: str) -> np.ndarray | None:
-        return self.vectors.get(key)
-
 
 # ------------------------------------------------------------------------------------ readers
 def read_vec(path: str | Path, keep: Iterable[str] | None = None) -> VectorSource:
@@ -78,8 +75,7 @@ def read_vec(path: str | Path, keep: Iterable[str] | None = None) -> VectorSourc
         if len(parts) != 2 or not all(p.isdigit() for p in parts) or int(parts[1]) < 1:
             raise TinyLMError(f"{path}: line 1 must be the header 'count dim' (two integers), got {header.strip()[:60]!r}")
         count, dim = int(parts[0]), int(parts[1])
-        rows = 0
-        lineno = 1
+        rows, lineno = 0, 1
         try:
             for lineno, line in enumerate(fh, start=2):
                 fields = line.rstrip("\r\n").rstrip(" ").split(" ")
@@ -186,9 +182,7 @@ def train_fasttext(sentences: list[list[str]], vector_size: int, seed: int = 0, 
                      sg=1, min_n=3, max_n=6, bucket=bucket, hashfxn=_stable_hash)
     model.build_vocab(corpus_iterable=sentences)
     model.train(corpus_iterable=sentences, total_examples=len(sentences), epochs=epochs)
-    source = _from_keyed_vectors(model.wv, None, f"gensim-fasttext-trained(dim={vector_size})")
-    source.model = model
-    return source
+    return _from_keyed_vectors(model.wv, None, f"gensim-fasttext-trained(dim={vector_size})")
 
 
 def _stable_hash(text: str) -> int:
@@ -218,11 +212,8 @@ def vocabulary_keys(tokenizer) -> list[str | None]:
 
 
 def _candidates(key: str) -> list[str]:
-    out = [key]
-    for k in (key.strip(), key.lower(), key.strip().lower()):
-        if k and k not in out:
-            out.append(k)
-    return out
+    """The strings to look ``key`` up by, in order: as is, stripped, lowercased, both (no repeats)."""
+    return list(dict.fromkeys([key] + [k for k in (key.strip(), key.lower(), key.strip().lower()) if k]))
 
 
 @dataclass
@@ -265,7 +256,7 @@ def build_embedding_matrix(tokenizer, source: VectorSource, oov: str = "subword"
         if key is None:
             continue
         for cand in _candidates(key):
-            vec = source.get(cand)
+            vec = source.vectors.get(cand)
             if vec is not None:
                 matrix[i], kinds[i] = vec, 1
                 break
@@ -282,9 +273,8 @@ def build_embedding_matrix(tokenizer, source: VectorSource, oov: str = "subword"
     matrix[noisy] = rng.normal(0.0, std, size=(int(noisy.sum()), dim)).astype(np.float32)
     if pad_id is not None and 0 <= pad_id < len(keys) and keys[pad_id] is None:
         matrix[pad_id] = 0.0
-    n_special = int((kinds == 0).sum())
     report = EmbeddingReport(len(keys), dim, int((kinds == 1).sum()), int((kinds == 2).sum()),
-                             int((kinds == 3).sum()), n_special, source.name)
+                             int((kinds == 3).sum()), int((kinds == 0).sum()), source.name)
     return matrix, report
 
 
@@ -310,10 +300,6 @@ def token_sentences(ids: np.ndarray, tokenizer, max_len: int = 1000) -> list[lis
     return sentences
 
 
-def embedding_width(model) -> int:
-    return int(model.tok_emb.weight.shape[1])
-
-
 def _trained_matrix_cache(cache_dir: Path, train_ids: np.ndarray, tokenizer, width: int, emb_cfg) -> Path:
     """Where vectors trained on this token stream with these settings are kept (one file per key)."""
     key = {"ids": zlib.crc32(np.ascontiguousarray(train_ids).tobytes()), "n": int(len(train_ids)),
@@ -324,7 +310,7 @@ def _trained_matrix_cache(cache_dir: Path, train_ids: np.ndarray, tokenizer, wid
     return Path(cache_dir) / f"fasttext-trained-{digest:08x}.npz"
 
 
-def _train_matrix(model, tokenizer, emb_cfg, train_ids, width: int, cache_dir) -> tuple[np.ndarray, EmbeddingReport, dict]:
+def _train_matrix(tokenizer, emb_cfg, train_ids, width: int, cache_dir) -> tuple[np.ndarray, EmbeddingReport, dict]:
     """FastText trained on the training split (or read back from the cache); the matrix, its
     report, and how it was obtained (seconds spent training, or the cache file)."""
     if train_ids is None:
@@ -360,15 +346,13 @@ def apply_pretrained_embeddings(model, tokenizer, emb_cfg, train_ids: np.ndarray
     kind = emb_cfg.kind
     if kind == "none":
         return None
-    if kind not in KINDS:
-        raise TinyLMError(f"embeddings.kind={kind!r} is not one of {', '.join(KINDS)}")
-    width = embedding_width(model)
+    width = int(model.tok_emb.weight.shape[1])
     if emb_cfg.freeze and getattr(model, "lm_head", None) is not None and model.lm_head.weight is model.tok_emb.weight:
         raise TinyLMError("embeddings.freeze=true with model.tie_weights=true would freeze the output layer too; "
                           "set model.tie_weights=false")
     info: dict = {}
     if kind == "train":
-        matrix, report, info = _train_matrix(model, tokenizer, emb_cfg, train_ids, width, cache_dir)
+        matrix, report, info = _train_matrix(tokenizer, emb_cfg, train_ids, width, cache_dir)
     else:
         keys = {c for k in vocabulary_keys(tokenizer) if k is not None for c in _candidates(k)}
         source = load_vectors(kind, emb_cfg.path, keys)

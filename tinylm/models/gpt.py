@@ -212,10 +212,9 @@ class CausalSelfAttention(nn.Module):
 
         if use_sdpa:
             gqa = {"enable_gqa": True} if self.n_kv_heads != self.n_heads and _SDPA_GQA else {}
-            if mask is None:  # plain causal over the new tokens (no cache, or a cache being filled)
-                y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=T > 1, **gqa)
-            else:
-                y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, **gqa)
+            # no mask: plain causal over the new tokens (no cache, or a cache being filled)
+            causal = mask is None and T > 1
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=causal, **gqa)
         else:
             # the hand-written path: scores, causal mask, softmax, weighted sum
             scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(self.head_dim))  # (B, H, T, S)
@@ -258,10 +257,7 @@ class FeedForward(nn.Module):
         self.dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.swiglu:
-            h = F.silu(self.gate(x)) * self.up(x)
-        else:
-            h = self.activation(self.up(x))
+        h = F.silu(self.gate(x)) * self.up(x) if self.swiglu else self.activation(self.up(x))
         return self.dropout(self.down(h))
 
 
@@ -331,18 +327,9 @@ class GPT(nn.Module):
         p = self.tok_emb.weight
         return KVCache(self.config, batch_size, max_len or self.config.context_length, p.device, p.dtype)
 
-    def forward(
-        self,
-        idx: torch.Tensor,
-        targets: torch.Tensor | None = None,
-        *,
-        kv_cache: KVCache | None = None,
-        position_ids: torch.Tensor | None = None,
-        loss_reduction: str = "mean",
-        label_smoothing: float = 0.0,
-        attention_out: list | None = None,
-        last_logits_only: bool = False,
-    ):
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, *, kv_cache: KVCache | None = None,
+                position_ids: torch.Tensor | None = None, loss_reduction: str = "mean", label_smoothing: float = 0.0,
+                attention_out: list | None = None, last_logits_only: bool = False):
         """idx (B, T) token ids -> (logits (B, T, V), loss or None).
 
         targets: (B, T) next-token ids, IGNORE_INDEX where nothing is predicted (padding).
@@ -357,9 +344,7 @@ class GPT(nn.Module):
         B, T = idx.shape
         start = kv_cache.length if kv_cache is not None else 0
         if start + T > cfg.context_length or (kv_cache is not None and start + T > kv_cache.max_len):
-            raise ValueError(
-                f"sequence of {start + T} tokens exceeds the context length {cfg.context_length}"
-            )
+            raise ValueError(f"sequence of {start + T} tokens exceeds the context length {cfg.context_length}")
         # positions start..start+T-1 for every row (the usual case) are slices of the tables:
         # no index tensor to build and gather from at every decoding step
         def positions_of(table: torch.Tensor) -> torch.Tensor:  # -> (B or 1, T, ...)
@@ -392,16 +377,12 @@ class GPT(nn.Module):
         if cfg.logit_softcap is not None:
             logits = soft_cap(logits, cfg.logit_softcap)
 
-        loss = None
-        if targets is not None:
-            loss = F.cross_entropy(
-                # at least float32 for the loss; a float64 model keeps float64 (exactness tests)
-                logits.to(torch.promote_types(logits.dtype, torch.float32)).view(-1, logits.size(-1)),
-                targets.reshape(-1),
-                ignore_index=IGNORE_INDEX,
-                reduction=loss_reduction,
-                label_smoothing=label_smoothing,
-            )
+        if targets is None:
+            return logits, None
+        # at least float32 for the loss; a float64 model keeps float64 (exactness tests)
+        wide = logits.to(torch.promote_types(logits.dtype, torch.float32)).view(-1, logits.size(-1))
+        loss = F.cross_entropy(wide, targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction=loss_reduction,
+                               label_smoothing=label_smoothing)
         return logits, loss
 
     @staticmethod

@@ -50,8 +50,6 @@ import torch
 
 from tinylm.constants import EOS_ID, SOS_ID
 from tinylm.errors import TinyLMError
-from tinylm.generation.processors import GenerationConfig
-from tinylm.generation.sampling import sample_from_context
 
 SMOOTHINGS = ("add_k", "interpolated", "kneser_ney")
 START_PADDINGS = ("single", "order")
@@ -182,12 +180,11 @@ class NGramLM:
             raise TinyLMError("the training stream holds no token to predict (only <sos>)")
         self.n_train_tokens = int(x.shape[0])
         levels: list[_Level | None] = [None, None]
-        ids_prev = x  # dense id of the (k-1)-gram starting at each position; order 1: the token id
         first_pos: list[np.ndarray | None] = [None, None]
-        dense: list[np.ndarray | None] = [None, x]
+        dense: list[np.ndarray | None] = [None, x]  # dense id of the k-gram starting at each position; k = 1: the token
         for k in range(2, N + 1):
             pos = np.flatnonzero(ok[k])
-            keys = ids_prev[pos] * V + x[pos + k - 1]
+            keys = dense[k - 1][pos] * V + x[pos + k - 1]
             uniq, first, inverse, counts = _group(keys)
             counts[uniq % V == SOS_ID] = 0  # all-<sos> windows (padding only): contexts, not events
             ids_k = np.full(x.shape[0], -1, dtype=np.int64)
@@ -195,7 +192,6 @@ class NGramLM:
             levels.append(_Level(uniq, counts.astype(np.int64), counts.astype(np.int64)))
             first_pos.append(pos[first])
             dense.append(ids_k)
-            ids_prev = ids_k
         # Kneser-Ney adjusted counts below the highest order: distinct left extensions, plus the
         # occurrences that have nothing to their left (n-grams starting a document)
         for k in range(1, N):
@@ -209,11 +205,9 @@ class NGramLM:
             adjusted += np.bincount(dense[k][lonely], minlength=n_types)
             if k == 1:
                 adjusted[SOS_ID] = 0
-            else:
-                adjusted[levels[k].keys % V == SOS_ID] = 0
-            if k == 1:
                 self.unigram_adjusted = adjusted.astype(np.int64)
             else:
+                adjusted[levels[k].keys % V == SOS_ID] = 0
                 levels[k].adjusted = adjusted.astype(np.int64)
         if N == 1:
             self.unigram_adjusted = self.unigram_counts.copy()
@@ -339,7 +333,7 @@ class NGramLM:
                 tot = np.where(ctx >= 0, lv.ctx_total[np.maximum(ctx, 0)], 0.0)
                 num, den = np.where(avail, c, num), np.where(avail, tot, den)
             return original[targets], (num + self.k) / (den + self.k * self.V)
-        return original[targets], self._mixture(self._ml_matrix(w, comp))
+        return original[targets], self.lambdas @ self._ml_matrix(w, comp)
 
     def _ml_matrix(self, w: np.ndarray, comp: dict) -> np.ndarray:
         """Rows j = 0..order: ML_j of each target (see the module docstring)."""
@@ -352,9 +346,6 @@ class NGramLM:
             seen = avail & (tot > 0)
             rows.append(np.where(seen, c / np.where(seen, tot, 1.0), rows[-1]))
         return np.stack(rows)
-
-    def _mixture(self, ml: np.ndarray) -> np.ndarray:
-        return self.lambdas @ ml
 
     def set_weights(self, weights) -> np.ndarray:
         """Fixed interpolation weights instead of fitted ones: one per component j = 0..order
@@ -475,13 +466,9 @@ class NGramLM:
         nll, n = self.score(ids, score_eos)
         return math.exp(nll / n)
 
-    def generate(self, prompt_ids, max_new_tokens: int = 50, temperature: float = 1.0, seed: int = 0,
-                 eos_id: int | None = EOS_ID, top_k: int | None = None, top_p: float | None = None) -> list[int]:
-        """Sample continuation ids from the log-probabilities, shaped as the GPT's logits are
-        (temperature 0 = greedy, top-k, top-p); see ``sample_from_context``."""
-        cfg = GenerationConfig(max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                               stop_ids=() if eos_id is None else (eos_id,))
-        return sample_from_context(lambda ctx: torch.from_numpy(self.distribution(ctx)).log(), prompt_ids, cfg)
+    def next_token_logits(self, context) -> torch.Tensor:
+        """log P(w | context) over the vocabulary: the logits ``sample_from_context`` shapes and samples."""
+        return torch.from_numpy(self.distribution(context)).log()
 
     # ----------------------------------------------------------------------------- save/load
     def save(self, path: str | Path) -> Path:
@@ -494,8 +481,7 @@ class NGramLM:
             arrays.update({f"keys{k}": lv.keys, f"counts{k}": lv.counts, f"adjusted{k}": lv.adjusted})
         meta = {"format": "tinylm-ngram", "version": 1, "order": self.order, "vocab_size": self.V,
                 "smoothing": self.smoothing, "k": self.k, "fixed_discounts": self.fixed_discounts,
-                "start_padding": self.start_padding,
-                "n_train_tokens": self.n_train_tokens}
+                "start_padding": self.start_padding, "n_train_tokens": self.n_train_tokens}
         arrays["meta"] = np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8)
         tmp = path.with_name(path.name + ".tmp.npz")
         np.savez_compressed(tmp, **arrays)

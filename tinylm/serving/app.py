@@ -8,22 +8,27 @@ server-sent events when asked), ``POST /v1/chat/completions`` (refused: these ar
 Every error, whatever raised it, is answered as {"error": {"message", "type", "param", "code"}}:
 400 for a bad value or invalid JSON, 401 for a missing or wrong API key, 404 for an unknown model
 or route, 413 for a body over the limit, 422 for a field of the wrong type, 500 for a failure of
-the server itself (which keeps serving).
+the server itself (which keeps serving). The routes reach the models through ``app.state.server``.
 """
-
-# no `from __future__ import annotations`: FastAPI reads the routes' annotations, some of them
-# names imported inside create_app
 import asyncio
+import contextlib
 import json
 import logging
 import secrets
 import threading
 import time
 from pathlib import Path
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
+from fastapi.staticfiles import StaticFiles
+from starlette.exceptions import HTTPException
 
 from tinylm.errors import TinyLMError
 from tinylm.generation.generate import generate_many
-from tinylm.serving.completions import (APIError, Limits, Plan, chunk_json, completion_json, finish_reason,
+from tinylm.serving.completions import (APIError, Limits, Plan, bad, chunk_json, completion_json, finish_reason,
                                         logprobs_json, new_text, plan_completion, tinylm_part, usage)
 from tinylm.serving.models import ServedModel
 from tinylm.serving.scheduler import DoneEvent, ErrorEvent, Row, TokenEvent
@@ -35,9 +40,7 @@ CHAT_REFUSAL = ("tinylm serves base language models (no instruction tuning, no c
                 "no honest way to answer chat messages; use /v1/completions with a prompt to continue")
 
 
-def error_response(exc: APIError):
-    from fastapi.responses import JSONResponse  # deferred: fastapi takes ~0.5 s to import; only `serve` needs it
-
+def error_response(exc: APIError) -> JSONResponse:
     return JSONResponse(exc.body(), status_code=exc.status,
                         headers={"WWW-Authenticate": "Bearer"} if exc.status == 401 else None)
 
@@ -53,10 +56,9 @@ class Outbox:
     def put(self, queue: asyncio.Queue, item) -> None:
         with self.lock:
             self.items.append((queue, item))
-            if self.scheduled:
-                return
-            self.scheduled = True
-        self.loop.call_soon_threadsafe(self._deliver)
+            wake, self.scheduled = not self.scheduled, True
+        if wake:
+            self.loop.call_soon_threadsafe(self._deliver)
 
     def _deliver(self) -> None:
         with self.lock:
@@ -75,10 +77,7 @@ class BodyLimit:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        from starlette.exceptions import HTTPException  # deferred: comes with fastapi (see error_response)
-
-        headers = dict(scope.get("headers") or [])
-        declared = headers.get(b"content-length")
+        declared = dict(scope.get("headers") or []).get(b"content-length")
         if declared is not None:
             if not declared.isdigit():
                 return await error_response(APIError(400, "invalid Content-Length header", None, "invalid_request"))(
@@ -120,238 +119,222 @@ class ApiKey:
         await self.app(scope, receive, send)
 
 
-def create_app(models: dict[str, ServedModel], limits: Limits | None = None, api_key: str | None = None):
-    """The FastAPI application serving ``models`` (name -> ServedModel)."""
-    # deferred: fastapi takes ~0.5 s to import, and only `tinylm serve` needs it
-    from fastapi import FastAPI, Request
-    from fastapi.exceptions import RequestValidationError  # deferred with fastapi
-    from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse  # deferred with fastapi
-    from fastapi.staticfiles import StaticFiles  # deferred with fastapi
-    from starlette.exceptions import HTTPException  # deferred with fastapi (starlette comes with it)
+class ServerState:
+    """What the routes share: the served models (by name), the limits, an Outbox per event loop (by id)."""
 
-    limits = limits or Limits()
-    app = FastAPI(title="tinylm", docs_url=None, redoc_url=None, openapi_url=None)
-    app.add_middleware(BodyLimit, limit=limits.max_body_bytes)
-    if api_key:
-        app.add_middleware(ApiKey, key=api_key)
-    app.mount("/static", StaticFiles(directory=STATIC), name="static")
+    def __init__(self, models: dict[str, ServedModel], limits: Limits):
+        self.models, self.limits, self.outboxes = models, limits, {}
 
-    # ------------------------------------------------------------------------------- errors
-    @app.exception_handler(APIError)
-    async def _api_error(request, exc: APIError):
-        return error_response(exc)
 
-    @app.exception_handler(RequestValidationError)
-    async def _validation(request, exc: RequestValidationError):
-        errors = exc.errors()
-        first = errors[0] if errors else {}
-        if first.get("type") == "json_invalid":
-            return error_response(APIError(400, f"the body is not valid JSON ({first.get('ctx', {}).get('error', '')})",
-                                           None, "invalid_json"))
-        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
-        param = loc[0] if loc else None
-        where = ".".join(loc) or "the body"
-        if first.get("type") == "extra_forbidden":
-            return error_response(APIError(400, f"unrecognized request argument supplied: {where}", param,
-                                           "unknown_parameter"))
-        return error_response(APIError(422, f"{where}: {first.get('msg', 'invalid')}", param, first.get("type")))
+async def server_state(request: Request) -> ServerState:
+    # async: FastAPI runs a plain `def` dependency on its thread pool, a hop on every request
+    return request.app.state.server
 
-    @app.exception_handler(HTTPException)
-    async def _http(request, exc: HTTPException):
+
+StateDep = Annotated[ServerState, Depends(server_state)]
+router = APIRouter()
+
+
+async def on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    first = next(iter(exc.errors()), {})
+    if first.get("type") == "json_invalid":
+        return error_response(APIError(400, f"the body is not valid JSON ({first.get('ctx', {}).get('error', '')})",
+                                       None, "invalid_json"))
+    loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+    param = loc[0] if loc else None
+    where = ".".join(loc) or "the body"
+    if first.get("type") == "extra_forbidden":
+        return error_response(APIError(400, f"unrecognized request argument supplied: {where}", param,
+                                       "unknown_parameter"))
+    return error_response(APIError(422, f"{where}: {first.get('msg', 'invalid')}", param, first.get("type")))
+
+
+async def on_error(request: Request, exc: Exception) -> JSONResponse:
+    """Ours as raised; Starlette's (404, 405, 413) by status; anything else a 500, logged."""
+    if isinstance(exc, HTTPException):
         code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(exc.status_code)
-        return error_response(APIError(exc.status_code, str(exc.detail), None, code))
-
-    @app.exception_handler(Exception)
-    async def _crash(request, exc: Exception):
+        exc = APIError(exc.status_code, str(exc.detail), None, code)
+    elif not isinstance(exc, APIError):
         log.exception("request failed")
-        return error_response(APIError(500, f"internal error: {type(exc).__name__}", None, "internal_error",
-                                       "server_error"))
+        exc = APIError(500, f"internal error: {type(exc).__name__}", None, "internal_error", "server_error")
+    return error_response(exc)
 
-    outboxes: dict[int, Outbox] = {}
 
-    def outbox_of(loop) -> "Outbox":
-        if id(loop) not in outboxes:
-            outboxes[id(loop)] = Outbox(loop)
-        return outboxes[id(loop)]
-
-    def get_model(name: str | None, param: str = "model") -> ServedModel:
-        if name is None and len(models) == 1:
-            return next(iter(models.values()))
-        if name is None:
-            raise APIError(400, f"model: several models are served ({', '.join(models)}); name one", param,
-                           "model_required")
-        if name not in models:
-            raise APIError(404, f"the model '{name}' does not exist; served: {', '.join(models)}", param,
-                           "model_not_found")
+def get_model(state: ServerState, name: str | None) -> ServedModel:
+    models = state.models
+    if name is None and len(models) == 1:
+        return next(iter(models.values()))
+    if name is None:
+        raise bad("model", f"several models are served ({', '.join(models)}); name one", "model_required")
+    if name in models:
         return models[name]
+    raise APIError(404, f"the model '{name}' does not exist; served: {', '.join(models)}", "model", "model_not_found")
 
-    async def on_model_thread(served: ServedModel, fn, param: str = "text"):
-        try:
-            return await asyncio.wrap_future(served.scheduler.submit(fn))
-        except TinyLMError as exc:
-            raise APIError(400, f"{param}: {exc}", param, "invalid_value") from exc
-        except ValueError as exc:  # GenerationConfig's checks during decoding name the knob
-            raise APIError(400, str(exc), None, "invalid_value") from exc
 
-    def model_object(served: ServedModel) -> dict:
-        return {"id": served.name, "object": "model", "created": served.created, "owned_by": "tinylm"}
+async def on_model_thread(served: ServedModel, fn, param: str = "text"):
+    try:
+        return await asyncio.wrap_future(served.scheduler.submit(fn))
+    except TinyLMError as exc:
+        raise bad(param, str(exc)) from exc
+    except ValueError as exc:  # GenerationConfig's checks during decoding name the knob
+        raise APIError(400, str(exc), None, "invalid_value") from exc
 
-    # -------------------------------------------------------------------------------- pages
-    @app.get("/", include_in_schema=False)
-    async def index():
-        return FileResponse(STATIC / "index.html")
 
-    @app.get("/favicon.ico", include_in_schema=False)
-    async def favicon():
-        return Response(status_code=204)
+def model_object(served: ServedModel) -> dict:
+    return {"id": served.name, "object": "model", "created": served.created, "owned_by": "tinylm"}
 
-    @app.get("/health")
-    async def health():
-        dead = [name for name, s in models.items() if not s.scheduler.alive]
-        body = {"status": "ok" if not dead else "unhealthy", "models": list(models),
-                "active_rows": {name: s.scheduler.active for name, s in models.items()}}
-        return JSONResponse(body, status_code=503 if dead else 200)
 
-    # ------------------------------------------------------------------------------- models
-    @app.get("/v1/models")
-    async def list_models():
-        return {"object": "list", "data": [model_object(s) for s in models.values()]}
+@router.get("/", include_in_schema=False)
+async def index():
+    return FileResponse(STATIC / "index.html")
 
-    @app.get("/v1/models/{name}")
-    async def get_model_card(name: str):
-        served = get_model(name)
-        return {**model_object(served), "card": served.card()}
 
-    @app.get("/v1/models/{name}/curves.png")
-    async def curves(name: str):
-        png = get_model(name).curves_png()
-        if png is None:
-            raise APIError(404, f"the model '{name}' has no training curves (not a tinylm run directory)",
-                           None, "not_found")
+@router.get("/favicon.ico", include_in_schema=False)
+async def favicon():
+    return Response(status_code=204)
+
+
+@router.get("/health")
+async def health(state: StateDep):
+    dead = [name for name, s in state.models.items() if not s.scheduler.alive]
+    body = {"status": "ok" if not dead else "unhealthy", "models": list(state.models),
+            "active_rows": {name: s.scheduler.active for name, s in state.models.items()}}
+    return JSONResponse(body, status_code=503 if dead else 200)
+
+
+@router.get("/v1/models")
+async def list_models(state: StateDep):
+    return {"object": "list", "data": [model_object(s) for s in state.models.values()]}
+
+
+@router.get("/v1/models/{name}")
+async def get_model_card(name: str, state: StateDep):
+    served = get_model(state, name)
+    return {**model_object(served), "card": served.card()}
+
+
+@router.get("/v1/models/{name}/curves.png")
+async def curves(name: str, state: StateDep):
+    png = get_model(state, name).curves_png()
+    if png is not None:
         return FileResponse(png, media_type="image/png")
+    raise APIError(404, f"the model '{name}' has no training curves (not a tinylm run directory)", None, "not_found")
 
-    # -------------------------------------------------------------------------- completions
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request):
-        raise APIError(404, CHAT_REFUSAL, "messages", "chat_not_supported")
 
-    @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request):
-        served = get_model(body.model)
-        plan = plan_completion(served, body, limits)
-        prompt_parts = await echo_logprobs(served, plan) if body.echo and body.logprobs is not None else None
-        if plan.beam:
-            await beam(served, plan)
-            return completion_json(plan, served.tokenizer, served.name, prompt_parts)
-        if body.stream:
-            return StreamingResponse(stream(served, plan, prompt_parts), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
-        await decode(served, plan, request)
-        return completion_json(plan, served.tokenizer, served.name, prompt_parts)
+@router.post("/v1/chat/completions")
+async def chat():
+    raise APIError(404, CHAT_REFUSAL, "messages", "chat_not_supported")
 
-    async def echo_logprobs(served: ServedModel, plan: Plan) -> dict:
-        """With echo and logprobs: the prompt tokens' log probabilities (the first has none)."""
-        top = plan.request.logprobs
-        parts, seen = {}, {}
-        for c in plan.choices:
-            key = tuple(c.prompt_ids)
-            if key not in seen:
-                scored = await on_model_thread(served, lambda ids=c.prompt_ids: served.sequence_logprobs(ids, top),
-                                               "prompt")
-                seen[key] = (c.prompt_ids, [None] + [lp for lp, _ in scored], [None] + [a for _, a in scored])
-            parts[c.index] = seen[key]
-        return parts
 
-    async def beam(served: ServedModel, plan: Plan) -> None:
-        """Beam search on the model's thread, one prompt at a time (as `tinylm generate` does)."""
-        top = plan.request.logprobs or 0
-        by_prompt: dict[int, list] = {}
-        for c in plan.choices:
-            by_prompt.setdefault(c.index // plan.request.n, []).append(c)
+@router.post("/v1/completions")
+async def completions(body: CompletionRequest, request: Request, state: StateDep):
+    served = get_model(state, body.model)
+    plan = plan_completion(served, body, state.limits)
+    prompt_parts = await echo_logprobs(served, plan) if body.echo and body.logprobs is not None else None
+    if body.stream and not plan.beam:
+        return StreamingResponse(stream(state, served, plan, prompt_parts), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+    await (beam(served, plan) if plan.beam else decode(state, served, plan, request))
+    return completion_json(plan, served.tokenizer, served.name, prompt_parts)
 
-        def run(choices):
-            t0 = time.perf_counter()
-            results = generate_many(served.model, [choices[0].prompt_ids], choices[0].cfg, served.tokenizer.decode)
-            seconds = time.perf_counter() - t0
-            for c, g in zip(choices, results):
-                c.tokens, c.finish_reason, c.seconds = g.tokens, g.finish_reason, seconds
-                if plan.request.logprobs is not None and g.tokens:
-                    scored = served.sequence_logprobs(c.prompt_ids + g.tokens, top)[len(c.prompt_ids) - 1 :]
-                    c.logprobs, c.top = [lp for lp, _ in scored], [a for _, a in scored]
 
-        for choices in by_prompt.values():
-            await on_model_thread(served, lambda choices=choices: run(choices), "prompt")
+async def echo_logprobs(served: ServedModel, plan: Plan) -> dict:
+    """With echo and logprobs: the prompt tokens' log probabilities (the first has none)."""
+    top = plan.request.logprobs
+    parts, seen = {}, {}
+    for c in plan.choices:
+        key = tuple(c.prompt_ids)
+        if key not in seen:
+            scored = await on_model_thread(served, lambda: served.sequence_logprobs(c.prompt_ids, top), "prompt")
+            seen[key] = (c.prompt_ids, [None] + [lp for lp, _ in scored], [None] + [a for _, a in scored])
+        parts[c.index] = seen[key]
+    return parts
 
-    def start_rows(served: ServedModel, plan: Plan) -> tuple[asyncio.Queue, list[Row]]:
-        events: asyncio.Queue = asyncio.Queue()
-        outbox = outbox_of(asyncio.get_running_loop())
-        rows = []
-        for c in plan.choices:
-            def emit(event, index=c.index):
-                outbox.put(events, (index, event))
-            rows.append(Row(c.prompt_ids, c.cfg, emit, served.tokenizer.decode, plan.request.logprobs))
+
+async def beam(served: ServedModel, plan: Plan) -> None:
+    """Beam search on the model's thread, one prompt at a time (as `tinylm generate` does)."""
+    top, n = plan.request.logprobs or 0, plan.request.n
+
+    def run(choices):
+        t0 = time.perf_counter()
+        results = generate_many(served.model, [choices[0].prompt_ids], choices[0].cfg, served.tokenizer.decode)
+        seconds = time.perf_counter() - t0
+        for c, g in zip(choices, results):
+            c.tokens, c.finish_reason, c.seconds = g.tokens, g.finish_reason, seconds
+            if plan.request.logprobs is not None and g.tokens:
+                scored = served.sequence_logprobs(c.prompt_ids + g.tokens, top)[len(c.prompt_ids) - 1 :]
+                c.logprobs, c.top = [lp for lp, _ in scored], [a for _, a in scored]
+
+    for first in range(0, len(plan.choices), n):  # prompt i's n beams are choices i * n .. i * n + n - 1
+        await on_model_thread(served, lambda choices=plan.choices[first : first + n]: run(choices), "prompt")
+
+
+@contextlib.contextmanager
+def start_rows(state: ServerState, served: ServedModel, plan: Plan):
+    """A scheduler row per choice, its events on the yielded queue as (index, event), until the block is left."""
+    events: asyncio.Queue = asyncio.Queue()
+    loop = asyncio.get_running_loop()
+    outbox = state.outboxes.setdefault(id(loop), Outbox(loop))
+    rows = [Row(c.prompt_ids, c.cfg, lambda event, index=c.index: outbox.put(events, (index, event)),
+                served.tokenizer.decode, plan.request.logprobs) for c in plan.choices]
+    for row in rows:
+        served.scheduler.add(row)
+    try:
+        yield events
+    finally:
         for row in rows:
-            served.scheduler.add(row)
-        return events, rows
+            row.cancel()
 
-    def record(plan: Plan, index: int, event) -> None:
-        c = plan.choices[index]
-        if isinstance(event, TokenEvent):
-            c.tokens.append(event.token)
-            c.logprobs.append(event.logprob)
-            c.top.append(event.top or [])
-        elif isinstance(event, DoneEvent):
-            c.finish_reason, c.seconds = event.finish_reason, event.seconds
-        elif isinstance(event, ErrorEvent) and event.param is not None:
-            raise APIError(400, f"{event.param}: {event.message}", event.param, "invalid_value")
-        elif isinstance(event, ErrorEvent):
-            raise APIError(500, event.message, None, "generation_failed", "server_error")
 
-    async def decode(served: ServedModel, plan: Plan, request: Request) -> None:
-        events, rows = start_rows(served, plan)
-        left, checked = len(rows), time.monotonic()
+def record(plan: Plan, index: int, event) -> None:
+    c = plan.choices[index]
+    if isinstance(event, TokenEvent):
+        c.tokens.append(event.token)
+        c.logprobs.append(event.logprob)
+        c.top.append(event.top or [])
+    elif isinstance(event, DoneEvent):
+        c.finish_reason, c.seconds = event.finish_reason, event.seconds
+    elif isinstance(event, ErrorEvent):  # with a param: a knob the model could not honour; without: the server's fault
+        raise (bad(event.param, event.message) if event.param is not None
+               else APIError(500, event.message, None, "generation_failed", "server_error"))
+
+
+async def decode(state: ServerState, served: ServedModel, plan: Plan, request: Request) -> None:
+    left, checked = len(plan.choices), time.monotonic()
+    with start_rows(state, served, plan) as events:
+        while left:
+            if time.monotonic() - checked > 0.25:  # tokens may keep the queue from ever timing out
+                if await request.is_disconnected():
+                    return
+                checked = time.monotonic()
+            try:
+                index, event = await asyncio.wait_for(events.get(), timeout=0.25)
+            except asyncio.TimeoutError:
+                continue
+            record(plan, index, event)
+            left -= isinstance(event, DoneEvent)
+
+
+def sse(body: dict) -> str:
+    return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+
+async def stream(state: ServerState, served: ServedModel, plan: Plan, prompt_parts):
+    """Server-sent events: a chunk per token per choice, a last one with the finish reason, usage if asked, [DONE]."""
+    r, tok, left = plan.request, served.tokenizer, len(plan.choices)
+    with start_rows(state, served, plan) as events:  # left when the client disconnects too
         try:
-            while left:
-                if time.monotonic() - checked > 0.25:  # tokens may keep the queue from ever timing out
-                    if await request.is_disconnected():
-                        return
-                    checked = time.monotonic()
-                try:
-                    index, event = await asyncio.wait_for(events.get(), timeout=0.25)
-                except asyncio.TimeoutError:
-                    continue
-                record(plan, index, event)
-                left -= isinstance(event, DoneEvent)
-        finally:  # a client gone (or an error) stops its rows
-            for row in rows:
-                row.cancel()
-
-    async def stream(served: ServedModel, plan: Plan, prompt_parts):
-        """Server-sent events: one chunk per token per choice, a last chunk with the finish reason
-        (and usage when ``stream_options.include_usage``), then ``data: [DONE]``."""
-        r, tok = plan.request, served.tokenizer
-
-        def sse(body: dict) -> str:
-            return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
-
-        events, rows = start_rows(served, plan)
-        try:
-            for c in plan.choices:
-                first = {"warnings": plan.warnings} if plan.warnings else None
-                if r.echo:
-                    part = prompt_parts.get(c.index) if prompt_parts else None
-                    lp = logprobs_json(c, tok, prompt_part=part) if part is not None else None
-                    yield sse(chunk_json(plan, served.name, c.index, c.prompt, lp, extra=first))
-                elif first:
-                    yield sse(chunk_json(plan, served.name, c.index, "", extra=first))
-            left = len(rows)
+            first = {"warnings": plan.warnings} if plan.warnings else None
+            for c in plan.choices if r.echo or first else ():  # a chunk each for the echoed prompt or warnings
+                part = prompt_parts.get(c.index) if r.echo and prompt_parts else None
+                lp = logprobs_json(c, tok, prompt_part=part) if part is not None else None
+                yield sse(chunk_json(plan, served.name, c.index, c.prompt if r.echo else "", lp, extra=first))
             while left:
                 index, event = await events.get()
                 record(plan, index, event)
                 c = plan.choices[index]
                 if isinstance(event, TokenEvent):
-                    offset = len(c.prompt) if r.echo else 0
-                    lp = (logprobs_json(c, tok, start=len(c.tokens) - 1, offset=offset)
+                    lp = (logprobs_json(c, tok, start=len(c.tokens) - 1, offset=len(c.prompt) if r.echo else 0)
                           if r.logprobs is not None else None)
                     yield sse(chunk_json(plan, served.name, index, new_text(c, tok, plan.stops, False), lp))
                 else:
@@ -364,42 +347,52 @@ def create_app(models: dict[str, ServedModel], limits: Limits | None = None, api
             yield "data: [DONE]\n\n"
         except APIError as exc:
             yield sse(exc.body())
-        finally:  # runs when the client disconnects too: its rows leave the batch
-            for row in rows:
-                row.cancel()
 
-    # ------------------------------------------------------------------------ tinylm's own
-    @app.post("/v1/tokenize")
-    async def tokenize(body: TextRequest):
-        served = get_model(body.model)
-        ids = list(served.tokenizer.encode(body.text))
-        return {"model": served.name, "count": len(ids), "ids": ids, "tokens": served.pieces(ids),
-                "bos_id": served.tokenizer.bos_id, "context_length": served.context_length}
 
-    @app.post("/v1/detokenize")
-    async def detokenize(body: DetokenizeRequest):
-        served = get_model(body.model)
-        try:
-            served.check_ids(body.tokens, "tokens")
-        except ValueError as exc:
-            raise APIError(400, str(exc), "tokens", "invalid_token") from exc
-        return {"model": served.name, "text": served.tokenizer.decode(body.tokens)}
+@router.post("/v1/tokenize")
+async def tokenize(body: TextRequest, state: StateDep):
+    served = get_model(state, body.model)
+    ids = list(served.tokenizer.encode(body.text))
+    return {"model": served.name, "count": len(ids), "ids": ids, "tokens": served.pieces(ids),
+            "bos_id": served.tokenizer.bos_id, "context_length": served.context_length}
 
-    async def on_text(body: TextRequest, method: str) -> dict:
-        """``served.<method>(text)`` on the model's thread, for a non-empty text."""
-        served = get_model(body.model)
-        if not body.text:
-            raise APIError(400, "text: must not be empty", "text", "empty_text")
-        return {"model": served.name, **await on_model_thread(served, lambda: getattr(served, method)(body.text))}
 
-    @app.post("/v1/attention")
-    async def attention(body: TextRequest):
-        return await on_text(body, "attention")
+@router.post("/v1/detokenize")
+async def detokenize(body: DetokenizeRequest, state: StateDep):
+    served = get_model(state, body.model)
+    served.check_ids(body.tokens, "tokens")
+    return {"model": served.name, "text": served.tokenizer.decode(body.tokens)}
 
-    @app.post("/v1/score")
-    async def score(body: TextRequest):
-        return await on_text(body, "score")
 
+async def on_text(state: ServerState, body: TextRequest, method: str) -> dict:
+    """``served.<method>(text)`` on the model's thread, for a non-empty text."""
+    served = get_model(state, body.model)
+    if not body.text:
+        raise bad("text", "must not be empty", "empty_text")
+    return {"model": served.name, **await on_model_thread(served, lambda: getattr(served, method)(body.text))}
+
+
+@router.post("/v1/attention")
+async def attention(body: TextRequest, state: StateDep):
+    return await on_text(state, body, "attention")
+
+
+@router.post("/v1/score")
+async def score(body: TextRequest, state: StateDep):
+    return await on_text(state, body, "score")
+
+
+def create_app(models: dict[str, ServedModel], limits: Limits | None = None, api_key: str | None = None) -> FastAPI:
+    """The FastAPI application serving ``models`` (name -> ServedModel)."""
+    limits = limits or Limits()
+    app = FastAPI(title="tinylm", docs_url=None, redoc_url=None, openapi_url=None, exception_handlers={
+        APIError: on_error, HTTPException: on_error, Exception: on_error, RequestValidationError: on_validation_error})
+    app.add_middleware(BodyLimit, limit=limits.max_body_bytes)
+    if api_key:
+        app.add_middleware(ApiKey, key=api_key)
+    app.mount("/static", StaticFiles(directory=STATIC), name="static")
+    app.include_router(router)
+    app.state.server = ServerState(models, limits)
     return app
 
 

@@ -18,24 +18,22 @@ The rules a request follows (docs/serving.md):
 from __future__ import annotations
 
 import dataclasses
-import math
 import secrets
 import time
 import warnings
 from dataclasses import dataclass, field
 
+from tinylm.config import GENERATION_SURFACES, GenerationConfig
 from tinylm.errors import TinyLMError
 from tinylm.generation.core import fit_prompts
 from tinylm.generation.generate import encode_prompt, prompt_head
-from tinylm.generation.processors import GenerationConfig
 from tinylm.serving.schemas import CompletionRequest
 
 MAX_LOGPROBS = 20
 MAX_STOPS = 16
-MAX_LENGTH_PENALTY = 10.0  # beam scores divide by length ** penalty: far beyond this, 0 or inf
-# GenerationConfig names -> the request fields they come from
-CONFIG_TO_FIELD = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "stop_strings": "stop",
-                   "num_return_sequences": "n"}
+# GenerationConfig's knob -> the request's field, for the knobs a request carries
+REQUEST_FIELDS = {f.name: GENERATION_SURFACES.get(f.name, (None, f.name))[1]
+                  for f in dataclasses.fields(GenerationConfig) if GENERATION_SURFACES.get(f.name, (None, f.name))[1]}
 
 
 @dataclass
@@ -94,24 +92,15 @@ class Plan:
 
 
 # ------------------------------------------------------------------------------------ checking
-def _check_ranges(r: CompletionRequest, limits: Limits, vocab_size: int) -> None:
-    finite = {"temperature": r.temperature, "top_p": r.top_p, "repetition_penalty": r.repetition_penalty,
-              "length_penalty": r.length_penalty, "min_p": r.min_p}
-    for name, value in finite.items():
-        if value is not None and not math.isfinite(value):
-            raise bad(name, f"must be a finite number (got {value})")
-    if r.temperature < 0:
-        raise bad("temperature", f"must be >= 0 (0 is greedy), got {r.temperature}")
-    if not 0 < r.top_p <= 1:
-        raise bad("top_p", f"must be in (0, 1], got {r.top_p}")
+def _check_request(r: CompletionRequest, limits: Limits) -> None:
+    """What only a request has: the server's limits, logprobs, streaming, OpenAI's neutral fields
+    (the decoding knobs are GenerationConfig's to check)."""
     if not 1 <= r.max_tokens <= limits.max_tokens:
         raise bad("max_tokens", f"must be between 1 and {limits.max_tokens} (this server's limit), got {r.max_tokens}")
     if r.n < 1:
         raise bad("n", f"must be >= 1, got {r.n}")
     if r.logprobs is not None and not 0 <= r.logprobs <= MAX_LOGPROBS:
         raise bad("logprobs", f"must be between 0 and {MAX_LOGPROBS}, got {r.logprobs}")
-    if r.beam_width < 1 or r.beam_width > vocab_size:
-        raise bad("beam_width", f"must be between 1 and the vocabulary size {vocab_size}, got {r.beam_width}")
     if r.beam_width > 1 and r.stream:
         raise bad("stream", "beam search cannot stream (the best beam is known only at the end); "
                   "set stream to false or beam_width to 1")
@@ -119,17 +108,27 @@ def _check_ranges(r: CompletionRequest, limits: Limits, vocab_size: int) -> None
         raise bad("n", f"with beam search n is the number of best beams returned, at most beam_width ({r.beam_width})")
     if r.seed is not None and not -(2**63) <= r.seed <= 2**63 - 1 - limits.max_choices:
         raise bad("seed", f"must be a 64-bit integer (at most {2**63 - 1 - limits.max_choices}), got {r.seed}")
-    if not -MAX_LENGTH_PENALTY <= r.length_penalty <= MAX_LENGTH_PENALTY:
-        raise bad("length_penalty", f"must be between -{MAX_LENGTH_PENALTY} and {MAX_LENGTH_PENALTY}, "
-                  f"got {r.length_penalty}")
-    if r.top_k is not None and r.top_k < 1:
-        raise bad("top_k", f"must be >= 1, got {r.top_k}")
     neutral = {"presence_penalty": r.presence_penalty == 0, "frequency_penalty": r.frequency_penalty == 0,
                "logit_bias": not r.logit_bias, "suffix": r.suffix is None, "best_of": r.best_of in (None, r.n)}
     for name, ok in neutral.items():
         if not ok:
             raise bad(name, "is not supported by tinylm (see repetition_penalty and no_repeat_ngram_size)",
                       "unsupported_parameter")
+
+
+def generation_config(r: CompletionRequest, served, stops: tuple[str, ...], seed: int) -> GenerationConfig:
+    """The request's knobs as the GenerationConfig every choice decodes with, checked against the
+    model; a bad knob is a 400 naming the request's field."""
+    knobs = {name: getattr(r, field) for name, field in REQUEST_FIELDS.items()}
+    cfg = GenerationConfig(**{**knobs, "top_p": None if r.top_p == 1 else r.top_p, "stop_strings": stops,
+                              "stop_ids": tuple(served.tokenizer.stop_ids) + tuple(r.stop_ids), "seed": seed,
+                              "seed_per_row": True, "num_return_sequences": r.n if r.beam_width > 1 else 1})
+    try:
+        return cfg.validate(served.vocab_size)
+    except TinyLMError as exc:  # the message names the knob first: "top_k must be ..."
+        knob = str(exc).removeprefix("config key ").split()[0]
+        param = REQUEST_FIELDS.get(knob, knob)
+        raise APIError(400, f"{param}: {str(exc).removeprefix('config key ')}", param, "invalid_value") from exc
 
 
 def _stops(r: CompletionRequest) -> tuple[str, ...]:
@@ -150,60 +149,38 @@ def _prompts(r: CompletionRequest, served) -> list[tuple[str, list[int]]]:
         raise bad("prompt", "must not be empty", "empty_prompt")
     out = []
     for item in p:
+        if not item:
+            raise bad("prompt", "must not be empty", "empty_prompt")
         if isinstance(item, str):
-            if not item:
-                raise bad("prompt", "must not be empty", "empty_prompt")
             try:
                 ids = encode_prompt(served.tokenizer, item)
             except TinyLMError as exc:
                 raise bad("prompt", str(exc), "empty_prompt") from exc
             out.append((prompt_head(served.tokenizer, item, ids), ids))
         else:
-            if not item:
-                raise bad("prompt", "must not be empty", "empty_prompt")
-            try:
-                served.check_ids(item, "prompt")
-            except ValueError as exc:
-                raise APIError(400, str(exc), "prompt", "invalid_token") from exc
+            served.check_ids(item, "prompt")
             out.append((served.tokenizer.decode(item), list(item)))
     return out
 
 
 def plan_completion(served, r: CompletionRequest, limits: Limits) -> Plan:
     """Check the request against the model and the limits; one Choice per row to decode."""
-    _check_ranges(r, limits, served.vocab_size)
+    _check_request(r, limits)
     stops = _stops(r)
     prompts = _prompts(r, served)
-    per_prompt = r.n
-    if len(prompts) * per_prompt > limits.max_choices:
+    if len(prompts) * r.n > limits.max_choices:
         raise bad("n", f"prompts x n must be at most {limits.max_choices} (this server's limit), "
-                  f"got {len(prompts)} x {per_prompt}")
+                  f"got {len(prompts)} x {r.n}")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         fitted = fit_prompts([ids for _, ids in prompts], served.context_length)
     notes = [str(w.message) for w in caught]
     seed = r.seed if r.seed is not None else secrets.randbelow(2**31)
-    base = GenerationConfig(
-        max_new_tokens=r.max_tokens, min_new_tokens=r.min_tokens, temperature=r.temperature, top_k=r.top_k,
-        top_p=None if r.top_p == 1 else r.top_p, min_p=r.min_p, repetition_penalty=r.repetition_penalty,
-        no_repeat_ngram_size=r.no_repeat_ngram_size, stop_ids=tuple(served.tokenizer.stop_ids), stop_strings=stops,
-        seed=seed, seed_per_row=True, beam_width=r.beam_width, length_penalty=r.length_penalty,
-        num_return_sequences=r.n if r.beam_width > 1 else 1)
-    try:
-        base.validate(served.vocab_size)
-    except ValueError as exc:  # names the knob first: "top_k must be ..."
-        name = str(exc).split()[0]
-        param = CONFIG_TO_FIELD.get(name, name)
-        raise APIError(400, f"{param}: {exc}", param, "invalid_value") from exc
-    choices = []
-    for i, ((text, _), ids) in enumerate(zip(prompts, fitted)):
-        if r.beam_width > 1:  # one beam search gives the n best beams of prompt i
-            choices += [Choice(i * per_prompt + j, text, ids, dataclasses.replace(base, seed=seed + i))
-                        for j in range(per_prompt)]
-            continue
-        for j in range(per_prompt):
-            k = i * per_prompt + j
-            choices.append(Choice(k, text, ids, dataclasses.replace(base, seed=seed + k)))
+    base = generation_config(r, served, stops, seed)
+    # choice k samples with seed + k, except that one beam search (seed + i) gives the n best beams of prompt i
+    beam = r.beam_width > 1
+    choices = [Choice(i * r.n + j, text, ids, dataclasses.replace(base, seed=seed + (i if beam else i * r.n + j)))
+               for i, ((text, _), ids) in enumerate(zip(prompts, fitted)) for j in range(r.n)]
     return Plan(choices, seed, notes, r)
 
 
@@ -272,9 +249,8 @@ def logprobs_json(choice: Choice, tokenizer, start: int = 0, offset: int = 0, pr
 
 def tinylm_part(choice: Choice) -> dict:
     """tinylm's extension of a choice: the token ids (what `tinylm generate --json` prints) and speed."""
-    n = len(choice.tokens)
     return {"token_ids": choice.tokens, "finish": choice.finish_reason, "seconds": round(choice.seconds, 4),
-            "tokens_per_s": round(n / choice.seconds, 1) if choice.seconds > 0 else None}
+            "tokens_per_s": round(len(choice.tokens) / choice.seconds, 1) if choice.seconds > 0 else None}
 
 
 def usage(plan: Plan) -> dict:
@@ -288,8 +264,7 @@ def completion_json(plan: Plan, tokenizer, model: str, prompt_parts: dict | None
     out = []
     for c in plan.choices:
         text = visible_text(tokenizer.decode_continuation(c.prompt_ids, c.tokens), plan.stops, final=True)
-        head = c.prompt if r.echo else ""
-        item = {"index": c.index, "text": head + text, "logprobs": None,
+        item = {"index": c.index, "text": (c.prompt if r.echo else "") + text, "logprobs": None,
                 "finish_reason": finish_reason(c.finish_reason), "tinylm": tinylm_part(c)}
         if r.logprobs is not None:
             part = prompt_parts.get(c.index) if (r.echo and prompt_parts) else None
@@ -306,5 +281,4 @@ def chunk_json(plan: Plan, model: str, index: int, text: str, logprobs=None, fin
     choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
     if extra:
         choice.update(extra)
-    body = {"id": plan.id, "object": "text_completion", "created": plan.created, "model": model, "choices": [choice]}
-    return body
+    return {"id": plan.id, "object": "text_completion", "created": plan.created, "model": model, "choices": [choice]}

@@ -8,7 +8,6 @@ through ``evaluation.plots.attention_maps`` (the numbers of ``tinylm attention``
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import time
 from dataclasses import dataclass
@@ -21,7 +20,9 @@ from tinylm.constants import IGNORE_INDEX
 from tinylm.errors import TinyLMError
 from tinylm.evaluation.perplexity import document_windows, evaluate_texts
 from tinylm.evaluation.plots import attention_maps, attention_maps_of_ids, token_labels
+from tinylm.evaluation.report import read_json
 from tinylm.interop.loading import load_any_checkpoint
+from tinylm.serving.completions import APIError
 from tinylm.serving.scheduler import Scheduler
 from tinylm.training.metrics import read_metrics
 
@@ -72,17 +73,13 @@ class ServedModel:
 
     # ---------------------------------------------------------------------------- model card
     def card(self) -> dict:
-        cfg = self.model.config
-        card = {
-            "format": self.source.get("format"),
-            "path": self.path,
-            "parameters": self.model.num_parameters(),
-            "config": {k: v for k, v in dataclasses.asdict(cfg).items() if isinstance(v, (int, float, str, bool))},
-            "tokenizer": {"type": getattr(self.tokenizer, "type_name", type(self.tokenizer).__name__),
-                          "vocab_size": self.tokenizer.vocab_size, "bos_id": self.tokenizer.bos_id,
-                          "stop_ids": list(self.tokenizer.stop_ids)},
-            "run": None,
-        }
+        config = dataclasses.asdict(self.model.config)
+        card = {"format": self.source.get("format"), "path": self.path, "parameters": self.model.num_parameters(),
+                "config": {k: v for k, v in config.items() if isinstance(v, (int, float, str, bool))},
+                "tokenizer": {"type": getattr(self.tokenizer, "type_name", type(self.tokenizer).__name__),
+                              "vocab_size": self.tokenizer.vocab_size, "bos_id": self.tokenizer.bos_id,
+                              "stop_ids": list(self.tokenizer.stop_ids)},
+                "run": None}
         meta = self.source.get("meta") or {}
         if meta:
             card["checkpoint"] = {k: meta[k] for k in ("step", "tokens", "val_loss", "best_val_loss") if k in meta}
@@ -98,10 +95,7 @@ class ServedModel:
     @staticmethod
     def _run_eval(run: Path) -> dict | None:
         """The run's eval.json summary (training time, stop reason, valid/test perplexity), if any."""
-        try:
-            data = json.loads((run / "eval.json").read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            return None
+        data = read_json(run / "eval.json")
         if not isinstance(data, dict):
             return None
         keys = ("steps", "train_seconds", "tokens_per_s", "best_val_loss", "final_train_loss", "stopped_because")
@@ -118,13 +112,14 @@ class ServedModel:
     # --------------------------------------------------------------------------------- tokens
     def pieces(self, ids: list[int]) -> list[dict]:
         """Each token's id, its label (as ``tinylm attention`` writes it) and its text."""
-        labels = token_labels(self.tokenizer, ids)
-        return [{"id": int(i), "piece": label, "text": self.tokenizer.decode([int(i)])} for i, label in zip(ids, labels)]
+        return [{"id": int(i), "piece": label, "text": self.tokenizer.decode([int(i)])}
+                for i, label in zip(ids, token_labels(self.tokenizer, ids))]
 
     def check_ids(self, ids: list[int], param: str) -> None:
         bad = [i for i in ids if not 0 <= i < self.vocab_size]
         if bad:
-            raise ValueError(f"{param}: token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+            raise APIError(400, f"{param}: token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})", param,
+                           "invalid_token")
 
     # ------------------------------------------------------------------- on the model's thread
     def score(self, text: str) -> dict:
@@ -149,11 +144,8 @@ class ServedModel:
                 logp = torch.log_softmax(logits[0].float(), dim=-1)
                 for pos, target in enumerate(targets):
                     if target != IGNORE_INDEX:
-                        alternatives = []
-                        if top:
-                            values, top_ids = logp[pos].topk(min(top, logp.shape[-1]))
-                            alternatives = list(zip(top_ids.tolist(), values.tolist()))
-                        out.append((float(logp[pos, target]), alternatives))
+                        values, top_ids = logp[pos].topk(min(top, logp.shape[-1]))
+                        out.append((float(logp[pos, target]), list(zip(top_ids.tolist(), values.tolist()))))
         return out
 
     def attention(self, text: str) -> dict:
@@ -179,8 +171,8 @@ def load_models(checkpoints: list[str], tokenizers: list[str], max_batch: int) -
     if not checkpoints:
         raise TinyLMError("give at least one --checkpoint")
     if tokenizers and len(tokenizers) != len(checkpoints):
-        raise TinyLMError(f"{len(tokenizers)} --tokenizer for {len(checkpoints)} --checkpoint: give one per checkpoint, "
-                          "in the same order ('none' for a checkpoint that brings its own tokenizer)")
+        raise TinyLMError(f"{len(tokenizers)} --tokenizer for {len(checkpoints)} --checkpoint: give one per "
+                          "checkpoint, in the same order ('none' for a checkpoint that brings its own tokenizer)")
     models: dict[str, ServedModel] = {}
     for i, path in enumerate(checkpoints):
         tok = tokenizers[i] if tokenizers else None

@@ -31,10 +31,11 @@ from typing import Callable
 
 import torch
 
+from tinylm.config import GenerationConfig
 from tinylm.generation.core import prefill
 from tinylm.generation.decode import decode_step, prepare_for_inference
 from tinylm.generation.generate import hits_stop_string
-from tinylm.generation.processors import GenerationConfig, HistoryProcessor
+from tinylm.generation.processors import HistoryProcessor
 from tinylm.generation.sampling import select_next
 from tinylm.models.gpt import KVCache
 
@@ -167,7 +168,6 @@ class Scheduler:
     # ------------------------------------------------------------------------------ one step
     @torch.inference_mode()
     def _step(self, joining: list[Row]) -> None:
-        model = self.model
         # rows whose cache reached the context slide like TokenStream: re-prefill the last ctx // 2
         sliding = [r for r in self.rows if r.cached >= self.ctx]
         self._leave(sliding)
@@ -178,8 +178,7 @@ class Scheduler:
                 started.append(r)
             except (ValueError, RuntimeError) as exc:  # e.g. a seed torch cannot take: this row only
                 r.emit(ErrorEvent(f"cannot start this generation: {exc}", "seed"))
-        joining = started
-        fresh = [(r, list(r.prompt_ids)) for r in joining] + [(r, r.seq[-(self.ctx // 2):]) for r in sliding]
+        fresh = [(r, list(r.prompt_ids)) for r in started] + [(r, r.seq[-(self.ctx // 2):]) for r in sliding]
 
         logits_old = None
         if self.rows:
@@ -192,9 +191,9 @@ class Scheduler:
             for r in self.rows:
                 r.cached += 1
         if fresh:
-            self.prepared = prepare_for_inference(model)
+            self.prepared = prepare_for_inference(self.model)
             rows = [ids for _, ids in fresh]
-            cache, logits_new, _ = prefill(model, rows, max(len(ids) for ids in rows))
+            cache, logits_new, _ = prefill(self.model, rows, max(len(ids) for ids in rows))
             for (r, ids) in fresh:
                 r.cached = len(ids)
             self._merge([r for r, _ in fresh], cache)
@@ -223,8 +222,8 @@ class Scheduler:
             row = r.history(logits[i : i + 1].float(), len(r.out))
             if not bool(torch.isfinite(row).any()):
                 r.emit(ErrorEvent(f"no token is allowed at step {len(r.out) + 1}: no_repeat_ngram_size / "
-                                  "min_tokens ban the whole vocabulary (ask for fewer tokens or a smaller n-gram ban)",
-                                  "no_repeat_ngram_size"))
+                                  "min_new_tokens ban the whole vocabulary "
+                                  "(ask for fewer tokens or a smaller n-gram ban)", "no_repeat_ngram_size"))
                 r.cancel()
                 row = logits[i : i + 1].float()  # any token: the row leaves at the end of this step
             if scores is logits:

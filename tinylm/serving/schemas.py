@@ -1,5 +1,5 @@
 """Request bodies. Pydantic checks the types (a wrong type is a 422 naming the field); the values'
-ranges are checked in app.py against the served model (a bad value is a 400 naming the field).
+ranges are checked in completions.py against the served model (a bad value is a 400 naming the field).
 
 Unknown fields are refused (OpenAI answers "Unrecognized request argument"), so a misspelt knob
 is never silently ignored. OpenAI fields tinylm cannot honour are accepted only at their neutral
@@ -8,7 +8,12 @@ value (``presence_penalty=0``, ``best_of=n``, ...).
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+import dataclasses
+import typing
+
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, create_model
+
+from tinylm.config import GENERATION_SURFACES, GenerationConfig
 
 
 class Strict(BaseModel):
@@ -19,7 +24,8 @@ class StreamOptions(Strict):
     include_usage: bool = False
 
 
-class CompletionRequest(Strict):
+class OpenAICompletion(Strict):
+    """OpenAI's /v1/completions fields, with OpenAI's defaults."""
     model: str
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int = 16
@@ -32,21 +38,34 @@ class CompletionRequest(Strict):
     seed: int | None = None
     echo: bool = False
     logprobs: int | None = None
-    # OpenAI fields accepted at their neutral value only
+    # accepted at their neutral value only
     best_of: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
     suffix: str | None = None
     user: str | None = None
-    # tinylm's other decoding knobs (the options of `tinylm generate`)
-    top_k: int | None = None
-    min_p: float | None = None
-    min_tokens: int = 0
-    repetition_penalty: float = 1.0
-    no_repeat_ngram_size: int = 0
-    beam_width: int = 1
-    length_penalty: float = 1.0
+
+
+# vLLM's name for min_new_tokens, which the playground sent first
+ALIASES = {"min_new_tokens": "min_tokens"}
+
+
+def _knob_fields() -> dict:
+    """tinylm's other decoding knobs, one field per GenerationConfig field that the request offers
+    under its own name (GENERATION_SURFACES gives OpenAI's names and what the server sets itself)."""
+    hints = typing.get_type_hints(GenerationConfig)
+    fields = {}
+    for f in dataclasses.fields(GenerationConfig):
+        name = GENERATION_SURFACES.get(f.name, (None, f.name))[1]
+        if name is None or name in OpenAICompletion.model_fields:
+            continue
+        alias = AliasChoices(name, ALIASES[name]) if name in ALIASES else None
+        fields[name] = (hints[f.name], Field(f.default, description=f.metadata["help"], validation_alias=alias))
+    return fields
+
+
+CompletionRequest = create_model("CompletionRequest", __base__=OpenAICompletion, **_knob_fields())
 
 
 class TextRequest(Strict):

@@ -10,9 +10,11 @@ import dataclasses
 import json
 import platform
 import re
+from functools import partial
 from pathlib import Path
 
 from tinylm.evaluation.plots import pyplot
+from tinylm.evaluation.report import format_number
 from tinylm.studies.shakespeare_summary import summary_lines
 
 RESULT_COLUMNS = ["tokenizer", "vocab_size", "model", "order", "smoothing", "parameters", "valid_ppl", "test_ppl",
@@ -26,14 +28,7 @@ COMPARABILITY_NOTE = (
 SPLITS = ("train", "valid", "test")
 
 
-def _f(v, digits=3):
-    if v is None or v == "":
-        return "-"
-    if isinstance(v, float):
-        return f"{v:,.{digits}f}"
-    if isinstance(v, int):
-        return f"{v:,}"
-    return str(v)
+_f = partial(format_number, missing="-", grouped=True)  # the study's cells: "-" for no value, 1,234.5
 
 
 def _variant(row: dict) -> str:
@@ -129,16 +124,16 @@ def model_lines(state: dict) -> list[str]:
     return lines
 
 
-def bigram_lines(cfg, state: dict, curve_files: dict) -> list[str]:
+def bigram_lines(bigram, state: dict, curve_files: dict) -> list[str]:
     if not state["bigram_runs"]:
         return []
     lines = ["", "## Task 3: neural bigram runs", "",
-             f"AdamW, batch {cfg.bigram_batch_size} ({cfg.bigram_mode} mode), {cfg.bigram_schedule} learning rate, "
-             f"validation every {cfg.bigram_eval_interval or max(10, cfg.bigram_max_steps // 30)} steps, early stopping "
-             f"after {cfg.bigram_patience} evaluations without improvement, at most {cfg.bigram_max_steps} steps / "
-             f"{cfg.bigram_max_seconds:g} s per run; the weights of the best validation loss are kept. The best run "
+             f"AdamW, batch {bigram.batch_size} ({bigram.mode} mode), {bigram.schedule} learning rate, "
+             f"validation every {bigram.eval_interval or max(10, bigram.max_steps // 30)} steps, early stopping "
+             f"after {bigram.patience} evaluations without improvement, at most {bigram.max_steps} steps / "
+             f"{bigram.max_seconds:g} s per run; the weights of the best validation loss are kept. The best run "
              f"of each tokenizer is its row above" + (" (the sweep ran on the first tokenizer; the others use its best "
-                                                      "setting)." if cfg.bigram_sweep_on == "first" else "."), "",
+                                                      "setting)." if bigram.sweep_on == "first" else "."), "",
              "| tokenizer | run | lr | embedding | weight decay | best valid loss | valid ppl | test ppl | test bpb | steps | stopped by | curves |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in state["bigram_runs"]:
@@ -165,29 +160,30 @@ def gpt_lines(state: dict) -> list[str]:
 
 
 def write_markdown(cfg, state: dict, out: Path, curve_files: dict) -> None:
+    data = cfg.data
     lines = ["# Shakespeare study", "",
-             f"Corpus: {cfg.source}" + (f" (first {cfg.max_documents} works)" if cfg.max_documents else " (all works)")
-             + f", split into chunks: train {1 - cfg.valid_fraction - cfg.test_fraction:.0%}, valid "
-             f"{cfg.valid_fraction:.0%}, test {cfg.test_fraction:.0%}. Wall time per stage, all tokenizers, as "
+             f"Corpus: {data.source}" + (f" (first {data.max_documents} works)" if data.max_documents else " (all works)")
+             + f", split into chunks: train {1 - data.valid_fraction - data.test_fraction:.0%}, valid "
+             f"{data.valid_fraction:.0%}, test {data.test_fraction:.0%}. Wall time per stage, all tokenizers, as "
              f"computed on {platform.machine()} with {cfg.threads} torch thread(s) for the GPTs (one for the rest): "
              + ", ".join(f"{k} {v:.0f} s" for k, v in state["stage_seconds"].items())
              + f"; total {sum(state['stage_seconds'].values()):.0f} s (this invocation: {state['seconds']:.0f} s, "
              "stages computed earlier are reused).", ""]
     lines += summary_lines(cfg, state)
-    lines += tokenizer_lines(state) + [""] + model_lines(state) + bigram_lines(cfg, state, curve_files) + gpt_lines(state)
+    lines += tokenizer_lines(state) + [""] + model_lines(state) + bigram_lines(cfg.bigram, state, curve_files) + gpt_lines(state)
     lines += ["", "Smoothings: laplace = add-1; add_0.1 = add-k with k = 0.1; interpolated = Jelinek-Mercer with EM "
               "weights fitted on the validation split; interpolated_fixed = Jelinek-Mercer with the fixed weights "
-              f"{cfg.fixed_weights} (uniform, unigram, bigram, ...; the first order + 1 of them, scaled to sum to 1); "
+              f"{cfg.ngram.fixed_weights} (uniform, unigram, bigram, ...; the first order + 1 of them, scaled to sum to 1); "
               "kneser_ney = interpolated modified Kneser-Ney (D1, D2, D3+ per order, as KenLM). Start of a document: "
-              + ("one `<sos>` (KenLM's convention)." if cfg.start_padding == "single" else "n-1 `<sos>` (the report's padding).")
+              + ("one `<sos>` (KenLM's convention)." if cfg.ngram.start_padding == "single" else "n-1 `<sos>` (the report's padding).")
               + " Learning curves: learning_curves.png and bigram_curves/; samples (temperature "
-              f"{cfg.temperature:g}): samples.md.", ""]
+              f"{cfg.sampling.temperature:g}): samples.md.", ""]
     (out / "results.md").write_text("\n".join(lines), encoding="utf-8")
 
 
 def write_samples(cfg, state: dict, out: Path) -> None:
-    lines = ["# Samples", "", f"Every model, each prompt, {cfg.sample_tokens} new tokens at temperature {cfg.temperature:g} "
-             "(word_bpe prompts are shown normalised, as the model saw them).", ""]
+    lines = ["# Samples", "", f"Every model, each prompt, {cfg.sampling.max_new_tokens} new tokens at temperature "
+             f"{cfg.sampling.temperature:g} (word_bpe prompts are shown normalised, as the model saw them).", ""]
     for tok, model, prompt, text in state["samples"]:
         lines += [f"## {model}, {tok}: {prompt!r}", "", "```", text, "```", ""]
     (out / "samples.md").write_text("\n".join(lines), encoding="utf-8")
@@ -210,8 +206,7 @@ def plot_bigram_runs(runs: list[dict], folder: Path) -> dict:
         ax.plot(steps, [h["train_loss"] for h in hist], label="train (mean since the last evaluation)")
         ax.plot(steps, [h["val_loss"] for h in hist], label="valid")
         ax.set_title(f"neural bigram, {r['tokenizer']}\n{r['label']}", fontsize=9)
-        ax.set_xlabel("step")
-        ax.set_ylabel("loss (nats per token)")
+        ax.set(xlabel="step", ylabel="loss (nats per token)")
         ax.legend(fontsize=8)
         ax.grid(alpha=0.3)
         fig.tight_layout()
@@ -245,8 +240,7 @@ def plot_curves(state: dict, path: Path) -> None:
             if with_train:
                 ax.plot([h["step"] for h in hist], [h["train_loss"] for h in hist], ls="--", color=line.get_color())
         ax.set_title(title, fontsize=10)
-        ax.set_xlabel("step")
-        ax.set_ylabel("nats per token (not comparable across tokenizers)")
+        ax.set(xlabel="step", ylabel="nats per token (not comparable across tokenizers)")
         ax.legend(fontsize=7)
         ax.grid(alpha=0.3)
     fig.tight_layout()

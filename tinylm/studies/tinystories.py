@@ -1,9 +1,9 @@
 """`tinylm experiments`: every table and figure of the TinyStories assignment in one run directory.
 
-Each part is a function that writes its own file into the run directory and returns its results;
-the runner stores them as ``<part>.json`` with a key (a hash of the settings the part depends
-on). A re-run skips every part whose file holds the same key, so an interrupted run resumes. The
-report (tinylm.studies.tinystories_report) only reads files.
+Each part is a function that writes its own files into the run directory and returns its results;
+the runner stores them as the stage ``<part>.json`` (tinylm.studies.stages), keyed by the settings
+the part depends on. A re-run skips every part whose file holds the same key, so an interrupted
+run resumes. The report (tinylm.studies.tinystories_report) only reads files.
 
     baseline        prepare + train + evaluate + sample (tinylm.pipeline)   eval.json, metrics.csv, ...
     bleu            BLEU protocol at each sampling temperature               bleu.json, bleu_samples_T*.csv
@@ -25,33 +25,35 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
-import hashlib
 import json
 import logging
 import os
 import platform
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Literal
 
 import numpy as np
 import torch
 
-from tinylm.config import RunConfig, apply_updates, parse_overrides, read_config
+from tinylm.config import (GenerationConfig, RunConfig, apply_updates, check_config, config_from_dict, merge_dicts,
+                           option, parse_overrides, read_config)
 from tinylm.data.cleaning import clean_documents
-from tinylm.data.prepare import load_raw_documents, prepare
+from tinylm.data.prepare import Prepared, load_raw_documents, prepare
 from tinylm.errors import TinyLMError
 from tinylm.evaluation.plots import attention_html, attention_maps, plot_curves, save_attention_pngs
 from tinylm.evaluation.protocol import SAMPLING_TEMPERATURES, BleuProtocol, Decoding, run_bleu, select_samples
 from tinylm.evaluation.report import read_json
 from tinylm.generation.generate import complete, generate, generate_many
-from tinylm.generation.processors import GenerationConfig
 from tinylm.models.checkpoint import load_checkpoint
 from tinylm.pipeline import run_pipeline
-from tinylm.studies.tinystories_report import write_report
 from tinylm.studies import tinystories_figures as figures
+from tinylm.studies.stages import Stage, stage_key
+from tinylm.studies.study_config import nest_flat_keys
+from tinylm.studies.tinystories_report import write_report
 from tinylm.studies.tradeoffs import Tradeoffs, Variant, alternated_runs
 from tinylm.tokenizers.io import train_from_config
 
@@ -60,96 +62,87 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class ExperimentsConfig:
-    bleu_samples: int = BleuProtocol.n_samples
-    prompt_tokens: int = BleuProtocol.prompt_tokens
-    max_continuation: int | None = BleuProtocol.max_continuation  # None: the rest of the story
-    bleu_selection: str = BleuProtocol.selection  # random (seeded, as the reports) | first
-    temperatures: list[float] = field(default_factory=lambda: list(SAMPLING_TEMPERATURES))
-    top_k: int | None = None
+    bleu_samples: int = option(BleuProtocol.n_samples, ge=1)
+    prompt_tokens: int = option(BleuProtocol.prompt_tokens, ge=1)
+    max_continuation: int | None = option(BleuProtocol.max_continuation, "None: the rest of the story", ge=1)
+    bleu_selection: Literal["random", "first"] = BleuProtocol.selection  # random: seeded, as the reports
+    temperatures: list[float] = option(list(SAMPLING_TEMPERATURES), ge=0)
+    top_k: int | None = option(None, ge=1)
     # the decoding comparison's sampling row (the reports sampled at 0.8-0.85 with top-k 50)
-    decoding_temperature: float = 0.8
-    decoding_top_k: int | None = 50
-    smoothing: str = BleuProtocol.smoothing
-    beam_widths: list[int] = field(default_factory=lambda: [5, 10])
-    kv_new_tokens: list[int] = field(default_factory=lambda: [32, 56, 248])
-    kv_prompt_tokens: int = 8
-    kv_batch: int = 20  # prompts decoded together (the reports timed a batch of 20)
-    kv_repeats: int = 3
-    generation_table_stories: int = 5  # rows of the prompt | ground truth | temperatures table
-    embedding_micro_batches: int = 200  # steps of each frozen / fine-tuned / random-init run
-    accum_steps: list[int] = field(default_factory=lambda: [1, 2, 4, 8])
-    tradeoff_micro_batches: int = 64
-    tradeoff_repeats: int = 2  # each accumulation / checkpointing run, in alternated rounds (median)
-    attention_texts: list[str] = field(default_factory=lambda: ["Once upon a time there was a little girl named Lily."])
-    sample_temperatures: list[float] = field(default_factory=lambda: list(SAMPLING_TEMPERATURES))
+    decoding: GenerationConfig = option(factory=lambda: GenerationConfig(temperature=0.8, top_k=50))
+    smoothing: Literal["method1", "exp", "none"] = BleuProtocol.smoothing
+    beam_widths: list[int] = option([5, 10], ge=1)
+    kv_new_tokens: list[int] = option([32, 56, 248], ge=1)
+    kv_prompt_tokens: int = option(8, ge=1)
+    kv_batch: int = option(20, "prompts decoded together (the reports timed a batch of 20)", ge=1)
+    kv_repeats: int = option(3, ge=1)
+    generation_table_stories: int = option(5, "rows of the prompt | ground truth | temperatures table", ge=1)
+    embedding_micro_batches: int = option(200, "steps of each frozen / fine-tuned / random-init run", ge=1)
+    accum_steps: list[int] = option([1, 2, 4, 8], ge=1)
+    tradeoff_micro_batches: int = option(64, ge=1)
+    tradeoff_repeats: int = option(2, "each accumulation / checkpointing run, in alternated rounds (median)", ge=0)
+    attention_texts: list[str] = option(["Once upon a time there was a little girl named Lily."])
+    sample_temperatures: list[float] = option(list(SAMPLING_TEMPERATURES), ge=0)
     seed: int = 0
     # torch threads: token-by-token decoding is many small ops, which collapse under contention
     # with 2 threads on a shared CPU (measured: 13-32 vs ~490 tokens/s); training uses train.threads
-    decode_threads: int = 1
-    train_threads: int | None = None  # None: train.threads, else 2
+    decode_threads: int = option(1, ge=1)
+    train_threads: int | None = option(None, "None: train.threads, else 2", ge=1)
+
+    def validate(self) -> None:
+        bad = [k for k in self.accum_steps if self.tradeoff_micro_batches % k]
+        if bad:
+            raise TinyLMError(f"tradeoff_micro_batches={self.tradeoff_micro_batches} is not a multiple of "
+                              f"accumulation steps {bad}; every trade-off run must see the same micro-batches")
+
+
+# the experiments keys before the decoding section -> their place in it
+EXPERIMENTS_FLAT_KEYS = {"decoding_temperature": "decoding.temperature", "decoding_top_k": "decoding.top_k"}
 
 
 def load_experiment_config(path: str | Path | None, overrides: list[str] | None = None,
                            quick: bool = False) -> tuple[RunConfig, ExperimentsConfig]:
-    """The run config and the experiments section; ``quick`` merges the file's ``quick`` section.
-    Command-line overrides (``data.train=PATH``, ``experiments.bleu_samples=10``) come last."""
+    """The run config and the experiments section, both checked whole; ``quick`` merges the file's
+    ``quick`` section. Command-line overrides (``data.train=PATH``, ``experiments.bleu_samples=10``) come last."""
     raw = read_config(path, quick) if path else {}
-    exp_raw = raw.pop("experiments", None) or {}
     ov = parse_overrides(overrides or [])
-    exp_ov = ov.pop("experiments", {})
-    cfg, exp = RunConfig(), ExperimentsConfig()
-    apply_updates(cfg, raw)
-    apply_updates(cfg, ov)
-    for section in (exp_raw, exp_ov):
+    sections = [raw.pop("experiments", None) or {}, ov.pop("experiments", {})]
+    cfg, exp = config_from_dict(merge_dicts(raw, ov)), ExperimentsConfig()
+    for section in sections:
         if not isinstance(section, dict):
             raise TinyLMError("the experiments section must be a mapping of keys")
-        apply_updates(exp, section, prefix="experiments.")
-    if any(k < 1 for k in exp.accum_steps):
-        raise TinyLMError(f"experiments.accum_steps must all be >= 1 (got {exp.accum_steps})")
-    bad = [k for k in exp.accum_steps if exp.tradeoff_micro_batches % k]
-    if bad:
-        raise TinyLMError(f"experiments.tradeoff_micro_batches={exp.tradeoff_micro_batches} is not a multiple of "
-                          f"accumulation steps {bad}; every trade-off run must see the same micro-batches")
-    return cfg, exp
+        apply_updates(exp, nest_flat_keys(section, EXPERIMENTS_FLAT_KEYS), prefix="experiments.")
+    return cfg, check_config(exp, "experiments.")
 
 
-# ------------------------------------------------------------------------------------- context
+# --------------------------------------------------------------------------------------- study
 @dataclass
-class Context:
+class Study:
+    """One run of the assignment: its settings, its directory, and what several parts load."""
+
     cfg: RunConfig
     exp: ExperimentsConfig
     run_dir: Path
     quick: bool
-    _model: tuple | None = None
-    _prepared: object = None
-    _valid_texts: list[str] | None = None
 
     @property
     def threads(self) -> int:
         """Threads for the training runs."""
         return self.exp.train_threads or self.cfg.train.threads or 2
 
-    @property
-    def decode_threads(self) -> int:
-        return self.exp.decode_threads
-
-    def model(self):
+    @cached_property
+    def model(self) -> tuple:
         """(model, tokenizer) of the baseline's best checkpoint, on CPU, in eval mode."""
-        if self._model is None:
-            model, tokenizer, _ = load_checkpoint(self.run_dir / "checkpoints" / "best")
-            self._model = (model, tokenizer)
-        return self._model
+        return load_checkpoint(self.run_dir / "checkpoints" / "best")[:2]
 
-    def prepared(self):
-        if self._prepared is None:
-            self._prepared = prepare(self.cfg, self.run_dir)
-        return self._prepared
+    @cached_property
+    def prepared(self) -> Prepared:
+        return prepare(self.cfg, self.run_dir)
 
+    @cached_property
     def valid_texts(self) -> list[str]:
         """The validation stories, cleaned exactly as the prepared split was."""
-        if self._valid_texts is None:
-            self._valid_texts = self.texts("valid")
-        return self._valid_texts
+        return self.texts("valid")
 
     def texts(self, split: str) -> list[str]:
         """The stories of a split, cleaned exactly as the prepared split was."""
@@ -160,10 +153,10 @@ class Context:
 
 
 # ----------------------------------------------------------------------------------------- parts
-def part_baseline(ctx: Context) -> dict:
-    (ctx.run_dir / "eval.json").unlink(missing_ok=True)  # a failed training run must not leave the old one
-    summary = run_pipeline(ctx.cfg, ctx.run_dir)
-    model, _ = ctx.model()
+def part_baseline(study: Study) -> dict:
+    (study.run_dir / "eval.json").unlink(missing_ok=True)  # a failed training run must not leave the old one
+    summary = run_pipeline(study.cfg, study.run_dir)
+    model, _ = study.model
     return {"summary": summary, "parameters_total": model.num_parameters(),
             "parameters_trainable": model.num_parameters(trainable_only=True)}
 
@@ -173,84 +166,83 @@ def _protocol(exp: ExperimentsConfig):
                         exp.bleu_selection)
 
 
-def part_bleu(ctx: Context) -> dict:
-    torch.set_num_threads(ctx.decode_threads)
-    model, tok = ctx.model()
-    settings = [Decoding(f"T{t:g}", temperature=t, top_k=ctx.exp.top_k) for t in ctx.exp.temperatures]
-    out = run_bleu(model, tok, ctx.valid_texts(), _protocol(ctx.exp), settings, csv_dir=ctx.run_dir)
-    out["threads"] = ctx.decode_threads
-    return out
+def part_bleu(study: Study) -> dict:
+    torch.set_num_threads(study.exp.decode_threads)
+    model, tok = study.model
+    settings = [Decoding(f"T{t:g}", temperature=t, top_k=study.exp.top_k) for t in study.exp.temperatures]
+    return {**run_bleu(model, tok, study.valid_texts, _protocol(study.exp), settings, csv_dir=study.run_dir),
+            "threads": study.exp.decode_threads}
 
 
-def part_decoding(ctx: Context) -> dict:
-    torch.set_num_threads(ctx.decode_threads)
-    model, tok = ctx.model()
-    sampling = Decoding(f"sample_T{ctx.exp.decoding_temperature:g}" + (f"_k{ctx.exp.decoding_top_k}"
-                                                                       if ctx.exp.decoding_top_k else ""),
-                        temperature=ctx.exp.decoding_temperature, top_k=ctx.exp.decoding_top_k)
+def part_decoding(study: Study) -> dict:
+    torch.set_num_threads(study.exp.decode_threads)
+    model, tok = study.model
+    knobs = study.exp.decoding
+    sampling = Decoding(f"sample_T{knobs.temperature:g}" + (f"_k{knobs.top_k}" if knobs.top_k else ""),
+                        temperature=knobs.temperature, top_k=knobs.top_k)
     settings = [sampling, Decoding("greedy", temperature=0.0)]
-    settings += [Decoding(f"beam{k}", beam_width=k) for k in ctx.exp.beam_widths]
-    out = run_bleu(model, tok, ctx.valid_texts(), _protocol(ctx.exp), settings, csv_dir=ctx.run_dir / "decoding")
+    settings += [Decoding(f"beam{k}", beam_width=k) for k in study.exp.beam_widths]
+    out = run_bleu(model, tok, study.valid_texts, _protocol(study.exp), settings, csv_dir=study.run_dir / "decoding")
     base = out["settings"][0].get("tokens_per_s")
     for row in out["settings"]:
         if base and "tokens_per_s" in row:
             row["speed_vs_sampling"] = row["tokens_per_s"] / base
-    out["threads"] = ctx.decode_threads
-    out["png"] = figures.decoding_chart(out["settings"], ctx.run_dir / "decoding.png").name
+    out["threads"] = study.exp.decode_threads
+    out["png"] = figures.decoding_chart(out["settings"], study.run_dir / "decoding.png").name
     return out
 
 
-def part_generations(ctx: Context) -> dict:
-    torch.set_num_threads(ctx.decode_threads)
-    model, tok = ctx.model()
-    s = ctx.cfg.sample
+def part_generations(study: Study) -> dict:
+    torch.set_num_threads(study.exp.decode_threads)
+    model, tok = study.model
+    s = study.cfg.sample
     rows = []
-    for t in ctx.exp.sample_temperatures:
+    for t in study.exp.sample_temperatures:
         cfg = GenerationConfig(max_new_tokens=s.max_new_tokens, temperature=t, top_k=s.top_k, top_p=s.top_p,
-                               seed=ctx.exp.seed, stop_ids=tok.stop_ids)
+                               seed=study.exp.seed, stop_ids=tok.stop_ids)
         for c in complete(model, tok, s.prompts, cfg):
             new = c.results[0].tokens
             rows.append({"temperature": t, "prompt": c.prompt, "prompt_as_tokenized": tok.decode(c.prompt_ids),
                          "continuation": tok.decode(new), "text": tok.decode([*c.prompt_ids, *new]),
                          "new_tokens": len(new)})
     return {"top_k": s.top_k, "top_p": s.top_p, "max_new_tokens": s.max_new_tokens, "samples": rows,
-            "table": _ground_truth_table(ctx, model, tok)}
+            "table": _ground_truth_table(study, model, tok)}
 
 
-def _ground_truth_table(ctx: Context, model, tok) -> dict:
+def _ground_truth_table(study: Study, model, tok) -> dict:
     """Validation stories drawn as for BLEU: their first tokens, the real rest, and one continuation
     per temperature of the same length (at most sample.max_new_tokens)."""
-    protocol = dataclasses.replace(_protocol(ctx.exp), n_samples=ctx.exp.generation_table_stories,
-                                   max_continuation=ctx.cfg.sample.max_new_tokens)
-    chosen = select_samples(tok, ctx.valid_texts(), protocol, model.config.context_length).samples
+    protocol = dataclasses.replace(_protocol(study.exp), n_samples=study.exp.generation_table_stories,
+                                   max_continuation=study.cfg.sample.max_new_tokens)
+    chosen = select_samples(tok, study.valid_texts, protocol, model.config.context_length).samples
     rows = []
     for k, smp in enumerate(chosen):
         row = {"story": smp.index, "prompt": tok.decode(smp.prompt_ids), "ground_truth": tok.decode(smp.reference_ids)}
-        for t in ctx.exp.sample_temperatures:
-            new = generate(model, [tok.bos_id, *smp.prompt_ids], len(smp.reference_ids), t, ctx.cfg.sample.top_k,
-                           ctx.cfg.sample.top_p, seed=ctx.exp.seed + k, stop_ids=tok.stop_ids)
+        for t in study.exp.sample_temperatures:
+            new = generate(model, [tok.bos_id, *smp.prompt_ids], len(smp.reference_ids), t, study.cfg.sample.top_k,
+                           study.cfg.sample.top_p, seed=study.exp.seed + k, stop_ids=tok.stop_ids)
             row[f"T={t:g}"] = tok.decode(new)
         rows.append(row)
-    return {"temperatures": [f"T={t:g}" for t in ctx.exp.sample_temperatures], "top_k": ctx.cfg.sample.top_k,
+    return {"temperatures": [f"T={t:g}" for t in study.exp.sample_temperatures], "top_k": study.cfg.sample.top_k,
             "rows": rows}
 
 
-def part_kv_cache(ctx: Context) -> dict:
+def part_kv_cache(study: Study) -> dict:
     """A batch of prompts decoded with and without the cache, greedy and top-k sampling (seeded
     per row), alternated (A B A B), medians; the memory the cache takes."""
-    torch.set_num_threads(ctx.decode_threads)
-    model, tok = ctx.model()
-    exp = ctx.exp
+    torch.set_num_threads(study.exp.decode_threads)
+    model, tok = study.model
+    exp = study.exp
     P, B = exp.kv_prompt_tokens, exp.kv_batch
-    stories = [ids for ids in (tok.encode(t) for t in ctx.valid_texts()) if len(ids) >= P][:B]
+    stories = [ids for ids in (tok.encode(t) for t in study.valid_texts) if len(ids) >= P][:B]
     if len(stories) < B:
         raise TinyLMError(f"only {len(stories)} validation stories have the {P} tokens of a KV-cache prompt; "
                           f"experiments.kv_batch={B} asks for more")
     prompts = [[tok.bos_id, *ids[:P]] for ids in stories]
-    ctx_len = model.config.context_length
+    context_length = model.config.context_length
     decodings = [("greedy", {"temperature": 0.0}),
-                 (f"top-k {exp.decoding_top_k}, T={exp.decoding_temperature:g}",
-                  {"temperature": exp.decoding_temperature, "top_k": exp.decoding_top_k})]
+                 (f"top-k {exp.decoding.top_k}, T={exp.decoding.temperature:g}",
+                  {"temperature": exp.decoding.temperature, "top_k": exp.decoding.top_k})]
     generate_many(model, prompts, GenerationConfig(max_new_tokens=4, temperature=0.0))  # warm-up
     rows = []
     for name, knobs in decodings:
@@ -265,26 +257,26 @@ def part_kv_cache(ctx: Context) -> dict:
                     times[use_cache].append(time.perf_counter() - t0)
             med = {k: statistics.median(v) for k, v in times.items()}
             new_tokens = sum(len(t) for t in outs[True])
-            slots = min(ctx_len, len(prompts[0]) + n)
+            slots = min(context_length, len(prompts[0]) + n)
             rows.append({"decoding": name, "batch": B, "prompt_tokens": len(prompts[0]), "new_tokens": n,
-                         "total_tokens": len(prompts[0]) + n, "beyond_context": len(prompts[0]) + n > ctx_len,
+                         "total_tokens": len(prompts[0]) + n, "beyond_context": len(prompts[0]) + n > context_length,
                          "cache_bytes": model.new_kv_cache(B, slots).nbytes, "cache_slots": slots,
                          "cache_tokens_per_s": new_tokens / med[True], "nocache_tokens_per_s": new_tokens / med[False],
                          "speedup": med[False] / med[True], "same_tokens": outs[True] == outs[False],
                          "cache_seconds": times[True], "nocache_seconds": times[False]})
             log.info(f"kv_cache: {name}, {B} x {n} new tokens: {rows[-1]['cache_tokens_per_s']:.0f} vs "
                      f"{rows[-1]['nocache_tokens_per_s']:.0f} tokens/s ({rows[-1]['speedup']:.2f}x)")
-    return {"threads": ctx.decode_threads, "repeats": exp.kv_repeats, "context_length": ctx_len, "batch": B,
+    return {"threads": exp.decode_threads, "repeats": exp.kv_repeats, "context_length": context_length, "batch": B,
             "rows": rows}
 
 
-def part_tokenizers(ctx: Context) -> dict:
+def part_tokenizers(study: Study) -> dict:
     """The word vocabulary with <unk> for the words it lacks against the same vocabulary with BPE
     pieces for them (the fourth report's scheme): <unk> rate and tokens per word on validation."""
-    tc = ctx.cfg.tokenizer
+    tc = study.cfg.tokenizer
     if tc.type != "word":
         return {"missing": f"the comparison is of word-level tokenizers; this run's tokenizer is {tc.type}"}
-    train, valid = ctx.texts("train"), ctx.valid_texts()
+    train, valid = study.texts("train"), study.valid_texts
     rows = []
     for oov in ("unk", "bpe"):
         t0 = time.perf_counter()
@@ -300,11 +292,11 @@ def part_tokenizers(ctx: Context) -> dict:
     return {"rows": rows, "stories": len(valid), "oov_merges": tc.oov_merges, "configured": tc.oov}
 
 
-def part_attention(ctx: Context) -> dict:
-    model, tok = ctx.model()
-    out_dir = ctx.run_dir / "attention"
+def part_attention(study: Study) -> dict:
+    model, tok = study.model
+    out_dir = study.run_dir / "attention"
     rows = []
-    for i, text in enumerate(ctx.exp.attention_texts):
+    for i, text in enumerate(study.exp.attention_texts):
         try:
             maps = attention_maps(model, tok, text)
         except TinyLMError as exc:
@@ -315,15 +307,14 @@ def part_attention(ctx: Context) -> dict:
         row_sum_err = max(float(abs(w.sum(-1) - 1).max()) for w in maps.weights)
         above = max(float(np.abs(np.triu(w, k=1)).max()) for w in maps.weights)
         rows.append({"text": text, "tokens": maps.tokens, "layers": maps.n_layers, "heads": maps.n_heads,
-                     "pngs": [str(p.relative_to(ctx.run_dir)) for p in pngs],
-                     "html": str(page.relative_to(ctx.run_dir)),
+                     "pngs": [str(p.relative_to(study.run_dir)) for p in pngs],
+                     "html": str(page.relative_to(study.run_dir)),
                      "max_row_sum_error": row_sum_err, "max_weight_above_diagonal": above})
     return {"texts": rows}
 
 
-def part_curves(ctx: Context) -> dict:
-    path = plot_curves(ctx.run_dir / "metrics.csv", ctx.run_dir / "curves.png", title="baseline")
-    return {"png": path.name}
+def part_curves(study: Study) -> dict:
+    return {"png": plot_curves(study.run_dir / "metrics.csv", study.run_dir / "curves.png", title="baseline").name}
 
 
 def machine_info(threads: int | None = None) -> dict:
@@ -339,25 +330,25 @@ def machine_info(threads: int | None = None) -> dict:
     return info
 
 
-def part_machine(ctx: Context) -> dict:
-    return {**machine_info(ctx.threads), "train_threads": ctx.threads, "decode_threads": ctx.decode_threads}
+def part_machine(study: Study) -> dict:
+    return {**machine_info(study.threads), "train_threads": study.threads, "decode_threads": study.exp.decode_threads}
 
 
-def _tradeoffs(ctx: Context, micro_batches: int | None = None, repeats: int | None = None) -> Tradeoffs:
-    torch.set_num_threads(ctx.threads)
-    return Tradeoffs(ctx.cfg, ctx.prepared(), ctx.run_dir / "tradeoffs",
-                     micro_batches or ctx.exp.tradeoff_micro_batches, repeats or ctx.exp.tradeoff_repeats, ctx.threads)
+def _tradeoffs(study: Study, micro_batches: int | None = None, repeats: int | None = None) -> Tradeoffs:
+    torch.set_num_threads(study.threads)
+    return Tradeoffs(study.cfg, study.prepared, study.run_dir / "tradeoffs",
+                     micro_batches or study.exp.tradeoff_micro_batches, repeats or study.exp.tradeoff_repeats, study.threads)
 
 
-def part_accumulation(ctx: Context) -> dict:
-    t = _tradeoffs(ctx)
-    rows = alternated_runs(t, [Variant(f"accum_{k}", accum=k) for k in ctx.exp.accum_steps])
-    png = figures.accumulation_curves(rows, t.out_dir, ctx.run_dir / "accumulation.png")
-    return {"threads": ctx.threads, "repeats": ctx.exp.tradeoff_repeats, "rows": rows, "png": png.name}
+def part_accumulation(study: Study) -> dict:
+    tradeoffs = _tradeoffs(study)
+    rows = alternated_runs(tradeoffs, [Variant(f"accum_{k}", accum=k) for k in study.exp.accum_steps])
+    png = figures.accumulation_curves(rows, tradeoffs.out_dir, study.run_dir / "accumulation.png")
+    return {"threads": study.threads, "repeats": study.exp.tradeoff_repeats, "rows": rows, "png": png.name}
 
 
-def part_checkpointing(ctx: Context) -> dict:
-    rows = alternated_runs(_tradeoffs(ctx), [Variant("plain"),
+def part_checkpointing(study: Study) -> dict:
+    rows = alternated_runs(_tradeoffs(study), [Variant("plain"),
                                              Variant("ckpt_tinylm", "tinylm checkpointing", checkpointing="tinylm"),
                                              Variant("ckpt_torch", "torch.utils.checkpoint", checkpointing="torch")])
     plain = rows[0]
@@ -365,36 +356,36 @@ def part_checkpointing(ctx: Context) -> dict:
         row["time_ratio"] = row["seconds"] / plain["seconds"]
         if row["peak_activation_bytes"] and plain["peak_activation_bytes"]:
             row["memory_ratio"] = row["peak_activation_bytes"] / plain["peak_activation_bytes"]
-    png = figures.checkpointing_bars(rows, ctx.run_dir / "checkpointing.png")
-    return {"threads": ctx.threads, "repeats": ctx.exp.tradeoff_repeats, "rows": rows, "png": png.name}
+    png = figures.checkpointing_bars(rows, study.run_dir / "checkpointing.png")
+    return {"threads": study.threads, "repeats": study.exp.tradeoff_repeats, "rows": rows, "png": png.name}
 
 
-def part_embedding_init(ctx: Context) -> dict:
+def part_embedding_init(study: Study) -> dict:
     """Pretrained (or corpus-trained) FastText rows, frozen or fine-tuned, against a random
     initialisation, at an equal number of steps."""
-    emb = ctx.cfg.embeddings
+    emb = study.cfg.embeddings
     kind = emb.kind if emb.kind != "none" else "train"
     source = {"kind": kind, "path": emb.path}
     variants = [Variant("fasttext_finetuned", "FastText fine-tuned", embeddings={**source, "freeze": False}),
                 Variant("random_init", "random init", embeddings={"kind": "none", "freeze": False})]
     notes = []
-    if ctx.cfg.model.tie_weights:
+    if study.cfg.model.tie_weights:
         notes.append("frozen FastText is left out: model.tie_weights=true would freeze the output layer too "
                      "(set model.tie_weights=false to compare it)")
     else:
         variants.insert(0, Variant("fasttext_frozen", "FastText frozen", embeddings={**source, "freeze": True}))
-    t = _tradeoffs(ctx, ctx.exp.embedding_micro_batches, repeats=1)
-    rows = alternated_runs(t, variants)
+    tradeoffs = _tradeoffs(study, study.exp.embedding_micro_batches, repeats=1)
+    rows = alternated_runs(tradeoffs, variants)
     for row in rows:
-        report = read_json(t.out_dir / row["run_dir"] / "embeddings.json")
+        report = read_json(tradeoffs.out_dir / row["run_dir"] / "embeddings.json")
         row["coverage"] = report.get("coverage") if isinstance(report, dict) else None
         row["vectors"] = report.get("source") if isinstance(report, dict) else None
-    png = figures.embedding_curves(rows, t.out_dir, ctx.run_dir / "embedding_init.png")
-    return {"threads": ctx.threads, "rows": rows, "notes": notes, "png": png.name,
-            "steps": ctx.exp.embedding_micro_batches}
+    png = figures.embedding_curves(rows, tradeoffs.out_dir, study.run_dir / "embedding_init.png")
+    return {"threads": study.threads, "rows": rows, "notes": notes, "png": png.name,
+            "steps": study.exp.embedding_micro_batches}
 
 
-PARTS: dict[str, Callable[[Context], dict]] = {
+PARTS: dict[str, Callable[[Study], dict]] = {
     "baseline": part_baseline, "bleu": part_bleu, "decoding": part_decoding, "generations": part_generations,
     "kv_cache": part_kv_cache, "accumulation": part_accumulation, "checkpointing": part_checkpointing,
     "embedding_init": part_embedding_init, "tokenizers": part_tokenizers, "attention": part_attention,
@@ -402,18 +393,38 @@ PARTS: dict[str, Callable[[Context], dict]] = {
 }
 
 
-def _hash(obj) -> str:
-    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-
-def part_key(ctx: Context, name: str, baseline_stamp: str | None, finished: dict | None = None) -> str:
-    payload = {"part": name, "run": ctx.cfg.to_dict(), "quick": ctx.quick}
+def part_key(study: Study, name: str, baseline_stamp: str | None, finished: dict | None = None) -> str:
+    payload = {"part": name, "run": study.cfg.to_dict(), "quick": study.quick}
     if name != "baseline":
-        payload["experiments"] = dataclasses.asdict(ctx.exp)
+        payload["experiments"] = dataclasses.asdict(study.exp)
         payload["baseline"] = baseline_stamp
     if name == "machine":
         payload["finished"] = finished  # re-described whenever any other part ran again
-    return _hash(payload)
+    return stage_key(payload)
+
+
+def _run_part(study: Study, name: str, stage: Stage) -> tuple[dict, str]:
+    """(the part's result, its status): reused when its file holds the same key, else computed and
+    saved; a TinyLMError of any part but the baseline is saved as the part's error, run again next time."""
+    result = stage.fresh()
+    if result is not None:
+        log.info(f"experiments: {name}: cached ({name}.json)")
+        return result, "cached"
+    log.info(f"experiments: {name} ...")
+
+    def compute() -> dict:
+        try:
+            result = PARTS[name](study)
+        except TinyLMError as exc:
+            if name == "baseline":
+                raise
+            log.info(f"experiments: {name}: {exc}")
+            result = {"error": str(exc)}
+        return {**result, "finished_utc": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")}
+    result = stage.compute(compute)
+    if result.get("error"):
+        return result, f"failed: {result['error']}"
+    return result, ("missing: " + result["missing"] if result.get("missing") else "done")
 
 
 def run_experiments(cfg: RunConfig, exp: ExperimentsConfig, run_dir: str | Path, quick: bool = False,
@@ -424,40 +435,22 @@ def run_experiments(cfg: RunConfig, exp: ExperimentsConfig, run_dir: str | Path,
     unknown = [p for p in (only or []) if p not in PARTS]
     if unknown:
         raise TinyLMError(f"unknown experiment part(s) {', '.join(unknown)}; parts are {', '.join(PARTS)}")
-    ctx = Context(cfg, exp, run_dir, quick)
+    study = Study(cfg, exp, run_dir, quick)
     t_start = time.perf_counter()
-    manifest = {"quick": quick, "command": command, "parts": {},
-                "experiments": dataclasses.asdict(exp)}
+    manifest = {"quick": quick, "command": command, "parts": {}, "experiments": dataclasses.asdict(exp)}
     stamp, finished = None, {}
-    for name, fn in PARTS.items():
-        key = part_key(ctx, name, stamp, finished)
-        cached = read_json(run_dir / f"{name}.json")
-        cached = cached if isinstance(cached, dict) else None  # a damaged part file is run again
+    for name in PARTS:
+        stage = Stage(run_dir / f"{name}.json", part_key(study, name, stamp, finished))
         if only and name not in only and name != "baseline":
-            manifest["parts"][name] = "not requested" if not cached else ("done" if cached.get("key") == key else "stale")
+            saved = stage.saved()
+            manifest["parts"][name] = "not requested" if not saved else ("done" if saved.get("key") == stage.key
+                                                                          else "stale")
+            finished[name] = (saved or {}).get("finished_utc")
             continue
-        if cached and cached.get("key") == key and not cached.get("error"):
-            log.info(f"experiments: {name}: cached ({name}.json)")
-            manifest["parts"][name] = "cached"
-        else:
-            log.info(f"experiments: {name} ...")
-            t0 = time.perf_counter()
-            try:
-                result = fn(ctx)
-                status = "missing: " + result["missing"] if result.get("missing") else "done"
-            except TinyLMError as exc:
-                if name == "baseline":
-                    raise
-                result, status = {"error": str(exc)}, f"failed: {exc}"
-                log.info(f"experiments: {name}: {exc}")
-            result.update(key=key, seconds=round(time.perf_counter() - t0, 2),
-                          finished_utc=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"))
-            (run_dir / f"{name}.json").write_text(json.dumps(result, indent=2, ensure_ascii=False, default=float))
-            manifest["parts"][name] = status
-            cached = result
+        result, manifest["parts"][name] = _run_part(study, name, stage)
         if name == "baseline":
-            stamp = f"{cached.get('key')}@{cached.get('finished_utc')}"
-        finished[name] = (cached or {}).get("finished_utc")
+            stamp = f"{stage.key}@{result.get('finished_utc')}"
+        finished[name] = result.get("finished_utc")
     manifest["seconds"] = round(time.perf_counter() - t_start, 2)
     (run_dir / "experiments.json").write_text(json.dumps(manifest, indent=2))
 

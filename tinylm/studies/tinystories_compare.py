@@ -8,22 +8,22 @@ numbers in many forms ("38 min/epoch", "3.48x"), and they are shown as printed.
 
 from __future__ import annotations
 
+from functools import partial
 from importlib import resources
 
 import yaml
+
+from tinylm.evaluation.report import format_number
 
 REPORTS_FILE = "studies/data/tinystories_reports.yaml"
 
 
 def published() -> list[dict]:
     """The reports' entries (title, hardware, bleu, kv_cache, ...), in file order."""
-    text = (resources.files("tinylm") / REPORTS_FILE).read_text(encoding="utf-8")
-    return yaml.safe_load(text)["reports"]
+    return yaml.safe_load((resources.files("tinylm") / REPORTS_FILE).read_text(encoding="utf-8"))["reports"]
 
 
-def _num(v) -> str:
-    """A published value as printed ("-" where the report gives none)."""
-    return "-" if v is None else str(v)
+_num = partial(format_number, digits=None, missing="-")  # a published value as printed ("-": not given)
 
 
 def _join(parts) -> str:
@@ -73,8 +73,7 @@ def _ours(parts: dict) -> dict[str, str]:
     valid = (ev.get("eval") or {}).get("valid") or {}
     hardware = (f"{machine.get('cpu')}, {machine.get('train_threads')} torch threads"
                 + (f", {machine['cuda']}" if machine.get("cuda") else ", no GPU")) if machine else "-"
-    minutes = ev.get("train_seconds", 0) / 60
-    train_time = f"{minutes:.1f} min, {ev.get('steps')} steps" if ev else "-"
+    train_time = f"{ev.get('train_seconds', 0) / 60:.1f} min, {ev.get('steps')} steps" if ev else "-"
     bleu = parts.get("bleu") or {}
     bleu_cell = _join(f"{s['name']}: {s['bleu1']:.3f} / {s['bleu2']:.3f} / {s['bleu3']:.3f} / {s['bleu4']:.3f}"
                       for s in bleu.get("settings", []) if "bleu4" in s)

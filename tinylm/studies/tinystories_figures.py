@@ -36,10 +36,8 @@ def accumulation_curves(rows: list[dict], runs_dir: Path, path: str | Path) -> P
         metrics = [m for m in read_metrics(runs_dir / row["run_dir"] / "metrics.csv") if m.get("train_loss") is not None]
         label = f"accumulation {row['accum_steps']} (batch {row['effective_batch']})"
         marker = "o-" if len(metrics) < 30 else "-"  # a run of few updates still shows its points
-        ax_tokens.plot([m["tokens"] for m in metrics], [m["train_loss"] for m in metrics], marker, label=label,
-                       markersize=3)
-        ax_steps.plot([m["step"] for m in metrics], [m["train_loss"] for m in metrics], marker, label=label,
-                      markersize=3)
+        for ax, x in ((ax_tokens, "tokens"), (ax_steps, "step")):
+            ax.plot([m[x] for m in metrics], [m["train_loss"] for m in metrics], marker, label=label, markersize=3)
     ax_tokens.set(xlabel="tokens seen", ylabel="training loss (nats / token)", title="against tokens seen")
     ax_steps.set(xlabel="optimizer updates", ylabel="training loss (nats / token)", title="against updates")
     for ax in (ax_tokens, ax_steps):
@@ -57,17 +55,16 @@ def checkpointing_bars(rows: list[dict], path: str | Path) -> Path:
     fig, axes = plt.subplots(1, 3 if cuda else 2, figsize=(13 if cuda else 9, 3.8))
     names = [(r.get("label") or r["name"]).replace(" ", "\n") for r in rows]
     colors = ["tab:gray", "tab:blue", "tab:green", "tab:orange"][: len(rows)]
-    bars = axes[0].bar(names, [r["peak_activation_bytes"] / MIB for r in rows], color=colors)
-    _bar_labels(axes[0], bars, "{:.3g}")
-    axes[0].set(ylabel="MiB", title="activations saved for backward (one micro-batch)")
-    bars = axes[1].bar(names, [r["seconds"] for r in rows], color=colors)
-    _bar_labels(axes[1], bars, "{:.3g}")
-    axes[1].set(ylabel="seconds", title=f"training time, {rows[0]['micro_batches']} micro-batches")
+    panels = [([r["peak_activation_bytes"] / MIB for r in rows], "{:.3g}", "MiB",
+               "activations saved for backward (one micro-batch)"),
+              ([r["seconds"] for r in rows], "{:.3g}", "seconds",
+               f"training time, {rows[0]['micro_batches']} micro-batches")]
     if cuda:
-        bars = axes[2].bar(names, [r["cuda_peak_bytes"] / MIB for r in rows], color=colors)
-        _bar_labels(axes[2], bars, "{:.0f}")
-        axes[2].set(ylabel="MiB", title="CUDA peak memory (max_memory_allocated)")
-    for ax in axes:
+        panels.append(([r["cuda_peak_bytes"] / MIB for r in rows], "{:.0f}", "MiB",
+                       "CUDA peak memory (max_memory_allocated)"))
+    for ax, (values, fmt, ylabel, title) in zip(axes, panels):
+        _bar_labels(ax, ax.bar(names, values, color=colors), fmt)
+        ax.set(ylabel=ylabel, title=title)
         ax.tick_params(axis="x", labelsize=8)
         ax.grid(alpha=0.3, axis="y")
     fig.suptitle("Gradient checkpointing: memory against time")
@@ -88,8 +85,7 @@ def decoding_chart(settings: list[dict], path: str | Path) -> Path:
     top = max((s["bleu1"] for s in ok), default=1.0)
     ax_bleu.set(ylabel="BLEU (0-1)", title="BLEU against the real continuations", ylim=(0, 1.3 * top or 1.0))
     ax_bleu.legend(fontsize=8, ncols=4)
-    bars = ax_speed.bar(names, [s["tokens_per_s"] for s in ok], color="tab:purple")
-    _bar_labels(ax_speed, bars, "{:.0f}")
+    _bar_labels(ax_speed, ax_speed.bar(names, [s["tokens_per_s"] for s in ok], color="tab:purple"), "{:.0f}")
     ax_speed.set(ylabel="new tokens / s", title="decoding speed (one prompt at a time)")
     for ax in (ax_bleu, ax_speed):
         ax.grid(alpha=0.3, axis="y")

@@ -29,7 +29,9 @@ def _bleu_rows(settings):
     return rows
 
 
-def _part_ok(doc: Doc, part, name: str, what: str) -> bool:
+def _start_section(doc: Doc, heading: str, part, name: str, what: str) -> bool:
+    """The section's heading; False (noting what is missing) when its part has not run or failed."""
+    doc.h(heading)
     if part is None:
         doc.lack(f"{name}.json ({what}: this part has not run)")
         return False
@@ -40,8 +42,7 @@ def _part_ok(doc: Doc, part, name: str, what: str) -> bool:
 
 
 def _section_bleu(doc: Doc, run: Path, bleu, ev):
-    doc.h("BLEU and perplexity")
-    if not _part_ok(doc, bleu, "bleu", "the BLEU protocol"):
+    if not _start_section(doc, "BLEU and perplexity", bleu, "bleu", "the BLEU protocol"):
         return
     pr = bleu["protocol"]
     drawn = ("the first ones in file order" if pr.get("selection") == "first"
@@ -88,14 +89,12 @@ def _section_generations(doc: Doc, generations, run_samples):
 
 
 def _section_decoding(doc: Doc, run: Path, dec):
-    doc.h("Decoding comparison")
-    if not _part_ok(doc, dec, "decoding", "the decoding comparison"):
+    if not _start_section(doc, "Decoding comparison", dec, "decoding", "the decoding comparison"):
         return
     doc.p(f"The same {dec['samples']} prompts; BLEU as above; tokens/s = new tokens / generation time, "
           f"torch threads: {dec.get('threads')}, one prompt at a time.")
-    rows = []
-    for s, base in zip(dec["settings"], _bleu_rows(dec["settings"])):
-        rows.append((*base, f"{s['speed_vs_sampling']:.2f}x" if "speed_vs_sampling" in s else "missing"))
+    rows = [(*base, f"{s['speed_vs_sampling']:.2f}x" if "speed_vs_sampling" in s else "missing")
+            for s, base in zip(dec["settings"], _bleu_rows(dec["settings"]))]
     doc.table(["decoding", "BLEU-1", "BLEU-2", "BLEU-3", "BLEU-4", "sacreBLEU", "tokens/s", "speed vs sampling"], rows)
     _figure(doc, run, dec, "BLEU and decoding speed of each setting")
     for s in dec["settings"]:
@@ -104,8 +103,7 @@ def _section_decoding(doc: Doc, run: Path, dec):
 
 
 def _section_kv(doc: Doc, kv):
-    doc.h("KV cache")
-    if not _part_ok(doc, kv, "kv_cache", "the KV-cache timing"):
+    if not _start_section(doc, "KV cache", kv, "kv_cache", "the KV-cache timing"):
         return
     doc.p(f"A batch of {kv.get('batch', 1)} prompts (the first tokens of validation stories) decoded together, "
           f"torch threads: {kv['threads']}, median of {kv['repeats']} alternated runs (cache, no cache, ...); "
@@ -131,8 +129,7 @@ def _each(row) -> str:
 
 
 def _section_accum(doc: Doc, run: Path, acc):
-    doc.h("Gradient accumulation")
-    if not _part_ok(doc, acc, "accumulation", "the accumulation runs"):
+    if not _start_section(doc, "Gradient accumulation", acc, "accumulation", "the accumulation runs"):
         return
     r0 = acc["rows"][0] if acc["rows"] else {}
     doc.p(f"Each run trains a fresh model on the same {r0.get('micro_batches')} micro-batches of {r0.get('micro_batch')} "
@@ -152,8 +149,7 @@ def _section_accum(doc: Doc, run: Path, acc):
 
 
 def _section_ckpt(doc: Doc, run: Path, ck):
-    doc.h("Gradient checkpointing")
-    if not _part_ok(doc, ck, "checkpointing", "the checkpointing runs"):
+    if not _start_section(doc, "Gradient checkpointing", ck, "checkpointing", "the checkpointing runs"):
         return
     if ck.get("missing"):
         doc.lack(ck["missing"])
@@ -175,8 +171,8 @@ def _section_ckpt(doc: Doc, run: Path, ck):
 
 
 def _section_embeddings(doc: Doc, run: Path, emb):
-    doc.h("Token embeddings: FastText vs random initialisation")
-    if not _part_ok(doc, emb, "embedding_init", "the embedding comparison"):
+    if not _start_section(doc, "Token embeddings: FastText vs random initialisation", emb, "embedding_init",
+                          "the embedding comparison"):
         return
     doc.p(f"Each run trains a fresh model for {emb['steps']} steps on the same batches; only the token embedding "
           "rows differ (FastText vectors kept frozen, FastText vectors fine-tuned, or the model's own random "
@@ -192,8 +188,8 @@ def _section_embeddings(doc: Doc, run: Path, emb):
 
 
 def _section_tokenizers(doc: Doc, tk):
-    doc.h("Out-of-vocabulary words: <unk> or BPE pieces")
-    if not _part_ok(doc, tk, "tokenizers", "the tokenizer comparison"):
+    if not _start_section(doc, "Out-of-vocabulary words: <unk> or BPE pieces", tk, "tokenizers",
+                          "the tokenizer comparison"):
         return
     if tk.get("missing"):
         doc.lack(tk["missing"])
@@ -214,13 +210,11 @@ def _section_reports(doc: Doc, parts: dict):
           "TinyStories, with other vocabularies and sampling settings; this run's budget is in its training-time cell. "
           "Perplexities and BLEU are comparable only in kind (a different vocabulary changes both); speed-ups and "
           "memory ratios depend on hardware and batch size, so compare ratios, not absolute rates.")
-    headers, rows = comparison_table(parts)
-    doc.table(headers, rows)
+    doc.table(*comparison_table(parts))
 
 
 def _section_attention(doc: Doc, run: Path, att):
-    doc.h("Attention maps")
-    if not _part_ok(doc, att, "attention", "the attention maps"):
+    if not _start_section(doc, "Attention maps", att, "attention", "the attention maps"):
         return
     for t in att["texts"]:
         if "missing" in t:
@@ -274,10 +268,8 @@ def build_report(run_dir: str | Path) -> Doc:
     for part, status in (manifest.get("parts") or {}).items():
         if status == "stale":  # left alone by --only although its settings changed
             doc.missing.append(f"{part}.json is stale (computed with other settings; re-run without --only)")
-    intro = None
-    if manifest.get("command"):
-        intro = (f"Produced by `{manifest['command']}`{' (quick)' if manifest.get('quick') else ''}; "
-                 "every number below is read from the files in this directory.")
+    intro = (f"Produced by `{manifest['command']}`{' (quick)' if manifest.get('quick') else ''}; every number below "
+             "is read from the files in this directory.") if manifest.get("command") else None
     return report.with_head(doc, f"tinylm experiments: {run.name}", intro)
 
 

@@ -66,10 +66,9 @@ class Variant:
     embeddings: dict = field(default_factory=dict)  # EmbeddingsConfig fields for this run
 
 
-def _tradeoff_config(ctx: Tradeoffs, v: Variant) -> RunConfig:
-    cfg = copy.deepcopy(ctx.cfg)
-    M = ctx.micro_batches
-    steps = M // v.accum
+def _tradeoff_config(tradeoffs: Tradeoffs, v: Variant) -> RunConfig:
+    cfg = copy.deepcopy(tradeoffs.cfg)
+    steps = tradeoffs.micro_batches // v.accum
     cfg.train.grad_accum_steps = v.accum
     cfg.train.max_steps = steps
     cfg.train.epochs = None
@@ -81,14 +80,14 @@ def _tradeoff_config(ctx: Tradeoffs, v: Variant) -> RunConfig:
     cfg.train.checkpoint_impl = v.checkpointing or cfg.train.checkpoint_impl
     cfg.train.early_stopping_patience = 0
     cfg.train.progress = False
-    cfg.train.threads = ctx.threads
+    cfg.train.threads = tradeoffs.threads
     apply_updates(cfg.embeddings, v.embeddings, prefix="embeddings.")
     return cfg
 
 
-def _activation_bytes(ctx: Tradeoffs, cfg: RunConfig) -> int:
+def _activation_bytes(tradeoffs: Tradeoffs, cfg: RunConfig) -> int:
     """Peak bytes autograd saves in one forward + backward of one micro-batch (tinylm.training.memory's meter)."""
-    prepared = ctx.prepared
+    prepared = tradeoffs.prepared
     torch.manual_seed(cfg.train.seed)
     model = build_model(cfg, prepared.tokenizer.vocab_size).train()
     if cfg.train.grad_checkpointing:
@@ -98,20 +97,18 @@ def _activation_bytes(ctx: Tradeoffs, cfg: RunConfig) -> int:
     return int(measure_step_activation_bytes(model, x, y)["peak_activation_bytes"])
 
 
-def _tradeoff_run(ctx: Tradeoffs, v: Variant, name: str) -> dict:
-    cfg = _tradeoff_config(ctx, v)
-    out = ctx.out_dir / name
+def _tradeoff_run(tradeoffs: Tradeoffs, v: Variant, name: str) -> dict:
+    cfg = _tradeoff_config(tradeoffs, v)
+    out = tradeoffs.out_dir / name
     out.mkdir(parents=True, exist_ok=True)
-    prepared = ctx.prepared
+    prepared = tradeoffs.prepared
     with quiet(trainer_log), cuda_peak_scope():
         result = train(cfg, prepared, out)
         cuda_peak = cuda_peak_bytes()
     split = prepared.splits["train"]
-    if cfg.data.batching == "stories":
-        per_epoch = split.n_docs / cfg.train.batch_size
-    else:
-        per_epoch = split.n_tokens / (cfg.train.batch_size * cfg.model.context_length)
-    M = ctx.micro_batches
+    per_epoch = (split.n_docs / cfg.train.batch_size if cfg.data.batching == "stories"
+                 else split.n_tokens / (cfg.train.batch_size * cfg.model.context_length))
+    M = tradeoffs.micro_batches
     # training time only: the metrics row of the last step is written before its validation and saves
     last = read_metrics(out / "metrics.csv")[-1]
     seconds, tok_s = last["elapsed_s"], last["tokens_per_s"]
@@ -127,22 +124,22 @@ def _tradeoff_run(ctx: Tradeoffs, v: Variant, name: str) -> dict:
     return row
 
 
-def _warm_up_training(ctx: Tradeoffs) -> None:
+def _warm_up_training(tradeoffs: Tradeoffs) -> None:
     """One untimed step first, so the first timed run does not pay one-time costs (allocator, kernels)."""
-    cfg = _tradeoff_config(ctx, Variant("warmup"))
+    cfg = _tradeoff_config(tradeoffs, Variant("warmup"))
     cfg.train.max_steps, cfg.train.eval_interval, cfg.train.eval_batches = 1, 1, 1
     with quiet(trainer_log):
-        train(cfg, ctx.prepared, ctx.out_dir / "warmup")
+        train(cfg, tradeoffs.prepared, tradeoffs.out_dir / "warmup")
 
 
-def alternated_runs(ctx: Tradeoffs, variants: list[Variant]) -> list[dict]:
+def alternated_runs(tradeoffs: Tradeoffs, variants: list[Variant]) -> list[dict]:
     """Train each variant ``tradeoff_repeats`` times in rounds (A B C .. A B C ..), so load from
     other jobs hits every variant alike; report medians."""
-    _warm_up_training(ctx)
+    _warm_up_training(tradeoffs)
     runs: dict[str, list[dict]] = {v.name: [] for v in variants}
-    for rep in range(max(1, ctx.repeats)):
+    for rep in range(max(1, tradeoffs.repeats)):
         for v in variants:
-            runs[v.name].append(_tradeoff_run(ctx, v, f"{v.name}_{rep}"))
+            runs[v.name].append(_tradeoff_run(tradeoffs, v, f"{v.name}_{rep}"))
     rows = []
     for v in variants:
         rs = runs[v.name]
@@ -152,6 +149,6 @@ def alternated_runs(ctx: Tradeoffs, variants: list[Variant]) -> list[dict]:
         if any(r["cuda_peak_bytes"] is not None for r in rs):
             row["cuda_peak_bytes"] = max(r["cuda_peak_bytes"] or 0 for r in rs)
         row["projected_epoch_seconds"] = row["seconds"] / row["micro_batches"] * row["micro_batches_per_epoch"]
-        row["peak_activation_bytes"] = _activation_bytes(ctx, _tradeoff_config(ctx, v))
+        row["peak_activation_bytes"] = _activation_bytes(tradeoffs, _tradeoff_config(tradeoffs, v))
         rows.append(row)
     return rows

@@ -8,13 +8,22 @@ from __future__ import annotations
 
 import json
 import os
+from collections import Counter
 from pathlib import Path
-from typing import Iterable
+from typing import Callable, Iterable
 
 from tinylm.constants import EOS_ID, PAD_ID, SOS_ID, SPECIAL_TOKENS, UNK_ID
 
 FORMAT_NAME = "tinylm-tokenizer"
 FORMAT_VERSION = 1
+
+
+def count_pieces(texts: str | Iterable[str], split: Callable[[str], Iterable[str]]) -> Counter[str]:
+    """How often ``split`` yields each piece over ``texts`` (a single string is one text)."""
+    counts: Counter[str] = Counter()
+    for text in [texts] if isinstance(texts, str) else texts:
+        counts.update(split(text))
+    return counts
 
 
 class Tokenizer:

@@ -24,15 +24,14 @@ by default special strings are ordinary text, which keeps encoding lossless on a
 
 from __future__ import annotations
 
-from collections import Counter
-from itertools import chain, repeat
+from itertools import chain, islice, repeat
 from typing import Iterable
 
 import regex
 
 from tinylm.constants import SPECIAL_TOKENS
 from tinylm.errors import TinyLMError
-from tinylm.tokenizers.base import Tokenizer
+from tinylm.tokenizers.base import Tokenizer, count_pieces
 from tinylm.tokenizers.merges import learn_merges, merge_pairs
 
 GPT2_SPLIT = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
@@ -96,15 +95,9 @@ class BPETokenizer(Tokenizer):
     def train(self, texts: Iterable[str], vocab_size: int) -> "BPETokenizer":
         """Learn ``vocab_size - 260`` merges (fewer when no pair is left to merge)."""
         if vocab_size < FIRST_MERGE_ID:
-            raise TinyLMError(
-                f"BPE vocab_size {vocab_size} is smaller than the byte alphabet plus specials "
-                f"({FIRST_MERGE_ID}); use at least {FIRST_MERGE_ID}"
-            )
-        if isinstance(texts, str):
-            texts = [texts]
-        counts: Counter[str] = Counter()
-        for t in texts:
-            counts.update(self._split.findall(t))
+            raise TinyLMError(f"BPE vocab_size {vocab_size} is smaller than the byte alphabet plus specials "
+                              f"({FIRST_MERGE_ID}); use at least {FIRST_MERGE_ID}")
+        counts = count_pieces(texts, self._split.findall)
         counts.pop("", None)
         if not counts:
             raise TinyLMError("cannot train BPE on an empty corpus")
@@ -114,10 +107,7 @@ class BPETokenizer(Tokenizer):
         self.__init__(merges, self.pattern)
         # the training pre-tokens end up merged exactly as encode would merge them (same merges in
         # the same order), so they seed the piece cache: encoding the training text starts warm
-        for piece, ids in zip(counts, words):
-            if len(self._cache) >= _CACHE_LIMIT:
-                break
-            self._cache[piece] = tuple(ids)
+        self._cache.update(islice(zip(counts, map(tuple, words)), _CACHE_LIMIT))
         return self
 
     # --------------------------------------------------------------------------------- encode
@@ -195,10 +185,7 @@ class BPETokenizer(Tokenizer):
         if ids and (min(ids) < 0 or max(ids) >= n):
             bad = next(i for i in ids if not 0 <= i < n)
             raise TinyLMError(f"token id {bad} is outside the BPE vocabulary of {n}")
-        if skip_special:
-            raw = b"".join(tb[i] for i in ids if i >= BYTE_BASE)
-        else:
-            raw = b"".join(tb[i] for i in ids)
+        raw = b"".join(tb[i] for i in ids if i >= BYTE_BASE or not skip_special)
         try:  # lone surrogates survive a round trip; anything else invalid is replaced
             return raw.decode("utf-8", "surrogatepass")
         except UnicodeDecodeError:

@@ -6,15 +6,13 @@ training, as their UTF-8 bytes), then the training characters by descending freq
 
 from __future__ import annotations
 
-from collections import Counter
 from typing import Iterable
 
 from tinylm.constants import SPECIAL_TOKENS
 from tinylm.errors import TinyLMError
-from tinylm.tokenizers.base import Tokenizer
+from tinylm.tokenizers.base import Tokenizer, count_pieces
 
-N_SPECIAL = len(SPECIAL_TOKENS)
-BYTE_BASE = N_SPECIAL  # id of byte 0
+BYTE_BASE = len(SPECIAL_TOKENS)  # id of byte 0
 
 
 class CharTokenizer(Tokenizer):
@@ -30,14 +28,12 @@ class CharTokenizer(Tokenizer):
         return BYTE_BASE + 256 + len(self.chars)
 
     def train(self, texts: Iterable[str], vocab_size: int | None = None) -> "CharTokenizer":
-        counts: Counter[str] = Counter()
-        for t in texts:
-            counts.update(t)
+        counts = count_pieces(texts, list)  # characters
         if not counts:
             raise TinyLMError("cannot train a char tokenizer on an empty corpus")
         keep = None if vocab_size is None or vocab_size <= 0 else max(vocab_size - BYTE_BASE - 256, 0)
         chars = [c for c, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))]
-        self.__init__(chars[:keep] if keep is not None else chars)
+        self.__init__(chars[:keep])
         return self
 
     def encode(self, text: str) -> list[int]:
@@ -53,8 +49,7 @@ class CharTokenizer(Tokenizer):
 
     def decode(self, ids: Iterable[int]) -> str:
         out = bytearray()
-        for i in ids:
-            i = int(i)
+        for i in map(int, ids):
             if i < BYTE_BASE:
                 continue
             if i < BYTE_BASE + 256:

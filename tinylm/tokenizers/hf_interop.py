@@ -31,14 +31,8 @@ def byte_to_unicode() -> dict[int, str]:
     """GPT-2's reversible byte -> printable character table used by HF ``ByteLevel``: printable
     Latin-1 bytes stand for themselves, the other 68 take code points 256, 257, ... in byte order."""
     keep = set(range(ord("!"), ord("~") + 1)) | set(range(ord("¡"), ord("¬") + 1)) | set(range(ord("®"), ord("ÿ") + 1))
-    table, extra = {}, 0
-    for b in range(256):
-        if b in keep:
-            table[b] = chr(b)
-        else:
-            table[b] = chr(256 + extra)
-            extra += 1
-    return table
+    others = [b for b in range(256) if b not in keep]
+    return {b: chr(b) if b in keep else chr(256 + others.index(b)) for b in range(256)}
 
 
 def _visible(raw: bytes, table: dict[int, str]) -> str:
@@ -59,10 +53,8 @@ def to_hf_tokenizer(tok: BPETokenizer):
     for i in range(BYTE_BASE, tok.vocab_size):
         text = _visible(tok.token_bytes[i], table)
         if text in vocab:
-            raise TinyLMError(
-                f"token {i} ({tok.id_to_piece(i)!r}) has the same bytes as token {vocab[text]}; "
-                "a Hugging Face vocabulary cannot hold two ids for one string"
-            )
+            raise TinyLMError(f"token {i} ({tok.id_to_piece(i)!r}) has the same bytes as token {vocab[text]}; "
+                              "a Hugging Face vocabulary cannot hold two ids for one string")
         vocab[text] = i
     merges = [(_visible(tok.token_bytes[a], table), _visible(tok.token_bytes[b], table)) for a, b in tok.merges]
     hf = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))

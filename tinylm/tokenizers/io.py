@@ -67,10 +67,8 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     if not isinstance(data, dict) or data.get("format") != FORMAT_NAME:
         raise TinyLMError(f"{path} is not a tinylm tokenizer file (no \"format\": \"{FORMAT_NAME}\")")
     if data.get("version") != FORMAT_VERSION:
-        raise TinyLMError(
-            f"tokenizer file {path} has format version {data.get('version')}; "
-            f"this tinylm reads version {FORMAT_VERSION}"
-        )
+        raise TinyLMError(f"tokenizer file {path} has format version {data.get('version')}; "
+                          f"this tinylm reads version {FORMAT_VERSION}")
     kind = data.get("type")
     if not isinstance(kind, str) or kind not in TOKENIZER_TYPES:
         raise TinyLMError(f"unknown tokenizer type {kind!r} in {path} (known: {', '.join(TOKENIZER_TYPES)})")

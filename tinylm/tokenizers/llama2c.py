@@ -94,11 +94,7 @@ class Llama2cTokenizer(Tokenizer):
         for i, p in enumerate(self._cstr):
             self._lookup.setdefault(p, i)
         self._byte_ids = [self._lookup.get(f"<0x{b:02X}>".encode(), BYTE_FALLBACK_BASE + b) for b in range(256)]
-        self._byte_of_id: dict[int, int] = {}
-        for i, p in enumerate(self._cstr):
-            m = _BYTE_PIECE.match(p)
-            if m:
-                self._byte_of_id[i] = int(m.group(1), 16)
+        self._byte_of_id = {i: int(m.group(1), 16) for i, p in enumerate(self._cstr) if (m := _BYTE_PIECE.match(p))}
         self._pair_merges = _PairMerges(self._lookup, self._cstr, self.scores)
         self._chunk_cache: dict[bytes, tuple[int, ...]] = {}
 
@@ -143,10 +139,8 @@ class Llama2cTokenizer(Tokenizer):
         return cls(pieces, scores, max_len)
 
     def to_bytes(self) -> bytes:
-        out = [struct.pack("<i", self.max_token_length)]
-        for piece, score in zip(self.pieces, self.scores):
-            out.append(struct.pack("<fi", score, len(piece)) + piece)
-        return b"".join(out)
+        pieces = (struct.pack("<fi", score, len(piece)) + piece for piece, score in zip(self.pieces, self.scores))
+        return struct.pack("<i", self.max_token_length) + b"".join(pieces)
 
     def save(self, path: str | Path) -> None:
         """Write the llama2.c binary format (not tinylm JSON), readable by run.c."""

@@ -50,11 +50,8 @@ def train_spec(spec: str, docs: list[str]):
 
 
 def collect(tokenizers: dict[str, object], splits: dict[str, list[str]]) -> list[dict]:
-    rows = []
-    for tname, tok in tokenizers.items():
-        for sname, docs in splits.items():
-            rows.append({"tokenizer": tname, "split": sname, **split_stats(tok, docs)})
-    return rows
+    return [{"tokenizer": tname, "split": sname, **split_stats(tok, docs)}
+            for tname, tok in tokenizers.items() for sname, docs in splits.items()]
 
 
 def format_table(rows: list[dict]) -> str:

@@ -18,13 +18,12 @@ spaces (no space before closing punctuation): what is lost is the original spaci
 from __future__ import annotations
 
 import re
-from collections import Counter
 from dataclasses import asdict, dataclass
 from typing import Iterable
 
 from tinylm.constants import SPECIAL_TOKENS
 from tinylm.errors import TinyLMError
-from tinylm.tokenizers.base import Tokenizer
+from tinylm.tokenizers.base import Tokenizer, count_pieces
 from tinylm.tokenizers.word_bpe import END_OF_WORD, EOW_ID, WordBPETokenizer
 
 WORD_PATTERN = r"\w+(?:'\w+)*|[^\w\s]"
@@ -134,16 +133,12 @@ class WordTokenizer(Tokenizer):
         specials and words (None or 0 for no cap), and only words seen ``min_count`` times. With
         ``oov="bpe"``, ``oov_merges`` BPE merges learned on every training word (by frequency)
         spell the words left out, after the words' ids."""
-        if isinstance(texts, str):
-            texts = [texts]
         if vocab_size is not None and 0 < vocab_size <= len(SPECIAL_TOKENS):
             raise TinyLMError(f"word vocab_size {vocab_size} leaves no room for words after the "
                               f"{len(SPECIAL_TOKENS)} special tokens")
         if min_count < 1:
             raise TinyLMError(f"word min_count must be at least 1 (got {min_count})")
-        counts: Counter[str] = Counter()
-        for t in texts:
-            counts.update(self.split(t))
+        counts = count_pieces(texts, self.split)
         if not counts:
             raise TinyLMError("cannot train a word tokenizer on an empty corpus")
         ranked = [w for w, c in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])) if c >= min_count]
@@ -203,11 +198,7 @@ class WordTokenizer(Tokenizer):
 
     def coverage(self, texts: Iterable[str]) -> Coverage:
         """Share of running words and of distinct words of ``texts`` that are in the vocabulary."""
-        if isinstance(texts, str):
-            texts = [texts]
-        counts: Counter[str] = Counter()
-        for t in texts:
-            counts.update(self.split(t))
+        counts = count_pieces(texts, self.split)
         known = self._word_to_id
         return Coverage(
             n_tokens=sum(counts.values()), n_types=len(counts),

@@ -20,14 +20,14 @@ the pieces of words, not the ``__`` after each.
 
 from __future__ import annotations
 
-from collections import Counter
+from itertools import islice
 from typing import Iterable
 
 import regex
 
 from tinylm.constants import SPECIAL_TOKENS, UNK_ID
 from tinylm.errors import TinyLMError
-from tinylm.tokenizers.base import Tokenizer
+from tinylm.tokenizers.base import Tokenizer, count_pieces
 from tinylm.tokenizers.merges import learn_merges, merge_pairs
 
 END_OF_WORD = "__"
@@ -84,11 +84,7 @@ class WordBPETokenizer(Tokenizer):
     def train(self, texts: Iterable[str], vocab_size: int = 0, merges: int | None = None) -> "WordBPETokenizer":
         """Learn ``merges`` merges (or as many as make ``vocab_size`` tokens), fewer when no pair is
         left to merge."""
-        if isinstance(texts, str):
-            texts = [texts]
-        counts: Counter[str] = Counter()
-        for t in texts:
-            counts.update(self.normalize(t).split())
+        counts = count_pieces(texts, lambda text: self.normalize(text).split())
         if not counts:
             raise TinyLMError("cannot train word_bpe on an empty corpus (nothing left after normalisation)")
         alphabet = sorted(set("".join(counts)))
@@ -101,10 +97,8 @@ class WordBPETokenizer(Tokenizer):
         words = [[char_ids[c] for c in w] for w in counts]
         learned = learn_merges(words, list(counts.values()), n_merges, first_merge)
         self.__init__(alphabet, learned, self.normalization)
-        for word, ids in zip(counts, words):  # merged as encode would merge them: a warm cache
-            if len(self._cache) >= _CACHE_LIMIT:
-                break
-            self._cache[word] = (*ids, EOW_ID)
+        # the words are merged as encode would merge them: they seed the cache
+        self._cache.update(islice(((word, (*ids, EOW_ID)) for word, ids in zip(counts, words)), _CACHE_LIMIT))
         return self
 
     def encode_word(self, word: str) -> tuple[int, ...]:

@@ -17,7 +17,7 @@ import os
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
+import torch.distributed as torch_dist
 
 from tinylm.errors import TinyLMError
 
@@ -56,21 +56,19 @@ def setup_distributed(device_name: str = "auto") -> DistContext:
         return DistContext()
     rank, local_rank = _env_int("RANK", 0), _env_int("LOCAL_RANK", 0)
     use_cuda = torch.cuda.is_available() and not device_name.startswith("cpu")
-    backend = "nccl" if use_cuda else "gloo"
-    owns = False
-    if not dist.is_initialized():
+    owns = not torch_dist.is_initialized()
+    if owns:
         if use_cuda:
             torch.cuda.set_device(local_rank)
-        dist.init_process_group(backend=backend, rank=rank, world_size=world)
-        owns = True
-    return DistContext(rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local_rank,
-                       backend=dist.get_backend(), owns_group=owns)
+        torch_dist.init_process_group(backend="nccl" if use_cuda else "gloo", rank=rank, world_size=world)
+    return DistContext(rank=torch_dist.get_rank(), world_size=torch_dist.get_world_size(), local_rank=local_rank,
+                       backend=torch_dist.get_backend(), owns_group=owns)
 
 
-def rank_device(ctx: DistContext, device: torch.device) -> torch.device:
+def rank_device(dist: DistContext, device: torch.device) -> torch.device:
     """Under DDP on GPUs each rank drives the GPU of its local rank."""
-    if ctx.enabled and device.type == "cuda":
-        return torch.device("cuda", ctx.local_rank)
+    if dist.enabled and device.type == "cuda":
+        return torch.device("cuda", dist.local_rank)
     return device
 
 
@@ -79,48 +77,47 @@ def shard_rows(micro_step: int, rank: int, world_size: int, batch_size: int) -> 
     return (micro_step * world_size + rank) * batch_size, batch_size
 
 
-def all_reduce_sum(values: list[float], ctx: DistContext, device: torch.device) -> list[float]:
+def all_reduce_sum(values: list[float], dist: DistContext, device: torch.device) -> list[float]:
     """Sum a few numbers over ranks (float64, so token counts stay exact)."""
-    if not ctx.enabled:
+    if not dist.enabled:
         return list(values)
     t = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    torch_dist.all_reduce(t, op=torch_dist.ReduceOp.SUM)
     return t.tolist()
 
 
-def gather_objects(obj, ctx: DistContext) -> list:
+def gather_objects(obj, dist: DistContext) -> list:
     """Every rank's ``obj`` (in rank order) on every rank; [obj] in one process."""
-    if not ctx.enabled:
+    if not dist.enabled:
         return [obj]
-    out = [None] * ctx.world_size
-    dist.all_gather_object(out, obj)
+    out = [None] * dist.world_size
+    torch_dist.all_gather_object(out, obj)
     return out
 
 
-def barrier(ctx: DistContext) -> None:
-    if ctx.enabled:
-        dist.barrier()
+def barrier(dist: DistContext) -> None:
+    if dist.enabled:
+        torch_dist.barrier()
 
 
-def cleanup(ctx: DistContext) -> None:
-    if ctx.owns_group and dist.is_initialized():
-        dist.destroy_process_group()
+def cleanup(dist: DistContext) -> None:
+    if dist.owns_group and torch_dist.is_initialized():
+        torch_dist.destroy_process_group()
 
 
-def wrap_ddp(model: torch.nn.Module, ctx: DistContext, device: torch.device) -> torch.nn.Module:
-    if not ctx.enabled:
+def wrap_ddp(model: torch.nn.Module, dist: DistContext, device: torch.device) -> torch.nn.Module:
+    if not dist.enabled:
         return model
     from torch.nn.parallel import DistributedDataParallel  # deferred: only multi-process runs wrap the model
 
-    device_ids = [device.index] if device.type == "cuda" else None
-    return DistributedDataParallel(model, device_ids=device_ids)
+    return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
 
 
 @contextlib.contextmanager
-def main_process_first(ctx: DistContext):
+def main_process_first(dist: DistContext):
     """Rank 0 runs the body first (e.g. writes a cache); the other ranks run it afterwards."""
-    if not ctx.is_main:
-        barrier(ctx)
+    if not dist.is_main:
+        barrier(dist)
     yield
-    if ctx.is_main:
-        barrier(ctx)
+    if dist.is_main:
+        barrier(dist)

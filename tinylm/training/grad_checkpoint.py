@@ -14,7 +14,7 @@ The block's parameters are passed to the Function as inputs and their gradients 
 backward, so they flow through the ordinary autograd graph (DistributedDataParallel's gradient
 hooks fire as usual; ``torch.autograd.grad`` works too).
 
-``make_checkpoint_fn("torch")`` gives ``torch.utils.checkpoint`` as a reference implementation.
+``enable_grad_checkpointing(model, "torch")`` uses ``torch.utils.checkpoint`` as a reference implementation.
 """
 
 from __future__ import annotations
@@ -23,8 +23,6 @@ from typing import Callable
 
 import torch
 import torch.nn as nn
-
-from tinylm.errors import TinyLMError
 
 
 def _autocast_state(device_type: str) -> tuple[bool, torch.dtype]:
@@ -78,17 +76,9 @@ def torch_checkpoint(block: nn.Module, x: torch.Tensor, rope=None, mask=None) ->
     return checkpoint(block, x, rope, mask, use_reentrant=False, preserve_rng_state=True)
 
 
-def make_checkpoint_fn(impl: str) -> Callable:
-    if impl == "tinylm":
-        return tinylm_checkpoint
-    if impl == "torch":
-        return torch_checkpoint
-    raise TinyLMError(f"train.checkpoint_impl={impl!r} is not one of tinylm, torch")
-
-
 def enable_grad_checkpointing(model: nn.Module, impl: str = "tinylm") -> None:
     """Make every transformer block of a GPT recompute its activations in backward."""
-    model.checkpoint_fn = make_checkpoint_fn(impl)
+    model.checkpoint_fn = torch_checkpoint if impl == "torch" else tinylm_checkpoint
 
 
 def compiled_tinylm_checkpoint(compile_options: dict | None = None) -> Callable:

@@ -19,8 +19,7 @@ import torch
 
 
 def _storage_key(t: torch.Tensor) -> tuple[str, int]:
-    storage = t.untyped_storage()
-    return (str(t.device), storage.data_ptr())
+    return (str(t.device), t.untyped_storage().data_ptr())
 
 
 class _Saved:
@@ -45,7 +44,6 @@ class ActivationMeter:
         self._sizes: dict[tuple[str, int], int] = {}
         self.live_bytes = 0
         self.peak_bytes = 0
-        self.total_packed_bytes = 0  # bytes of every storage ever saved (duplicates counted once per save)
         self._hooks = None
 
     @classmethod
@@ -59,11 +57,9 @@ class ActivationMeter:
         if key not in self._refs:
             nbytes = t.untyped_storage().nbytes()
             self._sizes[key] = nbytes
-            self._refs[key] = 0
             self.live_bytes += nbytes
-            self.total_packed_bytes += nbytes
             self.peak_bytes = max(self.peak_bytes, self.live_bytes)
-        self._refs[key] += 1
+        self._refs[key] = self._refs.get(key, 0) + 1
         return _Saved(t, self, key)
 
     @staticmethod
@@ -71,14 +67,12 @@ class ActivationMeter:
         return saved.tensor
 
     def _release(self, key) -> None:
-        refs = self._refs.get(key)
-        if refs is None:
+        if key not in self._refs:
             return
-        if refs > 1:
-            self._refs[key] = refs - 1
-            return
-        del self._refs[key]
-        self.live_bytes -= self._sizes.pop(key)
+        self._refs[key] -= 1
+        if not self._refs[key]:
+            del self._refs[key]
+            self.live_bytes -= self._sizes.pop(key)
 
     def __enter__(self) -> "ActivationMeter":
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)

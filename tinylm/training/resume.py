@@ -28,15 +28,8 @@ import numpy as np
 import torch
 from safetensors.torch import load_file
 
-from tinylm.config import (
-    RunConfig,
-    apply_updates,
-    build_config,
-    config_from_dict,
-    diff_configs,
-    load_config_file,
-    parse_overrides,
-)
+from tinylm.config import (RunConfig, apply_updates, build_config, config_from_dict, diff_configs, load_config_file,
+                           parse_overrides)
 from tinylm.errors import TinyLMError
 from tinylm.models.checkpoint import REQUIRED_FILES, STEP_PREFIX, checkpoint_model_config, read_checkpoint_meta
 
@@ -84,10 +77,7 @@ def _optimizer_files(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.
     tensors, scalars = {}, {}
     for idx, entry in sd["state"].items():
         for name, value in entry.items():
-            if isinstance(value, torch.Tensor):
-                tensors[f"{idx}.{name}"] = value
-            else:
-                scalars[f"{idx}.{name}"] = value
+            (tensors if isinstance(value, torch.Tensor) else scalars)[f"{idx}.{name}"] = value
     groups = [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items()} for g in sd["param_groups"]]
     return tensors, {"param_groups": groups, "scalars": scalars}
 
@@ -266,9 +256,8 @@ def check_resume_config(saved: dict, requested: dict, force: bool) -> list[str]:
     differ = [k for k in diff_configs(saved, requested) if k not in IGNORED_KEYS]
     refused = [k for k in differ if not _allowed(k)]
     if refused:
-        raise TinyLMError(
-            f"resume: the requested config differs from the checkpoint's in {', '.join(refused)}; "
-            f"these change the training itself and cannot be overridden (start a new run instead)")
+        raise TinyLMError(f"resume: the requested config differs from the checkpoint's in {', '.join(refused)}; "
+                          "these change the training itself and cannot be overridden (start a new run instead)")
     if differ and not force:
         raise TinyLMError(f"resume: the requested config differs from the checkpoint's in {', '.join(differ)}; "
                           "pass --force to resume with the new values")
@@ -284,7 +273,7 @@ def _normalise(cfg: RunConfig, saved_model: dict) -> dict:
         model = model.resolved()
     except TinyLMError:
         pass  # the diff will name the key
-    return dataclasses.asdict(dataclasses.replace(cfg, model=model))
+    return dataclasses.replace(cfg, model=model).to_dict()  # tuples as lists, as the saved YAML holds them
 
 
 def resume_run_config(resume: str | Path, config_path: str | None, overrides: list[str] | None,

@@ -68,7 +68,7 @@ function knobs() {
     top_p: numberOrNull("top_p"),
     repetition_penalty: numberOrNull("repetition_penalty"),
     no_repeat_ngram_size: numberOrNull("no_repeat_ngram_size"),
-    min_tokens: numberOrNull("min_tokens"),
+    min_new_tokens: numberOrNull("min_new_tokens"),
     seed: numberOrNull("seed"),
     beam_width: numberOrNull("beam_width"),
     length_penalty: numberOrNull("length_penalty"),
