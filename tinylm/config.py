@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import json
 import math
 import re
@@ -63,9 +64,16 @@ def check_range(key: str, value: Any, bounds: tuple | None) -> None:
             raise TinyLMError(f"{key} must be {describe_range(bounds)} (got {v!r})")
 
 
+@functools.cache
+def field_types(cls: type) -> dict[str, Any]:
+    """The resolved annotations of a config dataclass (resolving them is slow: decoding checks its
+    knobs at every call)."""
+    return typing.get_type_hints(cls)
+
+
 def check_fields(obj: Any, prefix: str = "") -> Any:
     """Each leaf field of a config dataclass checked against its type, closed choices and range."""
-    hints = typing.get_type_hints(type(obj))
+    hints = field_types(type(obj))
     for f in dataclasses.fields(obj):
         key, value = f"{prefix}{f.name}", getattr(obj, f.name)
         if not dataclasses.is_dataclass(value):
@@ -483,7 +491,7 @@ def _scalar(annotation: type, value: Any) -> Any:
 
 def apply_updates(obj: Any, updates: dict[str, Any], prefix: str = "") -> None:
     """Set a (nested) dict of values on a config dataclass, checking every key and type."""
-    hints = typing.get_type_hints(type(obj))
+    hints = field_types(type(obj))
     for key, value in updates.items():
         full = f"{prefix}{key}"
         if not isinstance(key, str) or key not in hints:

@@ -35,11 +35,11 @@ def sample_prompts(model, tokenizer, sample: SampleConfig) -> list[dict]:
 def run_pipeline(cfg: RunConfig, out_dir: str | Path, *, resume=None, force: bool = False) -> dict:
     """``resume``: a checkpoint or run directory to continue training from (``force``: allow the
     --force keys to differ). Under torchrun rank 0 prepares first, all ranks train, rank 0 evaluates."""
-    ctx = distributed.setup_distributed(cfg.train.device)
+    dist = distributed.setup_distributed(cfg.train.device)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    with distributed.main_process_first(ctx):  # the other ranks then reuse rank 0's token cache
+    with distributed.main_process_first(dist):  # the other ranks then reuse rank 0's token cache
         prepared = prepare(cfg, out_dir)
     t_prepare = time.perf_counter() - t0
     for name in ("train", "valid"):
@@ -51,8 +51,8 @@ def run_pipeline(cfg: RunConfig, out_dir: str | Path, *, resume=None, force: boo
                               f"({cfg.model.context_length + 1}); use more data, a larger data.valid_fraction, or a "
                               "smaller model.context_length")
     result = train(cfg, prepared, out_dir, resume=resume, force=force)
-    distributed.cleanup(ctx)
-    if not ctx.is_main:
+    distributed.cleanup(dist)
+    if not dist.is_main:
         return {}
     # with a weight average the averaged model is the run's result; the best raw weights are scored too
     chosen = "ema" if (result.checkpoint_dir / "ema").is_dir() else "best"

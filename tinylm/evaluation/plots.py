@@ -68,10 +68,10 @@ def attention_maps(model, tokenizer, text: str) -> AttentionMaps:
     if not ids:
         raise TinyLMError("the text for the attention map encodes to no tokens; give a non-empty --text")
     ids = ([tokenizer.bos_id] if tokenizer.bos_id is not None else []) + ids
-    ctx = model.config.context_length
-    if len(ids) > ctx:
-        raise TinyLMError(f"the text is {len(ids)} tokens with <sos>, longer than the model's context of {ctx}; "
-                          "give a shorter --text")
+    context_length = model.config.context_length
+    if len(ids) > context_length:
+        raise TinyLMError(f"the text is {len(ids)} tokens with <sos>, longer than the model's context of "
+                          f"{context_length}; give a shorter --text")
     return attention_maps_of_ids(model, tokenizer, ids, text)
 
 

@@ -56,7 +56,7 @@ def beam_search(model, prompts, cfg: GenerationConfig) -> list[list[Generated]]:
 
 
 def _beam_search(model, prompts: list[list[int]], cfg: GenerationConfig) -> list[list[Generated]]:
-    ctx = model.config.context_length
+    context_length = model.config.context_length
     device = next(model.parameters()).device
     k, B, V = cfg.beam_width, len(prompts), model.config.vocab_size
     if cfg.max_new_tokens == 0:
@@ -72,7 +72,7 @@ def _beam_search(model, prompts: list[list[int]], cfg: GenerationConfig) -> list
     # enough candidates that k of them survive even if every stop id is chosen by every beam
     n_candidates = min(max(2, 1 + len(stop_set)) * k, k * V)
 
-    max_len = cache_slots(ctx, max(len(p) for p in prompts) + cfg.max_new_tokens, cfg.compile)
+    max_len = cache_slots(context_length, max(len(p) for p in prompts) + cfg.max_new_tokens, cfg.compile)
     expand = torch.arange(B, device=device).repeat_interleave(k)
     cache = positions = None
     if cfg.use_cache:  # one prefill per prompt, then each prompt row copied to its k beams
@@ -143,9 +143,9 @@ def _beam_search(model, prompts: list[list[int]], cfg: GenerationConfig) -> list
         else:  # no cache, or a full one: the last half-context per beam is re-prefilled
             seqs = [prompts[r // k] + generated[r, : step + 1].tolist() for r in range(B * k)]
             if cfg.use_cache:
-                cache, logits, positions = prefill(model, [s[-(ctx // 2) :] for s in seqs], ctx)
+                cache, logits, positions = prefill(model, [s[-(context_length // 2) :] for s in seqs], context_length)
             else:
-                logits = full_forward(model, [s[-ctx:] for s in seqs])
+                logits = full_forward(model, [s[-context_length:] for s in seqs])
 
     return [[Generated(list(t), reason, score) for score, t, reason in state.finished[: cfg.num_return_sequences]]
             for state in states]

@@ -58,7 +58,7 @@ class TokenStream:
             yield from self._steps(self.model, self.cfg)
 
     def _steps(self, model, cfg):
-        ctx = model.config.context_length
+        context_length = model.config.context_length
         device = model_device(model)
         B = len(self.prompts)
         seqs = [list(p) for p in self.prompts]  # prompt + accepted tokens: windows for re-prefill
@@ -72,7 +72,7 @@ class TokenStream:
             generator = torch.Generator(device=device).manual_seed(cfg.seed)
         history = HistoryProcessor(cfg, self.prompts, model.config.vocab_size, device)
         history = history if history.active else None
-        max_len = cache_slots(ctx, max(len(p) for p in self.prompts) + cfg.max_new_tokens, cfg.compile)
+        max_len = cache_slots(context_length, max(len(p) for p in self.prompts) + cfg.max_new_tokens, cfg.compile)
         prepared = prepare_for_inference(model) if cfg.use_cache else None
 
         cache = positions = tokens = None
@@ -101,13 +101,13 @@ class TokenStream:
     @staticmethod
     def _step(model, prepared, cfg, step, seqs, cache, positions, tokens, max_len, history, generator):
         """One forward pass and one token per row."""
-        ctx = model.config.context_length
+        context_length = model.config.context_length
         if not cfg.use_cache:
-            logits = full_forward(model, [s[-ctx:] for s in seqs])
+            logits = full_forward(model, [s[-context_length:] for s in seqs])
         elif step == 0:
             cache, logits, positions = prefill(model, seqs, max_len)
         elif cache.length >= cache.max_len:  # full: slide the window and re-prefill
-            cache, logits, positions = prefill(model, [s[-(ctx // 2) :] for s in seqs], ctx)
+            cache, logits, positions = prefill(model, [s[-(context_length // 2) :] for s in seqs], context_length)
         else:
             logits = decode_step(prepared, cache, tokens, positions, cfg.compile)
             if positions is not None:

@@ -89,7 +89,7 @@ class Scheduler:
 
     def __init__(self, model, max_batch: int = 32, name: str = "model"):
         self.model, self.max_batch = model, max_batch
-        self.ctx = model.config.context_length
+        self.context_length = model.config.context_length
         self.inbox: queue.Queue = queue.Queue()
         self.rows: list[Row] = []  # in the order of the cache's batch dimension
         self.cache: KVCache | None = None
@@ -168,8 +168,8 @@ class Scheduler:
     # ------------------------------------------------------------------------------ one step
     @torch.inference_mode()
     def _step(self, joining: list[Row]) -> None:
-        # rows whose cache reached the context slide like TokenStream: re-prefill the last ctx // 2
-        sliding = [r for r in self.rows if r.cached >= self.ctx]
+        # rows whose cache reached the context slide like TokenStream: re-prefill the last context_length // 2
+        sliding = [r for r in self.rows if r.cached >= self.context_length]
         self._leave(sliding)
         started = []
         for r in joining:
@@ -178,14 +178,14 @@ class Scheduler:
                 started.append(r)
             except (ValueError, RuntimeError) as exc:  # e.g. a seed torch cannot take: this row only
                 r.emit(ErrorEvent(f"cannot start this generation: {exc}", "seed"))
-        fresh = [(r, list(r.prompt_ids)) for r in started] + [(r, r.seq[-(self.ctx // 2):]) for r in sliding]
+        fresh = [(r, list(r.prompt_ids)) for r in started] + [(r, r.seq[-(self.context_length // 2):]) for r in sliding]
 
         logits_old = None
         if self.rows:
             if self.cache.length >= self.cache.max_len:
                 self._compact()
             if self.cache.length >= self.cache.max_len:
-                self._resize(self.ctx)
+                self._resize(self.context_length)
             positions = torch.tensor([r.cached for r in self.rows], dtype=torch.long)
             logits_old = decode_step(self.prepared, self.cache, self.pending, positions)
             for r in self.rows:
@@ -320,7 +320,7 @@ class Scheduler:
         # slots for what the rows may still generate, not always the whole context: a batch of 32
         # rows of a 1,024-token model would hold gigabytes of cache it mostly never fills
         remaining = max(r.cfg.max_new_tokens - len(r.out) for r in self.rows + rows)
-        size = min(self.ctx, length + remaining)
+        size = min(self.context_length, length + remaining)
         cache = self.model.new_kv_cache(total, size)
         cache.length = length
         cache.key_mask = torch.ones(total, size, dtype=torch.bool)
