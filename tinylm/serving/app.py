@@ -176,7 +176,7 @@ async def on_model_thread(served: ServedModel, fn, param: str = "text"):
         return await asyncio.wrap_future(served.scheduler.submit(fn))
     except TinyLMError as exc:
         raise bad(param, str(exc)) from exc
-    except ValueError as exc:  # GenerationConfig's checks during decoding name the knob
+    except ValueError as exc:  # knobs that leave no token allowed at some step name themselves
         raise APIError(400, str(exc), None, "invalid_value") from exc
 
 
