@@ -27,8 +27,8 @@ from typing import Any, Callable, Literal
 import torch
 
 from tinylm import __version__
-from tinylm.config import (GENERATION_SURFACES, GenerationConfig, build_config, check_range, config_value, option,
-                           preset_names)
+from tinylm.config import (GenerationConfig, build_config, check_range, config_value, field_types, knob_names,
+                           option, preset_names)
 from tinylm.data.corpora import load_text_file
 from tinylm.data.prepare import prepare as prepare_data
 from tinylm.errors import TinyLMError
@@ -70,7 +70,7 @@ def _converter(kind: Any, name: str, bounds: tuple | None) -> Callable[[str], An
             value = config_value(name, text, kind)
             check_range(name, value, bounds)
         except TinyLMError as exc:
-            raise argparse.ArgumentTypeError(str(exc).replace("config key ", "")) from None
+            raise argparse.ArgumentTypeError(str(exc)) from None
         return value
     return convert
 
@@ -86,7 +86,7 @@ def _item_type(kind: Any) -> tuple[Any, bool]:
 
 def add_options(parser: argparse.ArgumentParser, options: type) -> None:
     """One argument per field of the ``options`` dataclass."""
-    hints = typing.get_type_hints(options)
+    hints = field_types(options)
     groups: dict[str, Any] = {}
     for f in dataclasses.fields(options):
         meta = f.metadata
@@ -290,16 +290,16 @@ GENERATE_DEFAULTS = {"temperature": 0.8, "seed": 0}
 def _decoding_field(f: dataclasses.Field) -> tuple[str, Any, Any]:
     """A GenerationConfig field as an option of `tinylm generate`: its help, range and flag."""
     bounds = {k: v for k, v in zip(("ge", "gt", "le", "lt"), f.metadata["range"]) if v is not None}
-    flag = GENERATION_SURFACES.get(f.name, (None,))[0]
+    flag = knob_names("cli")[f.name]
     cli = opt(f.metadata["help"], GENERATE_DEFAULTS.get(f.name, f.default), flag=flag, group="decoding",
               metavar="TEXT" if flag == "--stop" else None, **bounds)
-    return f.name, typing.get_type_hints(GenerationConfig)[f.name], cli
+    return f.name, field_types(GenerationConfig)[f.name], cli
 
 
-# Every GenerationConfig knob the command line offers (GENERATION_SURFACES names the exceptions)
+# Every GenerationConfig knob the command line offers (config.GENERATION_SURFACES names the exceptions)
 DecodingOptions = dataclasses.make_dataclass(
     "DecodingOptions", [_decoding_field(f) for f in dataclasses.fields(GenerationConfig)
-                        if GENERATION_SURFACES.get(f.name, ("",))[0] is not None])
+                        if f.name in knob_names("cli")])
 
 
 @dataclass

@@ -33,6 +33,14 @@ from tinylm.errors import TinyLMError
 
 
 # ------------------------------------------------------------------------------------- schema
+class ConfigError(TinyLMError):
+    """A value the schema refuses; ``key`` names the option, for surfaces that name it their way."""
+
+    def __init__(self, key: str, message: str):
+        super().__init__(message)
+        self.key = key
+
+
 def option(default: Any = None, help: str = "", *, ge: float | None = None, gt: float | None = None,
            le: float | None = None, lt: float | None = None, factory: Any = None, **extra: Any) -> Any:
     """A config field with its help text and the range its number (or each number of a list) must
@@ -43,6 +51,12 @@ def option(default: Any = None, help: str = "", *, ge: float | None = None, gt: 
     if isinstance(default, list):
         return field(default_factory=lambda: list(default), metadata=meta)
     return field(default=default, metadata=meta)
+
+
+def like(cls: type, name: str, default: Any = dataclasses.MISSING) -> Any:
+    """``cls``'s field ``name`` again (its help, range and default, or another default)."""
+    f = cls.__dataclass_fields__[name]
+    return option(f.default if default is dataclasses.MISSING else default, **f.metadata)
 
 
 def describe_range(bounds: tuple) -> str:
@@ -57,11 +71,11 @@ def check_range(key: str, value: Any, bounds: tuple | None) -> None:
     """Refuse a number (or a list holding one) outside ``bounds`` = (ge, gt, le, lt)."""
     if not bounds or all(b is None for b in bounds) or value is None:
         return
+    ge, gt, le, lt = bounds
     for v in value if isinstance(value, (list, tuple)) else [value]:
-        ge, gt, le, lt = bounds
         if (ge is not None and v < ge) or (gt is not None and v <= gt) or (le is not None and v > le) \
                 or (lt is not None and v >= lt):
-            raise TinyLMError(f"{key} must be {describe_range(bounds)} (got {v!r})")
+            raise ConfigError(key, f"{key} must be {describe_range(bounds)} (got {v!r})")
 
 
 @functools.cache
@@ -94,9 +108,11 @@ def check_config(obj: Any, prefix: str = "") -> Any:
     if hasattr(obj, "validate"):
         try:
             obj.validate()
-        except TinyLMError as exc:
-            message = str(exc)
-            raise TinyLMError(message if message.startswith(prefix) else f"{prefix}{message}") from None
+        except TinyLMError as exc:  # a section's rule may name its fields without the section's prefix
+            if str(exc).startswith(prefix):
+                raise
+            key = prefix + exc.key if isinstance(exc, ConfigError) else prefix.rstrip(".")
+            raise ConfigError(key, f"{prefix}{exc}") from None
     return obj
 
 
@@ -205,36 +221,28 @@ class ModelConfig:
     def resolved(self) -> "ModelConfig":
         """Fill the derived widths and check that the shapes fit together."""
         cfg = dataclasses.replace(self)
-        if cfg.d_attn is None:
-            cfg.d_attn = cfg.d_model
-        if cfg.n_kv_heads is None:
-            cfg.n_kv_heads = cfg.n_heads
-        if cfg.d_ff is None:
-            cfg.d_ff = 4 * cfg.d_model
-        if cfg.d_embed is None:
-            cfg.d_embed = cfg.d_model
-        if cfg.attn_dropout is None:
-            cfg.attn_dropout = cfg.dropout
+        derived = {"d_attn": cfg.d_model, "n_kv_heads": cfg.n_heads, "d_ff": 4 * cfg.d_model, "d_embed": cfg.d_model,
+                   "attn_dropout": cfg.dropout}  # the value of each width or rate left at None
+        for name, value in derived.items():
+            if getattr(cfg, name) is None:
+                setattr(cfg, name, value)
         if cfg.d_embed != cfg.d_model and cfg.tie_weights:
-            raise TinyLMError(
-                f"model.tie_weights=true needs the embedding width (d_embed={cfg.d_embed}) to equal "
-                f"d_model={cfg.d_model}; set model.tie_weights=false (the embedding then goes through a "
-                f"learned projection) or model.d_embed={cfg.d_model}"
-            )
+            raise TinyLMError(f"model.tie_weights=true needs the embedding width (d_embed={cfg.d_embed}) to equal "
+                              f"d_model={cfg.d_model}; set model.tie_weights=false (the embedding then goes through "
+                              f"a learned projection) or model.d_embed={cfg.d_model}")
         check_fields(cfg, "model.")  # a config built in code is checked like a loaded one
         if cfg.vocab_size < 1:
             raise TinyLMError(f"model.vocab_size must be at least 1 (got {cfg.vocab_size})")
         if cfg.d_attn % cfg.n_heads:
-            raise TinyLMError(
-                f"model.n_heads={cfg.n_heads} does not divide the attention width {cfg.d_attn}; "
-                f"set model.d_attn to a multiple of {cfg.n_heads} (e.g. "
-                f"{-(-cfg.d_attn // cfg.n_heads) * cfg.n_heads})"
-            )
+            multiple = -(-cfg.d_attn // cfg.n_heads) * cfg.n_heads
+            raise TinyLMError(f"model.n_heads={cfg.n_heads} does not divide the attention width {cfg.d_attn}; set "
+                              f"model.d_attn to a multiple of {cfg.n_heads} (e.g. {multiple})")
         if cfg.n_heads % cfg.n_kv_heads:
             raise TinyLMError(f"model.n_kv_heads={cfg.n_kv_heads} must divide model.n_heads={cfg.n_heads}")
         if cfg.positions == "rope" and (cfg.d_attn // cfg.n_heads) % 2:
             raise TinyLMError("rotary positions need an even head width (d_attn / n_heads)")
         return cfg
+
 
 @dataclass
 class TrainConfig:
@@ -336,18 +344,20 @@ class GenerationConfig:
         """Raise TinyLMError naming the first knob whose value is invalid."""
         check_fields(self)
         if self.min_new_tokens > self.max_new_tokens:
-            raise TinyLMError(f"min_new_tokens must be between 0 and max_new_tokens (got {self.min_new_tokens})")
+            raise ConfigError("min_new_tokens", f"min_new_tokens must be between 0 and max_new_tokens "
+                                                f"(got {self.min_new_tokens})")
         if not (self.temperature == 0 or MIN_SCALE <= self.temperature):
-            raise TinyLMError(f"temperature must be 0 (greedy) or a finite number >= {MIN_SCALE:g} "
-                              f"(got {self.temperature!r})")
+            raise ConfigError("temperature", f"temperature must be 0 (greedy) or a finite number >= {MIN_SCALE:g} "
+                                             f"(got {self.temperature!r})")
         if self.num_return_sequences > self.beam_width:
-            raise TinyLMError(f"num_return_sequences must be between 1 and beam_width ({self.beam_width}) "
-                              f"(got {self.num_return_sequences})")
+            raise ConfigError("num_return_sequences", f"num_return_sequences must be between 1 and beam_width "
+                                                      f"({self.beam_width}) (got {self.num_return_sequences})")
         if vocab_size is not None:
             check_range("beam_width", self.beam_width, (1, None, vocab_size, None))
             check_range("stop_ids", self.stop_ids, (0, None, None, vocab_size))
         if any(not s for s in self.stop_strings):
-            raise TinyLMError(f"stop_strings must be non-empty strings (got {list(self.stop_strings)!r})")
+            raise ConfigError("stop_strings", f"stop_strings must be non-empty strings "
+                                              f"(got {list(self.stop_strings)!r})")
         return self
 
 
@@ -365,14 +375,22 @@ GENERATION_SURFACES: dict[str, tuple[str | None, str | None]] = {
 }
 
 
+def knob_names(surface: Literal["cli", "http"]) -> dict[str, str]:
+    """Each GenerationConfig knob a surface offers -> its name there (the flag, or the request's field)."""
+    side = 0 if surface == "cli" else 1
+    names = {f.name: GENERATION_SURFACES.get(f.name, ("--" + f.name.replace("_", "-"), f.name))[side]
+             for f in dataclasses.fields(GenerationConfig)}
+    return {knob: name for knob, name in names.items() if name is not None}
+
+
 @dataclass
 class SampleConfig(GenerationConfig):
     """The run's sample continuations: prompt i continued with seed ``seed + i``."""
 
     prompts: list[str] = option(["ROMEO:"], "prompts continued after training")
-    temperature: float = option(0.8, **GenerationConfig.__dataclass_fields__["temperature"].metadata)
-    top_k: int | None = option(50, **GenerationConfig.__dataclass_fields__["top_k"].metadata)
-    seed: int | None = option(0, **GenerationConfig.__dataclass_fields__["seed"].metadata)
+    temperature: float = like(GenerationConfig, "temperature", 0.8)
+    top_k: int | None = like(GenerationConfig, "top_k", 50)
+    seed: int | None = like(GenerationConfig, "seed", 0)
 
     def generation(self, stop_ids=()) -> GenerationConfig:
         knobs = {f.name: getattr(self, f.name) for f in dataclasses.fields(GenerationConfig)}
@@ -433,7 +451,7 @@ def config_value(key: str, value: Any, annotation: Any) -> Any:
         for choice in args:
             if value == choice or (isinstance(value, str) and value == str(choice)):
                 return choice
-        raise TinyLMError(f"{key}={value!r} is not one of {', '.join(map(str, args))}")
+        raise ConfigError(key, f"{key}={value!r} is not one of {', '.join(map(str, args))}")
     if origin in (typing.Union, types.UnionType):
         if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
             if type(None) in args:
@@ -444,9 +462,9 @@ def config_value(key: str, value: Any, annotation: Any) -> Any:
                 continue
             try:
                 return config_value(key, value, arg)
-            except TinyLMError as exc:
-                errors.append(str(exc))
-        raise TinyLMError(errors[0] if errors else f"{key}: bad value {value!r}")
+            except ConfigError as exc:
+                errors.append(exc)
+        raise errors[0] if errors else ConfigError(key, f"{key}: bad value {value!r}")
     if origin in (list, tuple):
         if isinstance(value, str):
             try:
@@ -454,16 +472,16 @@ def config_value(key: str, value: Any, annotation: Any) -> Any:
             except json.JSONDecodeError:
                 value = [value]
             except RecursionError:
-                raise TinyLMError(f"config key {key}: the list {value[:20]}... is nested too deeply") from None
+                raise ConfigError(key, f"{key}: the list {value[:20]}... is nested too deeply") from None
         if not isinstance(value, (list, tuple)):
-            raise TinyLMError(f"config key {key} expects a list, got {value!r}")
+            raise ConfigError(key, f"{key} expects a list, got {value!r}")
         return origin(config_value(key, v, args[0]) for v in value) if args else origin(value)
     if annotation in _EXPECTS:
         result = _scalar(annotation, value)
         if result is None:
-            raise TinyLMError(f"config key {key} expects {_EXPECTS[annotation]}, got {value!r}")
+            raise ConfigError(key, f"{key} expects {_EXPECTS[annotation]}, got {value!r}")
         if annotation is float and not math.isfinite(result):
-            raise TinyLMError(f"config key {key} must be a finite number, got {value!r}")
+            raise ConfigError(key, f"{key} must be a finite number, got {value!r}")
         return result
     return value
 

@@ -23,7 +23,7 @@ import time
 import warnings
 from dataclasses import dataclass, field
 
-from tinylm.config import GENERATION_SURFACES, GenerationConfig
+from tinylm.config import ConfigError, GenerationConfig, knob_names
 from tinylm.errors import TinyLMError
 from tinylm.generation.core import fit_prompts
 from tinylm.generation.generate import encode_prompt, prompt_head
@@ -32,8 +32,7 @@ from tinylm.serving.schemas import CompletionRequest
 MAX_LOGPROBS = 20
 MAX_STOPS = 16
 # GenerationConfig's knob -> the request's field, for the knobs a request carries
-REQUEST_FIELDS = {f.name: GENERATION_SURFACES.get(f.name, (None, f.name))[1]
-                  for f in dataclasses.fields(GenerationConfig) if GENERATION_SURFACES.get(f.name, (None, f.name))[1]}
+REQUEST_FIELDS = knob_names("http")
 
 
 @dataclass
@@ -125,10 +124,9 @@ def generation_config(r: CompletionRequest, served, stops: tuple[str, ...], seed
                               "seed_per_row": True, "num_return_sequences": r.n if r.beam_width > 1 else 1})
     try:
         return cfg.validate(served.vocab_size)
-    except TinyLMError as exc:  # the message names the knob first: "top_k must be ..."
-        knob = str(exc).removeprefix("config key ").split()[0]
-        param = REQUEST_FIELDS.get(knob, knob)
-        raise APIError(400, f"{param}: {str(exc).removeprefix('config key ')}", param, "invalid_value") from exc
+    except ConfigError as exc:
+        param = REQUEST_FIELDS.get(exc.key, exc.key)
+        raise APIError(400, f"{param}: {exc}", param, "invalid_value") from exc
 
 
 def _stops(r: CompletionRequest) -> tuple[str, ...]:

@@ -8,12 +8,9 @@ value (``presence_penalty=0``, ``best_of=n``, ...).
 
 from __future__ import annotations
 
-import dataclasses
-import typing
-
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, create_model
 
-from tinylm.config import GENERATION_SURFACES, GenerationConfig
+from tinylm.config import GenerationConfig, field_types, knob_names
 
 
 class Strict(BaseModel):
@@ -53,16 +50,11 @@ ALIASES = {"min_new_tokens": "min_tokens"}
 
 def _knob_fields() -> dict:
     """tinylm's other decoding knobs, one field per GenerationConfig field that the request offers
-    under its own name (GENERATION_SURFACES gives OpenAI's names and what the server sets itself)."""
-    hints = typing.get_type_hints(GenerationConfig)
-    fields = {}
-    for f in dataclasses.fields(GenerationConfig):
-        name = GENERATION_SURFACES.get(f.name, (None, f.name))[1]
-        if name is None or name in OpenAICompletion.model_fields:
-            continue
-        alias = AliasChoices(name, ALIASES[name]) if name in ALIASES else None
-        fields[name] = (hints[f.name], Field(f.default, description=f.metadata["help"], validation_alias=alias))
-    return fields
+    under its own name (config.GENERATION_SURFACES gives OpenAI's names and what the server sets)."""
+    hints, fields = field_types(GenerationConfig), GenerationConfig.__dataclass_fields__
+    return {name: (hints[knob], Field(fields[knob].default, description=fields[knob].metadata["help"],
+                                      validation_alias=AliasChoices(name, ALIASES[name]) if name in ALIASES else None))
+            for knob, name in knob_names("http").items() if name not in OpenAICompletion.model_fields}
 
 
 CompletionRequest = create_model("CompletionRequest", __base__=OpenAICompletion, **_knob_fields())

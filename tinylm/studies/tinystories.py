@@ -39,8 +39,8 @@ from typing import Callable, Literal
 import numpy as np
 import torch
 
-from tinylm.config import (GenerationConfig, RunConfig, apply_updates, check_config, config_from_dict, merge_dicts,
-                           option, parse_overrides, read_config)
+from tinylm.config import (GenerationConfig, RunConfig, apply_updates, check_config, config_from_dict, like,
+                           merge_dicts, option, parse_overrides, read_config)
 from tinylm.data.cleaning import clean_documents
 from tinylm.data.prepare import Prepared, load_raw_documents, prepare
 from tinylm.errors import TinyLMError
@@ -62,9 +62,9 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class ExperimentsConfig:
-    bleu_samples: int = option(BleuProtocol.n_samples, ge=1)
-    prompt_tokens: int = option(BleuProtocol.prompt_tokens, ge=1)
-    max_continuation: int | None = option(BleuProtocol.max_continuation, "None: the rest of the story", ge=1)
+    bleu_samples: int = like(BleuProtocol, "n_samples")
+    prompt_tokens: int = like(BleuProtocol, "prompt_tokens")
+    max_continuation: int | None = like(BleuProtocol, "max_continuation")
     bleu_selection: Literal["random", "first"] = BleuProtocol.selection  # random: seeded, as the reports
     temperatures: list[float] = option(list(SAMPLING_TEMPERATURES), ge=0)
     top_k: int | None = option(None, ge=1)
