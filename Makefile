@@ -4,7 +4,7 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: demo test test-fast setup clean
+.PHONY: demo test test-fast setup browser clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -21,8 +21,21 @@ setup: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/tinylm demo $(ARGS)
 
-test: $(STAMP)
-	$(BIN)/python -m pytest tests $(ARGS)
+# The playground's browser test drives Debian's Chromium (Playwright cannot download its own browser
+# here): installed when missing and run as root, otherwise the one command to run is printed.
+browser:
+	@if [ ! -x /usr/bin/chromium ]; then \
+	  if [ "$$(id -u)" = 0 ]; then \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium; \
+	  else \
+	    echo "the browser test needs Chromium at /usr/bin/chromium: run  sudo apt-get install -y chromium  then make test again" >&2; \
+	    exit 1; \
+	  fi; \
+	fi
+
+# -rs lists every skipped test with its reason: on a fresh machine only the CUDA ones may skip.
+test: $(STAMP) browser
+	$(BIN)/python -m pytest tests -rs $(ARGS)
 
 # Everything not marked slow: under 20 s on an idle 2-core machine (`make test` runs everything, as CI does).
 test-fast: $(STAMP)

@@ -294,7 +294,7 @@ class TrainConfig:
     early_stopping_patience: int = option(0, ge=0)  # evaluations without improvement; 0 disables
     tensorboard: bool = False
     threads: int | None = option(None, ge=1)  # torch.set_num_threads; None leaves torch's default
-    progress: bool = True
+    progress: bool = True  # a bar when stderr is a terminal, else a line every log_interval steps
 
     def validate(self) -> None:
         if not re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", self.device):

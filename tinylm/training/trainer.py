@@ -1,7 +1,7 @@
 """The training loop: teacher forcing, AdamW, warmup + cosine, clipping, token-weighted gradient
 accumulation, gradient checkpointing, mixed precision, DistributedDataParallel under torchrun,
 periodic validation with early stopping, resumable checkpoints (exact resume), metrics CSV and
-TensorBoard, a progress bar.
+TensorBoard, progress (a bar on a terminal, a line every log_interval steps elsewhere).
 
 Determinism, which exact resume and the data-parallel equivalence rest on:
 - the batch of step s is a function of (seed, s) only (``Batches.get``); a rank draws its rows of it;
@@ -17,7 +17,6 @@ import dataclasses
 import logging
 import math
 import random
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +42,7 @@ from tinylm.training.grad_checkpoint import compiled_tinylm_checkpoint, enable_g
 from tinylm.training.metrics import EPOCH_COLUMNS, MetricsLog
 from tinylm.training.optim import lr_at, make_optimizer, wall_schedule_enabled
 from tinylm.training.precision import autocast, check_precision, make_grad_scaler
+from tinylm.training.progress import Progress
 from tinylm.training.resume import (capture_rng, check_resume_config, load_resume_state, restore_optimizer,
                                     restore_rng, state_payload, step_dir_name)
 
@@ -220,7 +220,7 @@ class TrainState:
     run_model: Callable | None = None  # what a step runs: the model, or its DDP wrapper, maybe compiled
     ddp_model: torch.nn.Module | None = None
     writer: object = None  # TensorBoard's SummaryWriter
-    progress: object = None  # tqdm's bar
+    progress: Progress | None = None  # a bar on a terminal, a line every log_interval steps elsewhere
     start: float = 0.0
     session_tokens: int = 0
     epoch_loss_sum: float = 0.0  # the running epoch (a resumed run restarts the sum)
@@ -319,7 +319,7 @@ def _resume(state: TrainState, resume: str | Path, force: bool) -> None:
 
 def _start_session(state: TrainState) -> None:
     """The saved config; DDP and compilation around the model; the header line, TensorBoard, the
-    clock and the progress bar."""
+    clock and the progress display."""
     tc, dist = state.cfg.train, state.dist
     if dist.is_main:
         state.cfg.save(state.out_dir / "config.yaml")
@@ -334,10 +334,7 @@ def _start_session(state: TrainState) -> None:
     state.writer = _tensorboard_writer(state.out_dir) if tc.tensorboard and dist.is_main else None
     state.start = time.perf_counter()
     if tc.progress and dist.is_main:
-        from tqdm.auto import tqdm  # deferred: only runs with a progress bar need it
-
-        state.progress = tqdm(total=tc.max_steps, initial=state.step, desc="train", unit="step", dynamic_ncols=True,
-                              leave=False, disable=None)  # None: off when stderr is not a terminal (CI logs)
+        state.progress = Progress(tc, state.step, state.say)
 
 
 def _run_steps(state: TrainState) -> TrainResult:
@@ -351,11 +348,8 @@ def _run_steps(state: TrainState) -> TrainResult:
         elapsed = time.perf_counter() - state.start
         tok_s = state.session_tokens / max(elapsed, 1e-9)
         if state.progress is not None:
-            postfix = {"loss": f"{state.last_loss:.3f}", "tok_s": f"{tok_s:,.0f}"}
-            if state.device.type == "cuda":
-                postfix["mem"] = f"{torch.cuda.max_memory_allocated(state.device) / 2**30:.2f}G"
-            state.progress.update(1)
-            state.progress.set_postfix(postfix)
+            memory = torch.cuda.max_memory_allocated(state.device) / 2**30 if state.device.type == "cuda" else None
+            state.progress.update(state.step, state.last_loss, tok_s, elapsed, memory)
         is_last = state.step == tc.max_steps
         out_of_time = tc.max_minutes is not None and elapsed >= tc.max_minutes * 60
         if tc.max_minutes is not None and dist.enabled:  # every rank must stop at the same step
@@ -440,10 +434,7 @@ def _evaluate(state: TrainState, row: dict, tok_s: float) -> None:
         save_resumable(state, "best", val)
     msg = (f"step {state.step}: train {state.last_loss:.4f}, valid {val:.4f} (ppl {math.exp(min(val, 50)):.2f}), "
            f"{tok_s:,.0f} tok/s")
-    if state.progress is not None:  # above the bar, on stderr with it
-        state.progress.write(msg, file=sys.stderr)
-    else:
-        state.say(msg)
+    (state.progress.message if state.progress is not None else state.say)(msg)
     if tc.early_stopping_patience and state.bad_evals >= tc.early_stopping_patience:
         state.stopped = "early_stopping"
         state.say(f"train: early stopping at step {state.step}: no validation improvement in {state.bad_evals} "
