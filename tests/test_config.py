@@ -56,6 +56,24 @@ def test_seed_baseline_preset_loads():
     m.resolved()
 
 
+def test_the_token_budget_preset_is_the_hour_recipe_without_its_clock():
+    hour, budget = build_config("tinystories-cpu-1h"), build_config("tinystories-cpu-25m")
+    assert budget.train.max_tokens == 25_000_000 and budget.train.max_minutes is None
+    assert budget.train.schedule_clock == "steps" and budget.out_dir == "runs/tinystories-cpu-25m"
+    changed = {k for k in diff_configs(hour.to_dict(), budget.to_dict())}
+    assert changed == {"out_dir", "train.max_tokens", "train.max_minutes", "train.schedule_clock"}
+
+
+def test_extends_merges_a_file_over_its_parent_and_refuses_itself(tmp_path):
+    child = tmp_path / "child.yaml"
+    child.write_text("extends: demo\nmodel:\n  d_model: 96\n")
+    cfg, demo = build_config(child), build_config("demo")
+    assert cfg.model.d_model == 96 and cfg.model.n_layers == demo.model.n_layers
+    child.write_text("extends: child\n")
+    with pytest.raises(TinyLMError, match="extends must name another preset or file"):
+        build_config(child)
+
+
 def test_diff_configs_names_keys():
     assert diff_configs({"a": {"b": 1, "c": 2}}, {"a": {"b": 1, "c": 3}}) == ["a.c"]
 

@@ -1,8 +1,10 @@
 """Trainer guard rails and options: NaN stop, early stopping, TensorBoard, precision, compile."""
+import copy
 import math
 
 import pytest
 import torch
+import yaml
 
 from conftest import prepared_stories_run, with_overrides
 from tinylm.errors import TinyLMError
@@ -209,3 +211,28 @@ def test_label_smoothing_trains_on_the_smoothed_loss_and_validates_on_the_plain_
     assert n == 29 and mean == pytest.approx(float(expected.detach()) / 29, rel=1e-5)
     with pytest.raises(TinyLMError, match="label_smoothing"):
         train(_cfg(base, label_smoothing=1.0), prepared, "unused-dir")
+
+
+@pytest.mark.slow  # three tiny runs
+def test_max_tokens_sets_the_step_count_stops_exactly_and_resume_keeps_it(tmp_path):
+    cfg, prepared = prepared_stories_run(tmp_path, threads=1, max_steps=1000, save_interval=3, eval_interval=3,
+                                         keep_last=5, log_interval=1)
+    step_tokens = cfg.train.batch_size * cfg.model.context_length  # 4 rows of 32 positions
+    cfg.train.max_tokens = 6 * step_tokens
+    full = train(copy.deepcopy(cfg), prepared, tmp_path / "full")
+    rows = read_metrics(tmp_path / "full/metrics.csv")
+    assert full.steps == 6 and int(rows[-1]["tokens"]) == 6 * step_tokens  # max_steps=1000 is replaced
+    saved = yaml.safe_load((tmp_path / "full/config.yaml").read_text())["train"]
+    assert saved["max_tokens"] == 6 * step_tokens and saved["max_steps"] == 6  # the schedule followed 6 steps
+
+    resumed = train(copy.deepcopy(cfg), prepared, tmp_path / "resumed", resume=full.checkpoint_dir / "step-0000003")
+    again = read_metrics(tmp_path / "resumed/metrics.csv")
+    assert resumed.steps == 6 and [(r["step"], r["train_loss"]) for r in again if int(r["step"]) > 3] == \
+        [(r["step"], r["train_loss"]) for r in rows if int(r["step"]) > 3]  # the same losses, bit for bit
+
+    cfg.train.max_tokens = 6 * step_tokens + 1  # a budget between steps: the step that reaches it is the last
+    assert train(copy.deepcopy(cfg), prepared, tmp_path / "over").steps == 7
+
+    cfg.train.epochs = 2
+    with pytest.raises(TinyLMError, match="train.max_tokens and train.epochs both set the step count"):
+        train(copy.deepcopy(cfg), prepared, tmp_path / "both")

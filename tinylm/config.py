@@ -256,6 +256,9 @@ class TrainConfig:
     # window) once per epoch in a seeded order; one row per epoch in epochs.csv
     epochs: int | None = option(None, ge=1)
     max_minutes: float | None = option(None, ge=0)  # wall-clock budget, checked every step
+    # a budget of training tokens instead of max_steps (comparable across machines, unlike
+    # max_minutes): the step count becomes ceil(max_tokens / tokens per step), which the schedule follows
+    max_tokens: int | None = option(None, ge=1)
     lr: float = option(1e-3, ge=0)
     min_lr: float = option(1e-4, ge=0)
     warmup_steps: int = option(100, ge=0)
@@ -299,6 +302,8 @@ class TrainConfig:
     def validate(self) -> None:
         if not re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", self.device):
             raise TinyLMError(f"train.device={self.device!r} is not one of auto, cpu, cuda, cuda:N, mps")
+        if self.epochs and self.max_tokens:
+            raise ConfigError("max_tokens", "max_tokens and train.epochs both set the step count: give one of them")
         if self.schedule_clock == "wall" and not self.max_minutes:
             raise TinyLMError("train.schedule_clock=wall needs a wall budget: set train.max_minutes")
 
@@ -548,7 +553,8 @@ def preset_names() -> list[str]:
 
 
 def load_config_file(spec: str | Path) -> dict[str, Any]:
-    """The mapping in a YAML/TOML file, or in the preset of that name (``tinystories-cpu-1h``)."""
+    """The mapping in a YAML/TOML file, or in the preset of that name (``tinystories-cpu-1h``), over
+    the one its ``extends:`` names."""
     p = Path(spec)
     if p.is_file():
         text, where = p.read_text(encoding="utf-8", errors="replace"), p
@@ -570,6 +576,11 @@ def load_config_file(spec: str | Path) -> dict[str, Any]:
         return {}
     if not isinstance(data, dict):
         raise TinyLMError(f"config file {p} must hold a mapping of sections")
+    parent = data.pop("extends", None)  # a preset or file this one changes, section by section
+    if parent is not None:
+        if not isinstance(parent, str) or Path(parent).name == p.name.removesuffix(".yaml"):
+            raise TinyLMError(f"config file {p}: extends must name another preset or file (got {parent!r})")
+        data = merge_dicts(load_config_file(parent), data)
     return data
 
 

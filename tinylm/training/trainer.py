@@ -280,6 +280,11 @@ def _set_up(cfg: RunConfig, prepared: Prepared, out_dir: Path, say, dist: DistCo
         cfg = dataclasses.replace(cfg, train=tc)
         say(f"train: {tc.epochs} epoch(s) of {train_batches.steps_per_epoch} steps ({rows_per_step} rows each) = "
             f"{tc.max_steps} steps")
+    if tc.max_tokens:  # likewise from the token budget (every row is context_length positions)
+        step_tokens = rows_per_step * context_length
+        tc = dataclasses.replace(tc, max_steps=math.ceil(tc.max_tokens / step_tokens))
+        cfg = dataclasses.replace(cfg, train=tc)
+        say(f"train: {tc.max_tokens:,} tokens at {step_tokens:,} per step = {tc.max_steps:,} steps")
     valid_batches = Batches(splits["valid"], context_length, cfg.data.batching, seed=tc.seed + 1)
     optimizer = make_optimizer(model, tc)
     ema = EMA(model, tc.ema_decay) if tc.ema_decay else None
