@@ -15,7 +15,7 @@ from conftest import make_stories
 from tinylm.config import ModelConfig
 from tinylm.errors import TinyLMError
 from tinylm.evaluation.bleu import (bleu_from_stats, bleu_tokens, corpus_bleu_n, corpus_stats,
-                                    sacrebleu_score)
+                                    sacrebleu_score, sentence_bleu_n)
 from tinylm.evaluation.protocol import (CSV_COLUMNS, BleuProtocol, Decoding, reference_nll, run_bleu,
                                         select_samples)
 from tinylm.models.gpt import GPT
@@ -48,6 +48,21 @@ def test_bleu_n_method1_equals_nltk_corpus_bleu(n):
                        weights=(1.0 / n,) * n, smoothing_function=SmoothingFunction().method1)
     assert ours == pytest.approx(nltk, rel=1e-12)
     assert 0.0 < ours < 1.0
+
+
+@pytest.mark.slow  # the nltk reference
+def test_sentence_bleu_equals_nltk_and_its_mean_is_not_corpus_bleu():
+    from nltk.translate.bleu_score import SmoothingFunction, sentence_bleu  # deferred: nltk imports scipy, ~2 s
+
+    ours = [sentence_bleu_n(h, r)["bleu4"] for h, r in zip(HYPS, REFS)]
+    nltk = [sentence_bleu([bleu_tokens(r)], bleu_tokens(h), smoothing_function=SmoothingFunction().method1)
+            for h, r in zip(HYPS, REFS)]
+    assert ours == pytest.approx(nltk, rel=1e-12)
+    # "the sun was hot" shares one word with its reference: smoothing lifts it above 0, yet far below the rest
+    assert 0.0 < ours[3] < 0.05 < min(ours[:3] + ours[4:])
+    mean = sum(ours) / len(ours)
+    assert mean == pytest.approx(0.1602, abs=5e-4)
+    assert abs(mean - corpus_bleu_n(HYPS, REFS)["bleu4"]) > 0.01  # pooled counts give another number
 
 
 @pytest.mark.slow  # the nltk reference
@@ -176,6 +191,10 @@ def test_run_bleu_writes_csv_and_is_seeded(model_and_tokenizer, tmp_path):
     assert corpus_bleu_n(hyps, refs)["bleu4"] == pytest.approx(a["settings"][0]["bleu4"])
     ppls = [float(r["per_sample_ppl"]) for r in rows]
     assert a["mean_per_sample_ppl"] == pytest.approx(sum(ppls) / 6, rel=1e-5)
+    # each row's own BLEU-4, and their mean beside the corpus score
+    per_sample = [float(r["sentence_bleu4"]) for r in rows]
+    assert per_sample == pytest.approx([sentence_bleu_n(h, r)["bleu4"] for h, r in zip(hyps, refs)], rel=1e-5)
+    assert a["settings"][0]["sentence_bleu"]["bleu4"] == pytest.approx(sum(per_sample) / 6, rel=1e-5)
     assert all(p > 1.0 for p in ppls)  # an untrained model: far from certain
 
 

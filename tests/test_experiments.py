@@ -11,6 +11,7 @@ from conftest import make_stories
 from tinylm.cli import main
 from tinylm.errors import TinyLMError
 from tinylm.studies.tinystories import PARTS, load_experiment_config
+from tinylm.studies.tradeoffs import accumulation_variants, first_stories
 
 CONFIG = """
 out_dir: runs/should-be-overridden
@@ -27,13 +28,15 @@ experiments:
   bleu_selection: first       # the too-short first story is always among them
   temperatures: [0.7, 1.2]
   beam_widths: [2]
-  kv_new_tokens: [12]
+  kv_new_tokens: [12, 40]     # 5 + 40 tokens: past the context of 32
   kv_prompt_tokens: 4
   kv_repeats: 1
   kv_batch: 3
   generation_table_stories: 2
   embedding_micro_batches: 4
   accum_steps: [1, 2]
+  accum_micro_batch: 4
+  tradeoff_stories: 16
   tradeoff_micro_batches: 2
   attention_texts: ["Tom had a red ball.", "the dog ran fast and the cat ran fast and the dog ran fast and the cat ran fast and the dog ran fast and the cat ran fast and the dog ran fast and the cat ran fast"]
   sample_temperatures: [0.7, 1.0]
@@ -61,8 +64,8 @@ def test_config_quick_section_and_overrides(corpus):
     assert load_experiment_config(config, data)[0].train.max_steps == 500
     with pytest.raises(TinyLMError, match="unknown config key experiments.bleu_sample"):
         load_experiment_config(config, ["experiments.bleu_sample=3"])
-    with pytest.raises(TinyLMError, match="not a multiple of accumulation steps"):
-        load_experiment_config(config, ["experiments.accum_steps=[1,3]"])
+    with pytest.raises(TinyLMError, match=r"accum_steps \[3\] are not multiples of the smallest, 2"):
+        load_experiment_config(config, ["experiments.accum_steps=[2,3,4]"])
     with pytest.raises(TinyLMError, match="experiments.bleu_selection='last' is not one of random, first"):
         load_experiment_config(config, ["experiments.bleu_selection=last"])
     with pytest.raises(TinyLMError, match=r"experiments.accum_steps must be >= 1 \(got 0\)"):
@@ -94,15 +97,24 @@ def test_runner_writes_every_part_and_resumes_from_cache(corpus, tmp_path, capsy
     bleu = json.loads((run / "bleu.json").read_text())
     assert bleu["samples"] == 6 and bleu["skipped_too_short"] == 1
     rows = list(csv.DictReader(open(run / "bleu_samples_T0.7.csv", encoding="utf-8")))
-    assert list(rows[0]) == ["prompt", "reference_continuation", "hypothesis_continuation", "per_sample_ppl"]
+    assert list(rows[0]) == ["prompt", "reference_continuation", "hypothesis_continuation", "per_sample_ppl",
+                             "sentence_bleu4"]
     assert len(rows) == 6 and all(float(r["per_sample_ppl"]) > 1 for r in rows)
     assert [s["name"] for s in bleu["settings"]] == ["T0.7", "T1.2"]
 
     dec = json.loads((run / "decoding.json").read_text())
     beam = dec["settings"][-1]
     assert beam["name"] == "beam2" and "bleu4" in beam
+    # the per-sample CSVs lie beside decoding.json; the examples are their first rows, every setting side by side
+    names = [s["name"] for s in dec["settings"]]
+    assert all((run / f"decoding_samples_{n}.csv").is_file() for n in names) and beam["csv"] == "decoding_samples_beam2.csv"
+    beam_rows = list(csv.DictReader(open(run / "decoding_samples_beam2.csv", encoding="utf-8")))
+    assert len(dec["examples"]) == 5 and set(names) <= set(dec["examples"][0])
+    assert [e["beam2"]["text"] for e in dec["examples"]] == [r["hypothesis_continuation"] for r in beam_rows[:5]]
     kv_rows = json.loads((run / "kv_cache.json").read_text())["rows"]
-    assert [r["decoding"] for r in kv_rows] == ["greedy", "top-k 50, T=0.8"]
+    assert [(r["decoding"], r["total_tokens"], r["beyond_context"]) for r in kv_rows] == [
+        ("greedy", 17, False), ("greedy", 45, True), ("top-k 50, T=0.8", 17, False), ("top-k 50, T=0.8", 45, True)]
+    assert kv_rows[1]["cache_slots"] == 32  # the cache never outgrows the context: the window slides
     kv = kv_rows[0]
     assert kv["new_tokens"] == 12 and kv["same_tokens"] and kv["prompt_tokens"] == 4 + 1  # kv_prompt_tokens + <sos>
     # rates are the batch's 3 x 12 new tokens over the logged times (one repeat), the speed-up their ratio
@@ -125,8 +137,13 @@ def test_runner_writes_every_part_and_resumes_from_cache(corpus, tmp_path, capsy
     assert tk[1]["stories_restored"] == 1.0 and tk[0]["vocab_size"] < tk[1]["vocab_size"]
     for png in ("accumulation.png", "checkpointing.png", "decoding.png", "embedding_init.png"):
         assert (run / png).stat().st_size > 10_000, png
-    acc = json.loads((run / "accumulation.json").read_text())["rows"]
-    assert [(r["accum_steps"], r["optimizer_steps"], r["micro_batches"]) for r in acc] == [(1, 2, 2), (2, 1, 2)]
+    # 16 stories in micro-batches of 4: k=1 makes 4 updates an epoch; k=2 makes 2 at equal tokens, and
+    # 4 over 2 epochs at equal updates; every epoch's time is measured
+    acc = json.loads((run / "accumulation.json").read_text())
+    assert acc["train_stories"] == 16 and acc["all_train_stories"] == 70
+    assert [(r["comparison"], r["accum_steps"], r["epochs"], r["optimizer_steps"], r["micro_batches"])
+            for r in acc["rows"]] == [("both", 1, 1, 4, 4), ("equal tokens", 2, 1, 2, 4), ("equal updates", 2, 2, 4, 8)]
+    assert all(len(r["epoch_seconds_each"]) == r["epochs"] and r["epoch_seconds"] > 0 for r in acc["rows"])
     att = json.loads((run / "attention.json").read_text())["texts"]
     assert att[0]["max_row_sum_error"] < 1e-5 and att[0]["max_weight_above_diagonal"] == 0.0
     assert (run / att[0]["html"]).is_file() and all((run / p).is_file() for p in att[0]["pngs"])
@@ -134,6 +151,8 @@ def test_runner_writes_every_part_and_resumes_from_cache(corpus, tmp_path, capsy
     assert (run / "curves.png").is_file()
 
     md = (run / "report.md").read_text()
+    assert "| equal updates | 2 | 8 | 2 | 4 |" in md and "sliding window" in md and "sentence BLEU-4" in md
+    assert "| prompt | real continuation | sample_T0.8_k50 | greedy | beam2 |" in md
     for heading in ("## Configuration", "## Training", "## BLEU and perplexity", "## Example generations",
                     "## Decoding comparison", "## KV cache", "## Gradient accumulation", "## Gradient checkpointing",
                     "## Token embeddings: FastText vs random initialisation", "| prompt | ground truth |",
@@ -157,6 +176,39 @@ def test_runner_writes_every_part_and_resumes_from_cache(corpus, tmp_path, capsy
     assert json.loads((run / "bleu.json").read_text())["samples"] == 4
 
 
+def test_accumulation_variants_pair_equal_tokens_with_equal_updates():
+    variants = accumulation_variants([1, 2, 4, 8], epochs=1)
+    assert [(v.name, v.accum, v.epochs, v.comparison) for v in variants] == [
+        ("tokens_k1", 1, 1, "both"), ("tokens_k2", 2, 1, "equal tokens"), ("tokens_k4", 4, 1, "equal tokens"),
+        ("tokens_k8", 8, 1, "equal tokens"), ("updates_k2", 2, 2, "equal updates"), ("updates_k4", 4, 4, "equal updates"),
+        ("updates_k8", 8, 8, "equal updates")]
+    assert [v.epochs for v in accumulation_variants([2, 4], epochs=3)] == [3, 3, 6]
+
+
+def test_first_stories_keeps_whole_stories_and_their_share_of_bytes(tmp_path):
+    import numpy as np
+
+    from tinylm.data.prepare import Prepared
+    from tinylm.data.tokens import TokenSplit
+
+    split = TokenSplit("train", np.arange(10, dtype=np.uint16), np.array([0, 3, 7, 10]), n_bytes=100, n_words=20)
+    prepared = Prepared(tokenizer=None, tokenizer_path=tmp_path, splits={"train": split, "valid": split}, report={})
+    head = first_stories(prepared, 2).splits["train"]
+    assert head.n_docs == 2 and head.ids.tolist() == list(range(7)) and (head.n_bytes, head.n_words) == (70, 14)
+    assert first_stories(prepared, 2).splits["valid"] is split and first_stories(prepared, 3) is prepared
+
+
+def test_tradeoff_runs_warm_up_like_the_run_but_at_most_half_their_steps(corpus, tmp_path):
+    from tinylm.studies.tradeoffs import Tradeoffs, Variant, _tradeoff_config
+
+    config, data = corpus
+    cfg = load_experiment_config(config, [*data, "train.warmup_steps=100"])[0]
+    short = _tradeoff_config(Tradeoffs(cfg, None, tmp_path, 40, 1, 1), Variant("x", accum=2))
+    assert (short.train.max_steps, short.train.warmup_steps, short.train.grad_accum_steps) == (20, 10, 2)
+    cfg.train.warmup_steps = 3
+    assert _tradeoff_config(Tradeoffs(cfg, None, tmp_path, 40, 1, 1), Variant("x")).train.warmup_steps == 3
+
+
 def test_missing_data_file_is_a_clear_error(corpus, tmp_path, capsys):
     config, _ = corpus
     assert main(["experiments", "--config", str(config), "--quick", "--out", str(tmp_path / "r"),
@@ -167,7 +219,9 @@ def test_missing_data_file_is_a_clear_error(corpus, tmp_path, capsys):
 def test_the_shipped_assignment_config_loads():
     path = "tinystories-assignment"
     cfg, exp = load_experiment_config(path, ["data.train=a.txt", "data.valid=b.txt"])
-    assert (cfg.model.n_layers, cfg.model.n_heads, cfg.model.d_model, cfg.model.context_length) == (3, 8, 300, 64)
+    assert (cfg.model.n_layers, cfg.model.n_heads, cfg.model.d_model, cfg.model.context_length) == (3, 8, 300, 224)
+    assert (cfg.train.epochs, cfg.train.batch_size, exp.accum_micro_batch, exp.tradeoff_stories) == (2, 32, 16, 768)
+    assert 9 + max(exp.kv_new_tokens) == 512 and len(exp.attention_texts) == 4  # <sos> + 8 prompt tokens
     assert cfg.model.d_attn == 304 and cfg.tokenizer.type == "word" and cfg.data.train == "a.txt"
     assert (exp.bleu_samples, exp.prompt_tokens, exp.temperatures, exp.beam_widths) == (50, 5, [0.7, 1.0, 1.2], [5, 10])
     assert exp.accum_steps == [1, 2, 4, 8] and exp.smoothing == "method1"

@@ -98,6 +98,22 @@ def test_png_grid_and_self_contained_html(model_and_tokenizer, tmp_path):
 
 
 @pytest.mark.slow  # draws a PNG
+def test_eight_heads_fit_a_page_and_the_sentence_is_the_title(tmp_path):
+    from matplotlib import image
+
+    from tinylm.evaluation.plots import AttentionMaps, attention_title, plot_attention_layer
+
+    words = "there was a brave explorer he wanted to explore".split()
+    rng = np.random.default_rng(0)
+    w = np.tril(rng.random((8, 10, 10)))
+    maps = AttentionMaps(" ".join(words), ["<sos>", *words], [w / w.sum(-1, keepdims=True)])
+    png = plot_attention_layer(maps, 0, tmp_path / "a.png")
+    height, width = image.imread(png).shape[:2]
+    assert 900 < width < 1500 and 500 < height < 1000  # two rows of four heads, not one 8-panel strip
+    assert attention_title(maps, 0) == "\u201cthere was a brave explorer he wanted to explore\u201d: layer 0"
+
+
+@pytest.mark.slow  # draws a PNG
 def test_curves_from_metrics_csv(tmp_path):
     csv_path = tmp_path / "metrics.csv"
     csv_path.write_text("step,tokens,lr,train_loss,val_loss,val_ppl,tokens_per_s,elapsed_s\n"

@@ -108,6 +108,7 @@ def test_experiment_tables_show_the_files_numbers(tmp_path):
     (tmp_path / "experiments.json").write_text(json.dumps({"quick": False, "parts": {}}))
     sacre = {"bleu": 3.1415, "signature": "nrefs:1|case:mixed|eff:no|tok:13a|smooth:exp|version:2.6.0"}
     bleu_row = {"name": "T0.7", "bleu1": 0.4321, "bleu2": 0.2109, "bleu3": 0.1098, "bleu4": 0.0567, "sacrebleu": sacre,
+                "sentence_bleu": {"bleu1": 0.5, "bleu2": 0.3, "bleu3": 0.2, "bleu4": 0.0789},
                 "tokens_per_s": 456.0, "csv": "bleu_samples_T0.7.csv"}
     (tmp_path / "bleu.json").write_text(json.dumps({
         "protocol": {"prompt_tokens": 5, "max_continuation": 60, "seed": 0, "smoothing": "method1"}, "samples": 48,
@@ -121,17 +122,24 @@ def test_experiment_tables_show_the_files_numbers(tmp_path):
                                                         "rows": [
         {"decoding": "greedy", "batch": 20, "prompt_tokens": 9, "new_tokens": 32, "cache_bytes": 5 * 2**20,
          "cache_tokens_per_s": 812.0, "nocache_tokens_per_s": 203.0, "speedup": 4.0, "same_tokens": True,
-         "beyond_context": False}]}))
+         "total_tokens": 41, "beyond_context": False},
+        {"decoding": "greedy", "batch": 20, "prompt_tokens": 9, "new_tokens": 503, "cache_bytes": 5 * 2**20,
+         "cache_tokens_per_s": 700.0, "nocache_tokens_per_s": 70.0, "speedup": 10.0, "same_tokens": False,
+         "total_tokens": 512, "beyond_context": True}]}))
     (tmp_path / "accumulation.json").write_text(json.dumps({"threads": 2, "rows": [
         {"accum_steps": 4, "effective_batch": 128, "optimizer_steps": 16, "micro_batches": 64, "micro_batch": 32,
          "final_train_loss": 4.5678, "final_val_loss": 4.6789, "seconds": 33.3, "tokens_per_s": 999.0,
          "projected_epoch_seconds": 123.0, "peak_activation_bytes": 3 * 2**20}]}))
     md = tinystories_report.write_report(tmp_path)[0].read_text()
-    assert "| T0.7 | 0.4321 | 0.2109 | 0.1098 | 0.0567 | 3.14 | 456 |" in md
+    assert "| T0.7 | 0.4321 | 0.2109 | 0.1098 | 0.0567 | 0.0789 | 3.14 | 456 |" in md
     assert "tok:13a" in md and "only 48 usable" in md and "17.2500" in md
-    assert "| greedy | 20 x 32 | 5.00 MiB | 812 | 203 | 4.00x | yes | no |" in md
+    assert "| greedy | 20 x 32 | 41 | 5.00 MiB | 812 | 203 | 4.00x | yes | no |" in md
+    assert "| greedy | 20 x 503 | 512 | 5.00 MiB | 700 | 70 | 10.00x | no | sliding window |" in md
+    assert "re-filled with the last 32 tokens" in md  # what happens past the context of 64
     assert "greedy, batch 20 x 32: 4.00x" in md  # beside the reports' speed-ups
-    assert "| 4 | 128 | 16 | 4.5678 | 4.6789 | 33.3 | 33.3 | 999 | 123 | 3.00 MiB |" in md
+    # a file from before the two comparisons: its epoch time is marked as projected
+    assert "| equal micro-batches | 4 | 128 | - | 16 | 4.5678 | 4.6789 | 33.3 | 123 (projected) | 999 | 3.00 MiB |" in md
+    assert "decoding.json has no example continuations" in md
     assert "decoding beam5: beam search is not available" in md  # listed in the INCOMPLETE banner
 
 
@@ -142,3 +150,17 @@ def test_a_malformed_part_file_makes_only_its_section_missing(tmp_path):
     doc = tinystories_report.build_report(tmp_path)
     assert any(m.startswith("kv: a file has an unexpected format (KeyError") for m in doc.missing)
     assert "10.4321" in tinystories_report.write_report(tmp_path)[0].read_text()  # the rest of the report is there
+
+
+def test_beside_the_reports_gives_each_perplexity_its_training_budget():
+    from tinylm.studies.tinystories_compare import comparison_table
+
+    eval_json = {"train_seconds": 2700.0, "steps": 450, "tokens_per_s": 1200.0, "eval": {"valid": {"token_ppl": 12.345}}}
+    headers, rows = comparison_table({"eval": eval_json})
+    cells = {row[0]: row[1:] for row in rows}
+    ours, r000, r001, r002, r003 = cells["validation perplexity"]
+    assert ours == "12.35 (every validation story) (after: 45.0 min, 450 steps, 3.24M training positions)"
+    assert r002 == "final 9.41; epoch 3 (last of its epoch table) 7.49; on the 50 BLEU samples 9.41 (after: 3 epochs; batch 32)"
+    assert r000.endswith("(after: 10.5 hours (50,000 steps; section 2.3 and 5.1); batch 32)")
+    assert r003.endswith("(after: 1 hr 45 mins approx per epoch, 10 epochs (full dataset))")  # epochs not repeated
+    assert cells["hardware"][2].startswith("a CPU, model not stated")  # report 001

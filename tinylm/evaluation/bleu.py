@@ -123,6 +123,13 @@ def corpus_bleu_n(hypotheses: list[str], references: list[str], smoothing: str =
     return {f"bleu{n}": bleu_from_stats(stats, n, smoothing) for n in range(1, max_order + 1)}
 
 
+def sentence_bleu_n(hypothesis: str, reference: str, smoothing: str = "method1",
+                    max_order: int = 4) -> dict[str, float]:
+    """BLEU-1..4 of one hypothesis against its reference (NLTK's ``sentence_bleu``: corpus BLEU
+    of a corpus of one pair, with the same smoothing)."""
+    return corpus_bleu_n([hypothesis], [reference], smoothing, max_order)
+
+
 def sacrebleu_score(hypotheses: list[str], references: list[str]) -> dict:
     """sacrebleu's corpus BLEU (0-100, its defaults) with the signature that pins them down."""
     try:

@@ -86,31 +86,45 @@ def attention_maps_of_ids(model, tokenizer, ids: list[int], text: str = "") -> A
     return AttentionMaps(text, token_labels(tokenizer, ids), weights)
 
 
+ATTENTION_PANELS_PER_ROW = 4
+ATTENTION_PANEL_INCHES = 3.3  # a page column holds four panels: about 1,300 pixels wide at 100 dpi
+
+
+def attention_title(maps: AttentionMaps, layer: int) -> str:
+    return f"\u201c{maps.text}\u201d: layer {layer}" if maps.text else f"layer {layer}"
+
+
 def plot_attention_layer(maps: AttentionMaps, layer: int, path: str | Path) -> Path:
-    """One PNG: the layer's heads side by side, token labels on both axes, the masked (future)
-    triangle drawn in grey so the causal structure is visible."""
+    """One PNG: the layer's heads in rows of four, token labels on both axes, the masked (future)
+    triangle drawn in grey so the causal structure is visible, the sentence in the title. The
+    figure's width stays that of four panels whatever the number of heads, so it reads in a page."""
     plt = pyplot()
     w = maps.weights[layer]
     H, T, _ = w.shape
-    cell = max(0.18, min(0.45, 6.0 / T))
-    side = max(2.5, cell * T + 1.2)
-    fig, axes = plt.subplots(1, H, figsize=(side * H, side + 0.6), squeeze=False)
+    cols = min(H, ATTENTION_PANELS_PER_ROW)
+    rows = math.ceil(H / cols)
+    side = ATTENTION_PANEL_INCHES
+    fig, axes = plt.subplots(rows, cols, figsize=(side * cols + 0.8, side * rows + 0.9), squeeze=False)
     cmap = plt.get_cmap("viridis").with_extremes(bad="#d9d9d9")  # masked (future) cells in grey
     future = np.triu(np.ones((T, T), dtype=bool), k=1)
-    fontsize = 8 if T <= 24 else 6 if T <= 48 else 4
-    for h in range(H):
-        ax = axes[0, h]
+    fontsize = 8 if T <= 16 else 6 if T <= 32 else 4
+    for h, ax in enumerate(axes.flat):
+        if h >= H:
+            ax.axis("off")
+            continue
         im = ax.imshow(np.ma.masked_array(w[h], mask=future), cmap=cmap, vmin=0.0, vmax=1.0, interpolation="nearest")
-        ax.set_title(f"layer {layer} head {h}", fontsize=9)
+        ax.set_title(f"head {h}", fontsize=9)
         ax.set_xticks(range(T), maps.tokens, rotation=90, fontsize=fontsize)
         ax.set_yticks(range(T), maps.tokens, fontsize=fontsize)
-        ax.set_xlabel("key (attended to)", fontsize=8)
-        if h == 0:
+        if h % cols == 0:
             ax.set_ylabel("query", fontsize=8)
-    fig.colorbar(im, ax=list(axes[0]), fraction=0.02, pad=0.01)
+        if h >= H - cols:
+            ax.set_xlabel("key (attended to)", fontsize=8)
+    fig.colorbar(im, ax=list(axes.flat), fraction=0.02, pad=0.01)
+    fig.suptitle(attention_title(maps, layer), fontsize=11)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=90, bbox_inches="tight")
+    fig.savefig(path, dpi=100, bbox_inches="tight")
     plt.close(fig)
     return path
 

@@ -10,6 +10,9 @@ model continue, compare with each story's real continuation.
                       at ``<eos>``), one seed per sample
     per_sample_ppl    exp(mean NLL) of the *reference* continuation under the model given the
                       prompt: how likely the model finds the real story, not its own sample
+    sentence_bleu4    BLEU-4 of that one sample (NLTK's sentence_bleu, the protocol's smoothing);
+                      their mean is the "average BLEU over N samples" some reports published,
+                      given beside corpus BLEU as ``sentence_bleu``
 
 Stories of at most ``prompt_tokens`` tokens have nothing to continue: they are skipped and
 counted. When fewer usable stories exist than asked for, all of them are used and the result says so.
@@ -33,13 +36,14 @@ from tinylm.config import check_fields, option
 from tinylm.constants import IGNORE_INDEX, PAD_ID
 from tinylm.data.tokens import pad_rows
 from tinylm.errors import TinyLMError
-from tinylm.evaluation.bleu import BLEU_MEANING, BLEU_TOKEN_PATTERN, corpus_bleu_n, sacrebleu_score
+from tinylm.evaluation.bleu import (BLEU_MEANING, BLEU_TOKEN_PATTERN, corpus_bleu_n, sacrebleu_score,
+                                   sentence_bleu_n)
 from tinylm.generation.generate import generate
 from tinylm.models.gpt import eval_mode
 
 log = logging.getLogger(__name__)
 
-CSV_COLUMNS = ["prompt", "reference_continuation", "hypothesis_continuation", "per_sample_ppl"]
+CSV_COLUMNS = ["prompt", "reference_continuation", "hypothesis_continuation", "per_sample_ppl", "sentence_bleu4"]
 SAMPLING_TEMPERATURES = (0.7, 1.0, 1.2)  # the reports' temperature sweep
 
 
@@ -168,8 +172,9 @@ def decode_all(model, sample_set: SampleSet, settings: list[Decoding], seed: int
 
 
 def run_bleu(model, tokenizer, texts: list[str], protocol: BleuProtocol, settings: list[Decoding],
-             csv_dir: str | Path | None = None) -> dict:
-    """BLEU (sacrebleu + BLEU-1..4), speed and per-sample CSVs for each decoding setting.
+             csv_dir: str | Path | None = None, csv_prefix: str = "bleu_samples_") -> dict:
+    """BLEU (sacrebleu, corpus and sentence-averaged BLEU-1..4), speed and per-sample CSVs
+    (``<csv_prefix><setting>.csv``) for each decoding setting.
 
     Prompts start with the tokenizer's start id and decoding stops at its stop ids (tinylm: <sos>,
     <eos>; llama2.c: BOS=1, stops at 1 and 2)."""
@@ -197,13 +202,15 @@ def run_bleu(model, tokenizer, texts: list[str], protocol: BleuProtocol, setting
         outs, seconds = all_outs[setting.name], all_seconds[setting.name]
         hyps = [tokenizer.decode(o) for o in outs]
         n_new = sum(len(o) for o in outs)
+        per_sample = [sentence_bleu_n(h, r, protocol.smoothing) for h, r in zip(hyps, references)]
         row = {**asdict(setting), **corpus_bleu_n(hyps, references, protocol.smoothing),
+               "sentence_bleu": {k: sum(b[k] for b in per_sample) / len(per_sample) for k in per_sample[0]},
                "sacrebleu": sacrebleu_score(hyps, references), "new_tokens": n_new,
                "seconds": seconds, "tokens_per_s": n_new / max(seconds, 1e-9)}
         if csv_dir is not None:
             csv_dir.mkdir(parents=True, exist_ok=True)
-            path = csv_dir / f"bleu_samples_{setting.name}.csv"
-            write_samples_csv(path, prompts, references, hyps, ppls)
+            path = csv_dir / f"{csv_prefix}{setting.name}.csv"
+            write_samples_csv(path, prompts, references, hyps, ppls, [b["bleu4"] for b in per_sample])
             row["csv"] = path.name
         result["settings"].append(row)
         log.info(f"bleu: {setting.name}: BLEU-4 {row['bleu4']:.4f}, sacreBLEU {row['sacrebleu']['bleu']:.2f}, "
@@ -211,11 +218,12 @@ def run_bleu(model, tokenizer, texts: list[str], protocol: BleuProtocol, setting
     return result
 
 
-def write_samples_csv(path: Path, prompts, references, hypotheses, ppls) -> None:
+def write_samples_csv(path: Path, prompts, references, hypotheses, ppls, bleu4s) -> None:
     with open(path, "w", newline="", encoding="utf-8") as f:
         w = csv.writer(f)
         w.writerow(CSV_COLUMNS)
-        w.writerows([p, r, h, f"{ppl:.6g}"] for p, r, h, ppl in zip(prompts, references, hypotheses, ppls))
+        w.writerows([p, r, h, f"{ppl:.6g}", f"{b:.6g}"]
+                    for p, r, h, ppl, b in zip(prompts, references, hypotheses, ppls, bleu4s))
 
 
 def format_bleu(result: dict) -> str:
@@ -226,12 +234,14 @@ def format_bleu(result: dict) -> str:
     lines += [f"note             {note}" for note in result["notes"]]
     lines += [f"reference ppl    {result['reference_ppl']:.4f}   (exp mean NLL of the real continuations given "
               f"their prompts, {result['reference_tokens']:,} tokens)", BLEU_MEANING,
-              f"BLEU-n: NLTK-style corpus BLEU, smoothing {p['smoothing']}; sacreBLEU: 0-100 with the signature below"]
+              f"BLEU-n: NLTK-style corpus BLEU, smoothing {p['smoothing']}; sentence BLEU-4: the mean of the "
+              "samples' own BLEU-4 (same smoothing); sacreBLEU: 0-100 with the signature below"]
     rows = [[s["name"], f"missing: {s['missing']}"] if "missing" in s else
-            [s["name"], s["bleu1"], s["bleu2"], s["bleu3"], s["bleu4"], s["sacrebleu"]["bleu"], s["tokens_per_s"],
-             s.get("csv", "")] for s in result["settings"]]
-    lines.append(tabulate(rows, ["setting", "BLEU-1", "BLEU-2", "BLEU-3", "BLEU-4", "sacreBLEU", "tok/s", "csv"],
-                          floatfmt=("", ".4f", ".4f", ".4f", ".4f", ".2f", ".0f", "")))
+            [s["name"], s["bleu1"], s["bleu2"], s["bleu3"], s["bleu4"], s["sentence_bleu"]["bleu4"],
+             s["sacrebleu"]["bleu"], s["tokens_per_s"], s.get("csv", "")] for s in result["settings"]]
+    lines.append(tabulate(rows, ["setting", "BLEU-1", "BLEU-2", "BLEU-3", "BLEU-4", "sentence BLEU-4", "sacreBLEU",
+                                 "tok/s", "csv"],
+                          floatfmt=("", ".4f", ".4f", ".4f", ".4f", ".4f", ".2f", ".0f", "")))
     sig = next((s["sacrebleu"]["signature"] for s in result["settings"] if "sacrebleu" in s), None)
     if sig:
         lines.append(f"sacreBLEU signature: {sig}")

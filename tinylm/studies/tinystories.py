@@ -7,11 +7,13 @@ run resumes. The report (tinylm.studies.tinystories_report) only reads files.
 
     baseline        prepare + train + evaluate + sample (tinylm.pipeline)   eval.json, metrics.csv, ...
     bleu            BLEU protocol at each sampling temperature               bleu.json, bleu_samples_T*.csv
-    decoding        sampling vs greedy vs beam k: BLEU and tokens/s         decoding.json, decoding/*.csv, decoding.png
+    decoding        sampling vs greedy vs beam k: BLEU, tokens/s, examples  decoding.json, decoding_samples_*.csv,
+                                                                             decoding.png
     generations     prompt | ground truth | one continuation per temperature generations.json
     kv_cache        a batch of prompts with and without the KV cache        kv_cache.json
                     (greedy and top-k sampling; the cache's memory)
-    accumulation    1/2/4/8 accumulation steps, equal micro-batches         accumulation.json, accumulation.png
+    accumulation    1/2/4/8 accumulation steps at equal tokens (whole       accumulation.json, accumulation.png
+                    epochs each) and at equal optimizer updates
     checkpointing   plain vs tinylm's vs torch's gradient checkpointing     checkpointing.json, checkpointing.png
     embedding_init  FastText frozen vs fine-tuned vs random init, equal steps embedding_init.json, .png
                     (the last three trained and timed by tinylm.studies.tradeoffs, under tradeoffs/)
@@ -23,6 +25,7 @@ run resumes. The report (tinylm.studies.tinystories_report) only reads files.
 
 from __future__ import annotations
 
+import csv
 import dataclasses
 import datetime as dt
 import json
@@ -54,7 +57,7 @@ from tinylm.studies import tinystories_figures as figures
 from tinylm.studies.stages import Stage, stage_key
 from tinylm.studies.study_config import nest_flat_keys
 from tinylm.studies.tinystories_report import write_report
-from tinylm.studies.tradeoffs import Tradeoffs, Variant, alternated_runs
+from tinylm.studies.tradeoffs import Tradeoffs, Variant, accumulation_variants, alternated_runs, first_stories
 from tinylm.tokenizers.io import train_from_config
 
 log = logging.getLogger(__name__)
@@ -72,15 +75,21 @@ class ExperimentsConfig:
     decoding: GenerationConfig = option(factory=lambda: GenerationConfig(temperature=0.8, top_k=50))
     smoothing: Literal["method1", "exp", "none"] = BleuProtocol.smoothing
     beam_widths: list[int] = option([5, 10], ge=1)
-    kv_new_tokens: list[int] = option([32, 56, 248], ge=1)
+    kv_new_tokens: list[int] = option([32, 56, 248], "new tokens per row; past the context the window slides", ge=1)
     kv_prompt_tokens: int = option(8, ge=1)
     kv_batch: int = option(20, "prompts decoded together (the reports timed a batch of 20)", ge=1)
     kv_repeats: int = option(3, ge=1)
     generation_table_stories: int = option(5, "rows of the prompt | ground truth | temperatures table", ge=1)
     embedding_micro_batches: int = option(200, "steps of each frozen / fine-tuned / random-init run", ge=1)
     accum_steps: list[int] = option([1, 2, 4, 8], ge=1)
-    tradeoff_micro_batches: int = option(64, ge=1)
-    tradeoff_repeats: int = option(2, "each accumulation / checkpointing run, in alternated rounds (median)", ge=0)
+    accum_epochs: int = option(1, "epochs of the trade-off split at the smallest accumulation (equal tokens: every "
+                                  "k trains them; equal updates: k / smallest k times as many)", ge=1)
+    accum_micro_batch: int | None = option(None, "rows per micro-batch of the accumulation runs (None: "
+                                                 "train.batch_size; three reports used 16)", ge=1)
+    tradeoff_stories: int | None = option(None, "the first N training stories are the accumulation and "
+                                                "checkpointing runs' split (None: all; one report used 10%)", ge=1)
+    tradeoff_micro_batches: int = option(64, "micro-batches of each checkpointing run", ge=1)
+    tradeoff_repeats: int = option(2, "each checkpointing run, in alternated rounds (median)", ge=0)
     attention_texts: list[str] = option(["Once upon a time there was a little girl named Lily."])
     sample_temperatures: list[float] = option(list(SAMPLING_TEMPERATURES), ge=0)
     seed: int = 0
@@ -88,12 +97,15 @@ class ExperimentsConfig:
     # with 2 threads on a shared CPU (measured: 13-32 vs ~490 tokens/s); training uses train.threads
     decode_threads: int = option(1, ge=1)
     train_threads: int | None = option(None, "None: train.threads, else 2", ge=1)
+    decoding_examples: int = option(5, "prompts whose continuations the decoding comparison prints side by side",
+                                    ge=0)
 
     def validate(self) -> None:
-        bad = [k for k in self.accum_steps if self.tradeoff_micro_batches % k]
+        smallest = min(self.accum_steps)
+        bad = [k for k in self.accum_steps if k % smallest]
         if bad:
-            raise TinyLMError(f"tradeoff_micro_batches={self.tradeoff_micro_batches} is not a multiple of "
-                              f"accumulation steps {bad}; every trade-off run must see the same micro-batches")
+            raise TinyLMError(f"experiments.accum_steps {bad} are not multiples of the smallest, {smallest}: the "
+                              "equal-updates runs train k / smallest times its epochs")
 
 
 # the experiments keys before the decoding section -> their place in it
@@ -182,14 +194,29 @@ def part_decoding(study: Study) -> dict:
                         temperature=knobs.temperature, top_k=knobs.top_k)
     settings = [sampling, Decoding("greedy", temperature=0.0)]
     settings += [Decoding(f"beam{k}", beam_width=k) for k in study.exp.beam_widths]
-    out = run_bleu(model, tok, study.valid_texts, _protocol(study.exp), settings, csv_dir=study.run_dir / "decoding")
+    out = run_bleu(model, tok, study.valid_texts, _protocol(study.exp), settings, csv_dir=study.run_dir,
+                   csv_prefix="decoding_samples_")
     base = out["settings"][0].get("tokens_per_s")
     for row in out["settings"]:
         if base and "tokens_per_s" in row:
             row["speed_vs_sampling"] = row["tokens_per_s"] / base
     out["threads"] = study.exp.decode_threads
+    out["examples"] = _decoding_examples(study.run_dir, out["settings"], study.exp.decoding_examples)
     out["png"] = figures.decoding_chart(out["settings"], study.run_dir / "decoding.png").name
     return out
+
+
+def _decoding_examples(run_dir: Path, settings: list[dict], n: int) -> list[dict]:
+    """The first ``n`` prompts with the real continuation and each setting's, read back from the
+    per-sample CSVs just written (the table shows what the BLEU numbers were computed on)."""
+    columns = {}
+    for s in settings:
+        with open(run_dir / s["csv"], newline="", encoding="utf-8") as f:
+            columns[s["name"]] = list(csv.DictReader(f))[:n]
+    first = next(iter(columns.values()))
+    return [{"prompt": row["prompt"], "reference": row["reference_continuation"],
+             **{name: {"text": rows[i]["hypothesis_continuation"], "sentence_bleu4": float(rows[i]["sentence_bleu4"])}
+                for name, rows in columns.items()}} for i, row in enumerate(first)]
 
 
 def part_generations(study: Study) -> dict:
@@ -334,17 +361,31 @@ def part_machine(study: Study) -> dict:
     return {**machine_info(study.threads), "train_threads": study.threads, "decode_threads": study.exp.decode_threads}
 
 
-def _tradeoffs(study: Study, micro_batches: int | None = None, repeats: int | None = None) -> Tradeoffs:
+def _tradeoffs(study: Study, micro_batches: int | None = None, repeats: int | None = None,
+               whole_split: bool = False, batch_size: int | None = None) -> Tradeoffs:
+    """The trade-off runs' shared settings: on the first ``tradeoff_stories`` training stories
+    unless ``whole_split``."""
     torch.set_num_threads(study.threads)
-    return Tradeoffs(study.cfg, study.prepared, study.run_dir / "tradeoffs",
-                     micro_batches or study.exp.tradeoff_micro_batches, repeats or study.exp.tradeoff_repeats, study.threads)
+    cfg = study.cfg
+    if batch_size:
+        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, batch_size=batch_size))
+    prepared = study.prepared
+    if study.exp.tradeoff_stories and not whole_split:
+        prepared = first_stories(prepared, study.exp.tradeoff_stories)
+    return Tradeoffs(cfg, prepared, study.run_dir / "tradeoffs", micro_batches or study.exp.tradeoff_micro_batches,
+                     study.exp.tradeoff_repeats if repeats is None else repeats, study.threads)
 
 
 def part_accumulation(study: Study) -> dict:
-    tradeoffs = _tradeoffs(study)
-    rows = alternated_runs(tradeoffs, [Variant(f"accum_{k}", accum=k) for k in study.exp.accum_steps])
+    """Accumulation k = 1, 2, 4, 8 compared at equal tokens and at equal optimizer updates, whole
+    epochs of the trade-off split each, one run per setting; time per epoch measured."""
+    exp = study.exp
+    tradeoffs = _tradeoffs(study, repeats=1, batch_size=exp.accum_micro_batch)
+    rows = alternated_runs(tradeoffs, accumulation_variants(exp.accum_steps, exp.accum_epochs))
     png = figures.accumulation_curves(rows, tradeoffs.out_dir, study.run_dir / "accumulation.png")
-    return {"threads": study.threads, "repeats": study.exp.tradeoff_repeats, "rows": rows, "png": png.name}
+    return {"threads": study.threads, "repeats": 1, "rows": rows, "png": png.name, "epochs": exp.accum_epochs,
+            "train_stories": tradeoffs.prepared.splits["train"].n_docs,
+            "all_train_stories": study.prepared.splits["train"].n_docs}
 
 
 def part_checkpointing(study: Study) -> dict:
@@ -374,7 +415,7 @@ def part_embedding_init(study: Study) -> dict:
                      "(set model.tie_weights=false to compare it)")
     else:
         variants.insert(0, Variant("fasttext_frozen", "FastText frozen", embeddings={**source, "freeze": True}))
-    tradeoffs = _tradeoffs(study, study.exp.embedding_micro_batches, repeats=1)
+    tradeoffs = _tradeoffs(study, study.exp.embedding_micro_batches, repeats=1, whole_split=True)
     rows = alternated_runs(tradeoffs, variants)
     for row in rows:
         report = read_json(tradeoffs.out_dir / row["run_dir"] / "embeddings.json")

@@ -37,11 +37,23 @@ def _bleu_cell(b: dict) -> str:
     return f"{b['setting']}: BLEU {_num(b.get('bleu'))} (order not stated)" if b.get("bleu") is not None else ""
 
 
+def _budget(r: dict) -> str:
+    """What the report trained for, as printed: time, steps, epochs, batch."""
+    tr, printed = r.get("training") or {}, r.get("training_time") or ""
+    return _join([printed, f"{tr['steps']:,} steps" if tr.get("steps") and "steps" not in printed else "",
+                  f"{tr['epochs']} epochs" if tr.get("epochs") and "epoch" not in printed else "",
+                  f"batch {tr['batch_size']}" if tr.get("batch_size") else ""])
+
+
 def _report_column(r: dict) -> dict[str, str]:
     vp, ev = r.get("validation_perplexity") or {}, r.get("eval_perplexity") or {}
+    per_epoch = vp.get("per_epoch") or []
     ppl = _join([f"final {_num(vp.get('final'))}" if vp.get("final") is not None else "",
+                 f"epoch {len(per_epoch)} (last of its epoch table) {_num(per_epoch[-1])}" if per_epoch else "",
                  f"best {_num(vp.get('best'))}" if vp.get("best") is not None else "",
                  f"on the 50 BLEU samples {_num(ev.get('value'))}" if ev.get("value") is not None else ""])
+    if ppl != "-":
+        ppl += f" (after: {_budget(r)})"
     dec = (r.get("decoding_comparison") or {}).get("rows") or []
     dec_cell = _join(f"{d['setting']}: BLEU{'-4' if d.get('bleu4') is not None else ''} "
                      f"{_num(d.get('bleu4', d.get('bleu')))}, {_num(d.get('tokens_per_s'))} tok/s" for d in dec)
@@ -74,8 +86,11 @@ def _ours(parts: dict) -> dict[str, str]:
     hardware = (f"{machine.get('cpu')}, {machine.get('train_threads')} torch threads"
                 + (f", {machine['cuda']}" if machine.get("cuda") else ", no GPU")) if machine else "-"
     train_time = f"{ev.get('train_seconds', 0) / 60:.1f} min, {ev.get('steps')} steps" if ev else "-"
+    if ev.get("tokens_per_s") and ev.get("train_seconds"):
+        train_time += f", {ev['tokens_per_s'] * ev['train_seconds'] / 1e6:.2f}M training positions"
     bleu = parts.get("bleu") or {}
     bleu_cell = _join(f"{s['name']}: {s['bleu1']:.3f} / {s['bleu2']:.3f} / {s['bleu3']:.3f} / {s['bleu4']:.3f}"
+                      + (f" (sentence-averaged BLEU-4 {s['sentence_bleu']['bleu4']:.4f})" if "sentence_bleu" in s else "")
                       for s in bleu.get("settings", []) if "bleu4" in s)
     dec = parts.get("decoding") or {}
     dec_cell = _join(f"{s['name']}: BLEU-4 {s['bleu4']:.3f}, {s['tokens_per_s']:.0f} tok/s"
@@ -92,6 +107,8 @@ def _ours(parts: dict) -> dict[str, str]:
     ppl = f"{valid['token_ppl']:.2f} (every validation story)" if valid.get("token_ppl") else "-"
     if bleu.get("reference_ppl"):
         ppl += f"; on the BLEU samples' continuations {bleu['reference_ppl']:.2f}"
+    if ppl != "-":
+        ppl += f" (after: {train_time})"
     return {"hardware": hardware, "training time": train_time, "validation perplexity": ppl,
             "BLEU-1 / 2 / 3 / 4": bleu_cell, "decoding comparison": dec_cell, "KV cache": kv_cell,
             "gradient accumulation": acc_cell, "gradient checkpointing": ck_cell}

@@ -28,22 +28,30 @@ def _bar_labels(ax, bars, fmt: str) -> None:
 
 
 def accumulation_curves(rows: list[dict], runs_dir: Path, path: str | Path) -> Path:
-    """Training loss of every accumulation setting on one plot: against tokens seen (the same
-    micro-batches for all) and against optimizer updates (k times fewer with k accumulation steps)."""
+    """Training loss of every accumulation setting in its two comparisons: at equal tokens (every k
+    trains the same epochs, against tokens seen) and at equal optimizer updates (k trains k times
+    the data, against updates). A run without a comparison (older files) appears in both."""
     plt = pyplot()
-    fig, (ax_tokens, ax_steps) = plt.subplots(1, 2, figsize=(10, 3.8))
+    fig, (ax_tokens, ax_steps) = plt.subplots(1, 2, figsize=(11, 4))
+    colors = {k: f"C{i}" for i, k in enumerate(sorted({r["accum_steps"] for r in rows}))}
+    panels = ((ax_tokens, "tokens", {"equal tokens"}), (ax_steps, "step", {"equal updates"}))
     for row in rows:
         metrics = [m for m in read_metrics(runs_dir / row["run_dir"] / "metrics.csv") if m.get("train_loss") is not None]
-        label = f"accumulation {row['accum_steps']} (batch {row['effective_batch']})"
+        epochs = f", {row['epochs']} epoch{'s' if row['epochs'] != 1 else ''}" if row.get("epochs") else ""
+        label = f"k={row['accum_steps']} (batch {row['effective_batch']}, {row['optimizer_steps']} updates{epochs})"
         marker = "o-" if len(metrics) < 30 else "-"  # a run of few updates still shows its points
-        for ax, x in ((ax_tokens, "tokens"), (ax_steps, "step")):
-            ax.plot([m[x] for m in metrics], [m["train_loss"] for m in metrics], marker, label=label, markersize=3)
-    ax_tokens.set(xlabel="tokens seen", ylabel="training loss (nats / token)", title="against tokens seen")
-    ax_steps.set(xlabel="optimizer updates", ylabel="training loss (nats / token)", title="against updates")
+        for ax, x, wanted in panels:
+            if row.get("comparison") in (*wanted, "both", "", None):
+                ax.plot([m[x] for m in metrics], [m["train_loss"] for m in metrics], marker, label=label,
+                        markersize=3, color=colors[row["accum_steps"]], linewidth=1)
+    ax_tokens.set(xlabel="tokens seen", ylabel="training loss (nats / token)", title="equal tokens: the same epochs")
+    ax_steps.set(xlabel="optimizer updates", ylabel="training loss (nats / token)",
+                 title="equal updates: k times the tokens")
     for ax in (ax_tokens, ax_steps):
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.suptitle("Gradient accumulation: the same micro-batches, k micro-batches per update")
+        ax.legend(fontsize=7)
+    micro = rows[0]["micro_batch"] if rows else "?"
+    fig.suptitle(f"Gradient accumulation: k micro-batches of {micro} stories per update")
     return _save(fig, plt, path)
 
 

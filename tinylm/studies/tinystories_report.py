@@ -18,15 +18,22 @@ def _mib(n) -> str:
     return "missing" if n is None else f"{n / 2**20:.2f} MiB"
 
 
+def _sentence_bleu4(s: dict) -> str:
+    return f"{s['sentence_bleu']['bleu4']:.4f}" if "sentence_bleu" in s else "missing"
+
+
 def _bleu_rows(settings):
     rows = []
     for s in settings:
         if "missing" in s:
-            rows.append((s["name"], *(["missing"] * 5), "missing: " + s["missing"]))
+            rows.append((s["name"], *(["missing"] * 6), "missing: " + s["missing"]))
             continue
-        rows.append((s["name"], s["bleu1"], s["bleu2"], s["bleu3"], s["bleu4"], f"{s['sacrebleu']['bleu']:.2f}",
-                     f"{s['tokens_per_s']:.0f}"))
+        rows.append((s["name"], s["bleu1"], s["bleu2"], s["bleu3"], s["bleu4"], _sentence_bleu4(s),
+                     f"{s['sacrebleu']['bleu']:.2f}", f"{s['tokens_per_s']:.0f}"))
     return rows
+
+
+BLEU_HEADERS = ["BLEU-1", "BLEU-2", "BLEU-3", "BLEU-4", "sentence BLEU-4", "sacreBLEU", "tokens/s"]
 
 
 def _start_section(doc: Doc, heading: str, part, name: str, what: str) -> bool:
@@ -53,11 +60,14 @@ def _section_bleu(doc: Doc, run: Path, bleu, ev):
           f"{pr['prompt_tokens']} tokens, reference = {rest}; sample k decodes with seed {pr['seed']} + k. "
           f"BLEU-1..4: cumulative, uniform weights, NLTK-style corpus BLEU with smoothing `{pr['smoothing']}` "
           f"(SmoothingFunction().method1: zero counts become 0.1) on tokens `{bleu['bleu_tokenization']}`. "
+          f"Sentence BLEU-4: the mean over the samples of each one's own BLEU-4 (NLTK's `sentence_bleu`, the same "
+          f"smoothing `{pr['smoothing']}`): the \"average BLEU over 50 samples\" two reports published, which "
+          "weighs every sample alike and is lifted by smoothing wherever a sample shares no 4-gram. "
           f"sacreBLEU: 0-100, signature `{(bleu['settings'] or [{}])[0].get('sacrebleu', {}).get('signature', 'missing')}`.")
     doc.p(bleu["meaning"])
     for note in bleu.get("notes", []):
         doc.p(f"**note:** {note}")
-    doc.table(["temperature", "BLEU-1", "BLEU-2", "BLEU-3", "BLEU-4", "sacreBLEU", "tokens/s"], _bleu_rows(bleu["settings"]))
+    doc.table(["temperature", *BLEU_HEADERS], _bleu_rows(bleu["settings"]))
     valid = (ev or {}).get("eval", {}).get("valid", {})
     doc.table(["perplexity", "value", "meaning"], [
         ("validation token ppl", valid.get("token_ppl"), "every validation story, from <sos>"),
@@ -66,7 +76,8 @@ def _section_bleu(doc: Doc, run: Path, bleu, ev):
          f"the {bleu['reference_tokens']:,} real continuation tokens given their prompts (not the model's own samples)"),
         ("mean per-sample ppl", bleu["mean_per_sample_ppl"], "mean of the CSV's per_sample_ppl column")])
     files = ", ".join(f"`{s['csv']}`" for s in bleu["settings"] if s.get("csv"))
-    doc.p(f"Per-sample CSVs (prompt, reference_continuation, hypothesis_continuation, per_sample_ppl): {files}")
+    doc.p(f"Per-sample CSVs (prompt, reference_continuation, hypothesis_continuation, per_sample_ppl, "
+          f"sentence_bleu4): {files}")
 
 
 def _section_generations(doc: Doc, generations, run_samples):
@@ -95,11 +106,28 @@ def _section_decoding(doc: Doc, run: Path, dec):
           f"torch threads: {dec.get('threads')}, one prompt at a time.")
     rows = [(*base, f"{s['speed_vs_sampling']:.2f}x" if "speed_vs_sampling" in s else "missing")
             for s, base in zip(dec["settings"], _bleu_rows(dec["settings"]))]
-    doc.table(["decoding", "BLEU-1", "BLEU-2", "BLEU-3", "BLEU-4", "sacreBLEU", "tokens/s", "speed vs sampling"], rows)
+    doc.table(["decoding", *BLEU_HEADERS, "speed vs sampling"], rows)
     _figure(doc, run, dec, "BLEU and decoding speed of each setting")
+    files = ", ".join(f"`{s['csv']}`" for s in dec["settings"] if s.get("csv"))
+    if files:
+        doc.p(f"Per-sample CSVs (the BLEU protocol's columns): {files}")
+    _decoding_examples(doc, dec)
     for s in dec["settings"]:
         if "missing" in s:
             doc.missing.append(f"decoding {s['name']}: {s['missing']}")
+
+
+def _decoding_examples(doc: Doc, dec: dict) -> None:
+    examples = dec.get("examples")
+    if not examples:
+        doc.lack("decoding.json has no example continuations (a run from before they were kept)")
+        return
+    names = [s["name"] for s in dec["settings"] if s["name"] in examples[0]]
+    doc.p(f"The first {len(examples)} of these prompts, each setting's continuation side by side (the same tokens "
+          "the BLEU numbers above were computed on; its sentence BLEU-4 in brackets):")
+    doc.table(["prompt", "real continuation", *names],
+              [(e["prompt"], e["reference"], *(f"{e[n]['text']} ({e[n]['sentence_bleu4']:.3f})" for n in names))
+               for e in examples])
 
 
 def _section_kv(doc: Doc, kv):
@@ -108,13 +136,17 @@ def _section_kv(doc: Doc, kv):
     doc.p(f"A batch of {kv.get('batch', 1)} prompts (the first tokens of validation stories) decoded together, "
           f"torch threads: {kv['threads']}, median of {kv['repeats']} alternated runs (cache, no cache, ...); "
           f"context {kv['context_length']}; sampling is seeded per row. Cache memory: keys and values of every layer "
-          "for the batch (float32). Past the context the two paths slide differently (the cache is re-filled with "
-          "the last half context, the uncached path keeps the last full context), so their tokens may differ there.")
-    doc.table(["decoding", "batch x new tokens", "cache memory", "with cache tok/s", "without tok/s", "speed-up",
-               "same tokens", "beyond context"],
-              [(r.get("decoding", "greedy"), f"{r.get('batch', 1)} x {r['new_tokens']}", _mib(r.get("cache_bytes")),
+          "for the batch (float32); the cache never holds more than the context. Rows whose prompt + new tokens "
+          f"pass the context of {kv['context_length']} decode with a sliding window (tinylm.generation): when the "
+          f"cache is full it is emptied and re-filled with the last {kv['context_length'] // 2} tokens of each row "
+          f"(positions restart at 0), while the uncached path reads the last {kv['context_length']} tokens at every "
+          "step; the two therefore see different windows past the context, and their tokens may differ there.")
+    doc.table(["decoding", "batch x new tokens", "total tokens per row", "cache memory", "with cache tok/s",
+               "without tok/s", "speed-up", "same tokens", "past the context"],
+              [(r.get("decoding", "greedy"), f"{r.get('batch', 1)} x {r['new_tokens']}",
+                r.get("total_tokens", "missing"), _mib(r.get("cache_bytes")),
                 f"{r['cache_tokens_per_s']:.0f}", f"{r['nocache_tokens_per_s']:.0f}", f"{r['speedup']:.2f}x",
-                r["same_tokens"], r["beyond_context"]) for r in kv["rows"]])
+                r["same_tokens"], "sliding window" if r["beyond_context"] else "no") for r in kv["rows"]])
 
 
 def _figure(doc: Doc, run: Path, part: dict, alt: str) -> None:
@@ -131,19 +163,36 @@ def _each(row) -> str:
 def _section_accum(doc: Doc, run: Path, acc):
     if not _start_section(doc, "Gradient accumulation", acc, "accumulation", "the accumulation runs"):
         return
-    r0 = acc["rows"][0] if acc["rows"] else {}
-    doc.p(f"Each run trains a fresh model on the same {r0.get('micro_batches')} micro-batches of {r0.get('micro_batch')} "
-          f"sequences (torch threads: {acc['threads']}; seconds and tokens/s: median of {acc.get('repeats', 1)} runs in "
-          "alternated rounds, training steps only); accumulation k makes "
-          f"{r0.get('micro_batches')}/k optimizer steps of an "
-          "effective batch k times larger. Epoch time is projected from the measured time per micro-batch. Activation "
-          "memory is per micro-batch (bytes autograd saves), so accumulation does not change it.")
-    doc.table(["accumulation", "effective batch", "steps", "final train loss", "final valid loss", "seconds",
-               "each run (s)", "tokens/s", "projected s / epoch", "peak activation memory"],
-              [(r["accum_steps"], r["effective_batch"], r["optimizer_steps"], r["final_train_loss"], r["final_val_loss"],
-                f"{r['seconds']:.1f}", _each(r), f"{r['tokens_per_s']:.0f}", f"{r['projected_epoch_seconds']:.0f}",
-                _mib(r["peak_activation_bytes"])) for r in acc["rows"]])
-    _figure(doc, run, acc, "training loss of each accumulation setting against tokens seen and against updates")
+    rows = acc["rows"]
+    r0 = rows[0] if rows else {}
+    if "epochs" not in acc:  # written before the two comparisons: equal micro-batches only
+        doc.p(f"Each run trains a fresh model on the same {r0.get('micro_batches')} micro-batches of "
+              f"{r0.get('micro_batch')} sequences; accumulation k makes {r0.get('micro_batches')}/k optimizer steps. "
+              "Epoch time is projected from the measured time per micro-batch.")
+    else:
+        split = (f"the first {acc['train_stories']:,} of the {acc['all_train_stories']:,} training stories"
+                 if acc["train_stories"] < acc["all_train_stories"] else f"all {acc['train_stories']:,} training stories")
+        doc.p(f"Each run trains a fresh model on {split} (FastText vectors, when the run uses trained ones, are "
+              f"trained on that split), in micro-batches of {r0.get('micro_batch')} stories, whole "
+              f"epochs in the trainer's seeded order (torch threads: {acc['threads']}; one run per setting). Two "
+              f"comparisons: **equal tokens**, every k trains {acc['epochs']} epoch(s), so k makes k times fewer "
+              "updates of a k times larger batch; **equal updates**, k trains k times the epochs, so every k makes "
+              "the updates of the smallest k. The smallest k's run belongs to both. Seconds per epoch are measured: "
+              "the median over the run's epochs of the trainer's time between epoch ends (each includes the short "
+              "validation that ended the epoch before). Activation memory is per micro-batch (bytes autograd saves), "
+              "so accumulation does not change it. The reports compared at equal tokens: each trained every k on "
+              "the same data and printed the time per epoch and the loss reached.")
+    headers = ["comparison", "accumulation", "effective batch", "epochs", "updates", "final train loss",
+               "final valid loss", "seconds", "s / epoch (measured)", "tokens/s", "peak activation memory"]
+    table = []
+    for r in rows:
+        per_epoch = (f"{r['epoch_seconds']:.0f}" if r.get("epoch_seconds") is not None
+                     else f"{r['projected_epoch_seconds']:.0f} (projected)")
+        table.append((r.get("comparison") or "equal micro-batches", r["accum_steps"], r["effective_batch"], r.get("epochs") or "-",
+                      r["optimizer_steps"], r["final_train_loss"], r["final_val_loss"], f"{r['seconds']:.1f}",
+                      per_epoch, f"{r['tokens_per_s']:.0f}", _mib(r["peak_activation_bytes"])))
+    doc.table(headers, table)
+    _figure(doc, run, acc, "training loss of each accumulation setting at equal tokens and at equal updates")
     if acc.get("missing"):
         doc.lack(acc["missing"])
 
