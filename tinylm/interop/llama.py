@@ -54,6 +54,22 @@ def is_llama_shape(cfg: ModelConfig) -> bool:
     return cfg.positions == "rope" and cfg.norm == "rmsnorm" and cfg.ffn == "swiglu" and not cfg.bias
 
 
+def non_llama_options(cfg: ModelConfig) -> list[str]:
+    """The options of ``cfg`` a Llama-shaped file (llama.cpp's llama graph, llama2.c) has no place
+    for, each named as the config writes it."""
+    cfg = cfg.resolved()
+    reasons = {
+        f"model.positions={cfg.positions} (Llama uses rotary positions)": cfg.positions != "rope",
+        f"model.norm={cfg.norm} (Llama uses RMSNorm)": cfg.norm != "rmsnorm",
+        f"model.ffn={cfg.ffn} (Llama's feed-forward is SwiGLU)": cfg.ffn != "swiglu",
+        "model.bias=true (Llama has no biases)": cfg.bias,
+        "model.qk_norm=true": cfg.qk_norm,
+        f"model.logit_softcap={cfg.logit_softcap}": cfg.logit_softcap is not None,
+        f"model.d_embed={cfg.d_embed} (an embedding projection)": cfg.d_embed != cfg.d_model,
+    }
+    return [name for name, bad in reasons.items() if bad]
+
+
 def config_from_llama(c) -> ModelConfig:
     if getattr(c, "hidden_act", "silu") != "silu":
         raise TinyLMError(f"Llama model not supported: activation {c.hidden_act!r}")

@@ -1,14 +1,20 @@
-"""llama2.c legacy ``.bin`` checkpoints (version 0 of karpathy/llama2.c's export) <-> tinylm GPT.
+"""llama2.c ``.bin`` checkpoints (karpathy/llama2.c's export, versions 0 and 1) <-> tinylm GPT.
 
-Layout: a header of 7 int32 (dim, hidden_dim, n_layers, n_heads, n_kv_heads, vocab_size,
-seq_len; a negative vocab_size means the classifier is stored separately), then float32
-tensors in this order, each stacked over layers where it has one per layer:
+Version 0 (the legacy export, the one run.c reads): a header of 7 int32 (dim, hidden_dim,
+n_layers, n_heads, n_kv_heads, vocab_size, seq_len; a negative vocab_size means the classifier is
+stored separately), then float32 tensors in this order, each stacked over layers where it has one
+per layer:
 
     token embedding (V, dim) | attention RMSNorm (L, dim) | wq (L, dim, dim) | wk (L, kv, dim)
     wv (L, kv, dim) | wo (L, dim, dim) | FFN RMSNorm (L, dim) | w1 (L, hidden, dim)
     w2 (L, dim, hidden) | w3 (L, hidden, dim) | final RMSNorm (dim)
     freq_cis real and imaginary halves (seq_len, head/2 each; unused, recomputed)
     classifier (V, dim), only when vocab_size was negative
+
+Version 1 (export.py's ``version1_export``): a 256-byte header (uint32 magic "ak42", int32
+version, the same 7 int32 with a positive vocab_size, one byte "classifier shared", zeros), then
+the norms first (attention RMSNorm, FFN RMSNorm, final RMSNorm), the token embedding, wq, wk, wv,
+wo, w1, w2, w3, and the classifier when it is not shared; no freq_cis tables.
 
 Weights are (out, in) like ``nn.Linear``; the FFN is w2(silu(w1 x) * w3 x), so w1 -> gate,
 w3 -> up, w2 -> down. Rotary pairs are interleaved, as in tinylm. RMSNorm eps is 1e-5 and
@@ -25,31 +31,40 @@ import torch
 
 from tinylm.config import ModelConfig
 from tinylm.errors import TinyLMError
-from tinylm.interop.llama import is_llama_shape
+from tinylm.interop.llama import non_llama_options
 from tinylm.models.gpt import GPT, rope_tables
 
 HEADER = struct.Struct("<7i")
+MAGIC = 0x616B3432  # "ak42" read as a little-endian uint32: the start of a version-1+ header
+V1_HEADER_SIZE = 256
+LLAMA2C_VERSIONS = (0, 1)
 BOS_ID, EOS_ID = 1, 2
 
 
 def read_header(path: str | Path) -> dict:
+    """The 7 sizes, ``shared_classifier``, ``version`` and ``offset`` (bytes before the weights)."""
     path = Path(path)
     with open(path, "rb") as fh:
-        raw = fh.read(HEADER.size)
+        raw = fh.read(V1_HEADER_SIZE)
     if len(raw) < HEADER.size:
         raise TinyLMError(f"{path} is too short to be a llama2.c checkpoint")
-    dim, hidden, n_layers, n_heads, n_kv_heads, vocab, seq_len = HEADER.unpack(raw)
-    return {"dim": dim, "hidden_dim": hidden, "n_layers": n_layers, "n_heads": n_heads,
-            "n_kv_heads": n_kv_heads, "vocab_size": abs(vocab), "shared_classifier": vocab > 0, "seq_len": seq_len}
+    version, offset = 0, HEADER.size
+    if struct.unpack_from("<I", raw)[0] == MAGIC:
+        version, offset = struct.unpack_from("<i", raw, 4)[0], V1_HEADER_SIZE
+        if version not in LLAMA2C_VERSIONS:
+            raise TinyLMError(f"{path} is a llama2.c version-{version} checkpoint; tinylm reads versions 0 and 1 "
+                              "(version 2 is runq.c's int8 format)")
+        if len(raw) < V1_HEADER_SIZE:
+            raise TinyLMError(f"{path} is too short to be a llama2.c version-1 checkpoint")
+    dim, hidden, n_layers, n_heads, n_kv_heads, vocab, seq_len = HEADER.unpack_from(raw, 8 if version else 0)
+    shared = bool(raw[8 + HEADER.size]) if version else vocab > 0
+    return {"dim": dim, "hidden_dim": hidden, "n_layers": n_layers, "n_heads": n_heads, "n_kv_heads": n_kv_heads,
+            "vocab_size": abs(vocab), "shared_classifier": shared, "seq_len": seq_len, "version": version,
+            "offset": offset}
 
 
 def _expected_floats(h: dict) -> int:
-    dim, hid, L, V = h["dim"], h["hidden_dim"], h["n_layers"], h["vocab_size"]
-    head = dim // h["n_heads"]
-    kv = h["n_kv_heads"] * head
-    n = V * dim + L * dim + L * dim * dim + 2 * L * kv * dim + L * dim * dim + L * dim
-    n += 3 * L * hid * dim + dim + h["seq_len"] * head  # freq_cis real + imag: seq_len * head/2 each
-    return n + (0 if h["shared_classifier"] else V * dim)
+    return sum(int(np.prod(shape)) for _, shape in _tensor_shapes(h))
 
 
 def looks_like_llama2c(path: str | Path) -> bool:
@@ -61,7 +76,7 @@ def looks_like_llama2c(path: str | Path) -> bool:
     dims = (h["dim"], h["hidden_dim"], h["n_layers"], h["n_heads"], h["n_kv_heads"], h["vocab_size"], h["seq_len"])
     if min(dims) < 1 or h["dim"] % h["n_heads"] or h["n_heads"] % h["n_kv_heads"] or max(dims) > 1 << 24:
         return False
-    return path.stat().st_size == HEADER.size + 4 * _expected_floats(h)
+    return path.stat().st_size == h["offset"] + 4 * _expected_floats(h)
 
 
 def config_from_header(h: dict) -> ModelConfig:
@@ -72,65 +87,92 @@ def config_from_header(h: dict) -> ModelConfig:
                        tie_weights=h["shared_classifier"], attention="sdpa")
 
 
+# (llama2.c name, tinylm name inside a block) of every per-layer tensor
+LAYER_WEIGHTS = [("rms_att", "norm1.weight"), ("wq", "attn.q_proj.weight"), ("wk", "attn.k_proj.weight"),
+                 ("wv", "attn.v_proj.weight"), ("wo", "attn.out_proj.weight"), ("rms_ffn", "norm2.weight"),
+                 ("w1", "ffn.gate.weight"), ("w2", "ffn.down.weight"), ("w3", "ffn.up.weight")]
+
+
+def _tensor_shapes(h: dict) -> list[tuple[str, tuple[int, ...]]]:
+    """(name, shape) of every tensor in the file's order; ``freq_cis`` is version 0's unused tables."""
+    dim, hid, L, V = h["dim"], h["hidden_dim"], h["n_layers"], h["vocab_size"]
+    kv = h["n_kv_heads"] * (dim // h["n_heads"])
+    matrices = [("wq", (L, dim, dim)), ("wk", (L, kv, dim)), ("wv", (L, kv, dim)), ("wo", (L, dim, dim))]
+    ffn = [("w1", (L, hid, dim)), ("w2", (L, dim, hid)), ("w3", (L, hid, dim))]
+    if h["version"] == 0:
+        shapes = [("emb", (V, dim)), ("rms_att", (L, dim)), *matrices, ("rms_ffn", (L, dim)), *ffn,
+                  ("rms_final", (dim,)), ("freq_cis", (h["seq_len"], dim // h["n_heads"]))]
+    else:
+        shapes = [("rms_att", (L, dim)), ("rms_ffn", (L, dim)), ("rms_final", (dim,)), ("emb", (V, dim)),
+                  *matrices, *ffn]
+    return shapes + ([] if h["shared_classifier"] else [("wcls", (V, dim))])
+
+
+def _split_weights(data: torch.Tensor, h: dict) -> dict[str, torch.Tensor]:
+    out, offset = {}, 0
+    for name, shape in _tensor_shapes(h):
+        n = int(np.prod(shape))
+        out[name] = data[offset: offset + n].view(*shape)
+        offset += n
+    out.setdefault("wcls", out["emb"])
+    return out
+
+
 def load_llama2c(path: str | Path) -> GPT:
-    """Read a legacy llama2.c checkpoint into a tinylm GPT (eval mode, float32)."""
+    """Read a llama2.c checkpoint (version 0 or 1) into a tinylm GPT (eval mode, float32)."""
     path = Path(path)
     if not path.is_file():
         raise TinyLMError(f"llama2.c checkpoint {path} does not exist")
     if not looks_like_llama2c(path):
-        raise TinyLMError(f"{path} is not a legacy llama2.c .bin checkpoint (header and file size disagree)")
+        raise TinyLMError(f"{path} is not a llama2.c .bin checkpoint (header and file size disagree)")
     h = read_header(path)
-    data = torch.from_numpy(np.fromfile(path, dtype="<f4", offset=HEADER.size).astype(np.float32))
-    dim, hid, L, V = h["dim"], h["hidden_dim"], h["n_layers"], h["vocab_size"]
-    head = dim // h["n_heads"]
-    kv = h["n_kv_heads"] * head
-    offset = 0
-
-    def take(*shape):
-        nonlocal offset
-        n = int(np.prod(shape))
-        t = data[offset : offset + n].view(*shape)
-        offset += n
-        return t
-
-    emb = take(V, dim)
-    rms_att, wq, wk, wv, wo = take(L, dim), take(L, dim, dim), take(L, kv, dim), take(L, kv, dim), take(L, dim, dim)
-    rms_ffn, w1, w2, w3 = take(L, dim), take(L, hid, dim), take(L, dim, hid), take(L, hid, dim)
-    rms_final = take(dim)
-    take(h["seq_len"], head)  # legacy freq_cis tables: tinylm recomputes the same angles
-    wcls = emb if h["shared_classifier"] else take(V, dim)
-
+    data = torch.from_numpy(np.fromfile(path, dtype="<f4", offset=h["offset"]).astype(np.float32))
+    w = _split_weights(data, h)
     model = GPT(config_from_header(h))
-    state = {"tok_emb.weight": emb, "norm_f.weight": rms_final, "lm_head.weight": wcls}
-    for i in range(L):
-        b = f"blocks.{i}."
-        state.update({b + "norm1.weight": rms_att[i], b + "attn.q_proj.weight": wq[i], b + "attn.k_proj.weight": wk[i],
-                      b + "attn.v_proj.weight": wv[i], b + "attn.out_proj.weight": wo[i],
-                      b + "norm2.weight": rms_ffn[i], b + "ffn.gate.weight": w1[i], b + "ffn.down.weight": w2[i],
-                      b + "ffn.up.weight": w3[i]})
+    state = {"tok_emb.weight": w["emb"], "norm_f.weight": w["rms_final"], "lm_head.weight": w["wcls"]}
+    for i in range(h["n_layers"]):
+        state.update({f"blocks.{i}.{ours}": w[theirs][i] for theirs, ours in LAYER_WEIGHTS})
     model.load_state_dict({k: v.clone() for k, v in state.items()}, strict=True)
     return model.eval()
 
 
-def save_llama2c(model: GPT, path: str | Path) -> Path:
-    """Write a Llama-shaped tinylm GPT as a legacy llama2.c checkpoint (run.c can load it)."""
+def unsupported_options(cfg: ModelConfig) -> list[str]:
+    """The options of ``cfg`` a llama2.c checkpoint has no place for (run.c fixes eps and theta)."""
+    cfg = cfg.resolved()
+    reasons = {
+        f"model.d_attn={cfg.d_attn} (llama2.c's attention is d_model={cfg.d_model} wide)": cfg.d_attn != cfg.d_model,
+        f"model.rope_theta={cfg.rope_theta:g} (run.c uses 10000)": cfg.rope_theta != 10000.0,
+        f"model.norm_eps={cfg.norm_eps:g} (run.c uses 1e-5)": cfg.norm_eps != 1e-5,
+    }
+    return non_llama_options(cfg) + [name for name, bad in reasons.items() if bad]
+
+
+def save_llama2c(model: GPT, path: str | Path, version: int = 0) -> Path:
+    """Write a Llama-shaped tinylm GPT as a llama2.c checkpoint: version 0 is the one run.c reads."""
     cfg = model.config
-    if not is_llama_shape(cfg) or cfg.d_attn != cfg.d_model:
-        raise TinyLMError("only a Llama-shaped model with d_attn == d_model can be written in llama2.c format")
+    bad = unsupported_options(cfg)
+    if bad:
+        raise TinyLMError("this model cannot be written in llama2.c format: " + "; ".join(bad))
+    if version not in LLAMA2C_VERSIONS:
+        raise TinyLMError(f"llama2.c version {version} is not one of {LLAMA2C_VERSIONS} (version 2 is runq.c's int8)")
     sd = {k: v.detach().float().cpu() for k, v in model.state_dict().items()}
-    L = cfg.n_layers
-    stack = lambda name: torch.stack([sd[f"blocks.{i}.{name}"] for i in range(L)])  # noqa: E731
+    tensors = {"emb": sd["tok_emb.weight"], "rms_final": sd["norm_f.weight"], "wcls": sd["lm_head.weight"]}
+    for theirs, ours in LAYER_WEIGHTS:
+        tensors[theirs] = torch.stack([sd[f"blocks.{i}.{ours}"] for i in range(cfg.n_layers)])
     cos, sin = rope_tables(cfg.context_length, cfg.d_model // cfg.n_heads, cfg.rope_theta)
-    parts = [sd["tok_emb.weight"], stack("norm1.weight"), stack("attn.q_proj.weight"), stack("attn.k_proj.weight"),
-             stack("attn.v_proj.weight"), stack("attn.out_proj.weight"), stack("norm2.weight"),
-             stack("ffn.gate.weight"), stack("ffn.down.weight"), stack("ffn.up.weight"), sd["norm_f.weight"],
-             cos, sin]
-    if not cfg.tie_weights:
-        parts.append(sd["lm_head.weight"])
-    vocab = cfg.vocab_size if cfg.tie_weights else -cfg.vocab_size
+    tensors["freq_cis"] = torch.cat([cos.flatten(), sin.flatten()])
+    sizes = (cfg.d_model, cfg.d_ff, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads)
+    if version == 0:
+        header = HEADER.pack(*sizes, cfg.vocab_size if cfg.tie_weights else -cfg.vocab_size, cfg.context_length)
+    else:
+        header = struct.pack("<Ii", MAGIC, version) + HEADER.pack(*sizes, cfg.vocab_size, cfg.context_length)
+        header = (header + bytes([cfg.tie_weights])).ljust(V1_HEADER_SIZE, b"\0")
+    h = {"dim": cfg.d_model, "hidden_dim": cfg.d_ff, "n_layers": cfg.n_layers, "n_heads": cfg.n_heads,
+         "n_kv_heads": cfg.n_kv_heads, "vocab_size": cfg.vocab_size, "seq_len": cfg.context_length,
+         "shared_classifier": cfg.tie_weights, "version": version}
     path = Path(path)
     with open(path, "wb") as fh:
-        fh.write(HEADER.pack(cfg.d_model, cfg.d_ff, L, cfg.n_heads, cfg.n_kv_heads, vocab, cfg.context_length))
-        for t in parts:
-            fh.write(t.contiguous().numpy().astype("<f4").tobytes())
+        fh.write(header)
+        for name, _ in _tensor_shapes(h):
+            fh.write(tensors[name].contiguous().numpy().astype("<f4").tobytes())
     return path

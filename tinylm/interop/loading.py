@@ -22,6 +22,7 @@ from tinylm.interop.gpt2 import from_hf_gpt2, is_gpt2_shape, to_hf_gpt2
 from tinylm.interop.llama import from_hf_llama, is_llama_shape, to_hf_llama
 from tinylm.interop.llama2c import load_llama2c, looks_like_llama2c
 from tinylm.models.checkpoint import load_checkpoint
+from tinylm.models.short_context import load_short_context, looks_like_short_context
 from tinylm.tokenizers.base import Tokenizer
 from tinylm.tokenizers.io import TOKENIZER_TYPES, load_tokenizer
 
@@ -102,13 +103,32 @@ def _hf_dir_tokenizer(path: Path):
                           "give one with --tokenizer") from exc
 
 
+def _short_context_model(path: Path, tokenizer_path: str | Path | None):
+    """An n-gram (.npz) or neural bigram (.pt) file with its tokenizer: ``tokenizer_path``, else the
+    ``tokenizer.json`` beside it (where ``tinylm study shakespeare`` keeps both)."""
+    tokenizer_path = tokenizer_path or path.parent / "tokenizer.json"
+    if not Path(tokenizer_path).is_file():
+        raise TinyLMError(f"{path} is an n-gram or bigram model and {tokenizer_path} does not exist; give its "
+                          "tokenizer with --tokenizer")
+    model = load_short_context(path)
+    tokenizer = load_tokenizer(tokenizer_path)
+    if tokenizer.vocab_size != model.config.vocab_size:
+        raise TinyLMError(f"tokenizer {tokenizer_path} has {tokenizer.vocab_size} pieces but the model {path} "
+                          f"({model.config.described}) has {model.config.vocab_size}; give the tokenizer it was "
+                          "trained with")
+    return model.eval(), tokenizer, {"format": model.config.kind}
+
+
 def load_any_checkpoint(path: str | Path, tokenizer_path: str | Path | None = None, device="cpu"):
     """(model in eval mode, tokenizer, source) for a tinylm checkpoint or run directory, a llama2.c
-    ``.bin`` checkpoint (needs ``tokenizer_path``: its ``tokenizer.bin``), or an HF model directory
-    (tokenizer from the directory, else ``tokenizer_path``)."""
+    ``.bin`` checkpoint (needs ``tokenizer_path``: its ``tokenizer.bin``), an HF model directory
+    (tokenizer from the directory, else ``tokenizer_path``), or an n-gram ``.npz`` / neural bigram
+    ``.pt`` file (tokenizer ``tokenizer_path`` or the ``tokenizer.json`` beside it)."""
     path = Path(path)
     if not path.exists():
         raise TinyLMError(f"checkpoint {path} does not exist")
+    if path.is_file() and looks_like_short_context(path):
+        return _short_context_model(path, tokenizer_path)
     if path.is_file():
         if not looks_like_llama2c(path):
             raise TinyLMError(f"{path} is a file but not a llama2.c .bin checkpoint; give a tinylm checkpoint "

@@ -13,11 +13,17 @@ The rules a request follows (docs/serving.md):
 - as OpenAI does, the text ends before the first stop string (``tinylm generate`` prints it).
 - ``logprobs``: log probabilities under the model itself (before temperature and the other
   knobs), with the top-N alternatives of each token.
+- ``echo`` with ``logprobs`` scores every prompt token as given (the first has no log probability,
+  ``null``; a prompt longer than the context with the strided windows of ``tinylm evaluate``);
+  ``max_tokens: 0`` then asks for nothing more. A choice that ended on a stop token lists that
+  token last (its text is empty), as OpenAI does: lm-evaluation-harness's ``local-completions``
+  model asks for one new token and drops the last entry (docs/evaluation.md).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import secrets
 import time
 import warnings
@@ -62,8 +68,11 @@ def bad(param: str, message: str, code: str = "invalid_value") -> APIError:
 class Choice:
     index: int
     prompt: str  # the prompt's text as the reader sees it (for echo)
-    prompt_ids: list[int]
+    prompt_ids: list[int]  # what decoding starts from: the prompt's last context_length ids
     cfg: GenerationConfig
+    echo_ids: list[int] = field(default_factory=list)  # every id of the prompt, scored with echo
+    stop_id: int | None = None  # the stop token that ended it, as the decoder reports it
+    stop: tuple | None = None  # with echo and logprobs: (id, log p, alternatives) of that stop token
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     top: list[list[tuple[int, float]]] = field(default_factory=list)
@@ -86,6 +95,11 @@ class Plan:
         return self.request.beam_width > 1
 
     @property
+    def scoring_only(self) -> bool:
+        """max_tokens 0 (with echo): the prompt is scored, nothing is decoded."""
+        return self.request.max_tokens == 0
+
+    @property
     def stops(self) -> tuple[str, ...]:
         return self.choices[0].cfg.stop_strings if self.choices else ()
 
@@ -94,8 +108,13 @@ class Plan:
 def _check_request(r: CompletionRequest, limits: Limits) -> None:
     """What only a request has: the server's limits, logprobs, streaming, OpenAI's neutral fields
     (the decoding knobs are GenerationConfig's to check)."""
-    if not 1 <= r.max_tokens <= limits.max_tokens:
-        raise bad("max_tokens", f"must be between 1 and {limits.max_tokens} (this server's limit), got {r.max_tokens}")
+    if r.max_tokens == 0 and not r.echo:
+        raise bad("max_tokens", "0 asks for no new token: only with echo (to score the prompt)")
+    if r.max_tokens == 0 and r.stream:
+        raise bad("stream", "max_tokens 0 only scores the prompt; there is nothing to stream")
+    if not 0 <= r.max_tokens <= limits.max_tokens:
+        raise bad("max_tokens", f"must be between 0 (with echo) and {limits.max_tokens} (this server's limit), "
+                  f"got {r.max_tokens}")
     if r.n < 1:
         raise bad("n", f"must be >= 1, got {r.n}")
     if r.logprobs is not None and not 0 <= r.logprobs <= MAX_LOGPROBS:
@@ -177,9 +196,13 @@ def plan_completion(served, r: CompletionRequest, limits: Limits) -> Plan:
     base = generation_config(r, served, stops, seed)
     # choice k samples with seed + k, except that one beam search (seed + i) gives the n best beams of prompt i
     beam = r.beam_width > 1
-    choices = [Choice(i * r.n + j, text, ids, dataclasses.replace(base, seed=seed + (i if beam else i * r.n + j)))
-               for i, ((text, _), ids) in enumerate(zip(prompts, fitted)) for j in range(r.n)]
-    return Plan(choices, seed, notes, r)
+    choices = [Choice(i * r.n + j, text, ids, dataclasses.replace(base, seed=seed + (i if beam else i * r.n + j)),
+                      echo_ids=full)
+               for i, ((text, full), ids) in enumerate(zip(prompts, fitted)) for j in range(r.n)]
+    if r.max_tokens == 0:
+        for c in choices:
+            c.finish_reason = "length"
+    return Plan(choices, seed, notes if r.max_tokens else [], r)
 
 
 # ----------------------------------------------------------------------------------- responses
@@ -209,6 +232,16 @@ def finish_reason(reason: str | None) -> str | None:
     return None if reason is None else "length" if reason == "length" else "stop"
 
 
+def prompt_offsets(ids: list[int], tokenizer, pieces: list[str]) -> list[int]:
+    """Where each prompt token starts in the prompt's text: len(decode(ids[:k])). When the tokens'
+    own texts (``pieces``) add up to the text, their running lengths (no decode per prefix: a
+    long echoed prompt would cost quadratic time); otherwise (a character cut between tokens,
+    words joined with spaces) prefix by prefix."""
+    if "".join(pieces) == tokenizer.decode(ids):
+        return list(itertools.accumulate((len(p) for p in pieces[:-1]), initial=0))
+    return [len(tokenizer.decode(ids[:k])) for k in range(len(ids))]
+
+
 def logprobs_json(choice: Choice, tokenizer, start: int = 0, offset: int = 0, prompt_part=None) -> dict:
     """OpenAI's legacy completions ``logprobs`` for tokens ``start:``, text offsets from ``offset``
     (with echo, ``prompt_part`` = (tokens, logprobs, tops) of the prompt comes first). OpenAI keys
@@ -226,21 +259,25 @@ def logprobs_json(choice: Choice, tokenizer, start: int = 0, offset: int = 0, pr
     tokens, logprobs, tops, offsets, ids_top = [], [], [], [], []
     if prompt_part is not None:
         ids, lps, alts = prompt_part
-        text = ""
-        for k, i in enumerate(ids):
-            offsets.append(offset + len(text))
-            text = tokenizer.decode(ids[: k + 1])
-            tokens.append(tokenizer.decode([i]))
+        tokens += [tokenizer.decode([i]) for i in ids]
+        offsets += [offset + k for k in prompt_offsets(ids, tokenizer, tokens)]
         logprobs += lps
         tops += [top_dict(a) if a is not None else None for a in alts]
         ids_top += [top_list(a) if a is not None else None for a in alts]
-        offset += len(text)
+        offset += len(tokenizer.decode(ids))
     for k in range(start, len(choice.tokens)):
         offsets.append(offset + len(tokenizer.decode_continuation(choice.prompt_ids, choice.tokens[:k])))
         tokens.append(tokenizer.decode([choice.tokens[k]]))
         logprobs.append(choice.logprobs[k])
         tops.append(top_dict(choice.top[k]))
         ids_top.append(top_list(choice.top[k]))
+    if choice.stop is not None:  # the stop token, after the text
+        stop, lp, alternatives = choice.stop
+        offsets.append(offset + len(tokenizer.decode_continuation(choice.prompt_ids, choice.tokens)))
+        tokens.append(tokenizer.decode([stop]))
+        logprobs.append(lp)
+        tops.append(top_dict(alternatives))
+        ids_top.append(top_list(alternatives))
     return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": tops, "text_offset": offsets,
             "tinylm_top": ids_top}
 

@@ -54,6 +54,7 @@ class DoneEvent:
     finish_reason: str  # "stop_token" | "stop_string" | "length"
     tokens: list[int]
     seconds: float  # from the row's first step to its last
+    stop_token: int | None = None  # the stop id that ended the row (not in ``tokens``)
 
 
 @dataclass
@@ -252,7 +253,7 @@ class Scheduler:
     def _accept(self, r: Row, t: int, row_logits: torch.Tensor) -> None:
         cfg = r.cfg
         if t in cfg.stop_ids:
-            return self._finish(r, "stop_token")
+            return self._finish(r, "stop_token", t)
         r.out.append(t)
         r.seq.append(t)
         event = TokenEvent(t)
@@ -268,8 +269,8 @@ class Scheduler:
         if len(r.out) >= cfg.max_new_tokens:
             self._finish(r, "length")
 
-    def _finish(self, r: Row, reason: str) -> None:
-        r.emit(DoneEvent(reason, list(r.out), time.perf_counter() - r.started))
+    def _finish(self, r: Row, reason: str, stop_token: int | None = None) -> None:
+        r.emit(DoneEvent(reason, list(r.out), time.perf_counter() - r.started, stop_token))
         r.cancel()  # leaves the batch at the end of this step
 
     # ----------------------------------------------------------------------------- the cache

@@ -1,11 +1,24 @@
-"""Exchange byte-level BPE tokenizers with Hugging Face ``tokenizers``.
+"""Exchange tokenizers with Hugging Face ``tokenizers`` and ``transformers``.
 
 Export: a tinylm ``BPETokenizer`` becomes a ``tokenizer.json`` that ``tokenizers.Tokenizer.from_file``
 loads and that gives the same ids: the same split regex (a ``Split`` pre-tokenizer, "isolated"),
 then ``ByteLevel`` without its own regex (bytes shown as GPT-2's printable characters), a BPE model
 whose ranks are tinylm's merge order, and the four specials as special added tokens with ids 0-3.
-HF always recognises special strings in the input, so the matching tinylm call is
-``encode(text, allowed_special="all")``.
+A ``CharTokenizer`` becomes a BPE model without merges whose vocabulary is tinylm's (specials,
+the 256 bytes as ``<0xNN>``, the characters) with byte fallback: a character outside the
+vocabulary is its UTF-8 bytes, as in tinylm. The raw ``tokenizer.json`` recognises special strings
+in the input (for BPE: tinylm's ``encode(text, allowed_special="all")``).
+
+``save_hf_tokenizer`` writes the directory ``AutoTokenizer.from_pretrained`` loads: the
+``tokenizer.json`` plus ``tokenizer_config.json`` naming the start (bos), end (eos), unknown and
+padding tokens, with ``split_special_tokens`` so that special strings in text are plain text,
+as in tinylm's ``encode``: the same ids on any text. As with GPT-2's tokenizer, nothing is added
+around the text (no start token): a caller puts ``bos_token_id`` first where tinylm would.
+
+Refused, with the reason: word-level tokenizers (``word``, ``word_bpe``) lose the text's spacing
+and normalise it, so a token count or a byte count of the text would not be the model's; and
+llama2.c's ``tokenizer.bin``, whose merge rule (run.c: the best-scoring pair anywhere, ties to
+the leftmost, merging through BOS) has no exact Hugging Face equivalent.
 
 Import: a HF byte-level BPE ``tokenizer.json`` becomes a tinylm ``BPETokenizer`` that splits text
 into the same pieces. Ids are renumbered into tinylm's layout (specials, 256 bytes, merges);
@@ -23,6 +36,7 @@ from pathlib import Path
 from tinylm.constants import SPECIAL_TOKENS
 from tinylm.errors import TinyLMError
 from tinylm.tokenizers.bpe import BYTE_BASE, FIRST_MERGE_ID, GPT2_SPLIT, SPLIT_PATTERNS, BPETokenizer, total_pattern
+from tinylm.tokenizers.char import CharTokenizer
 
 _MAX_ALIAS_MERGES = 100_000  # guard against a pathological file blowing up the alias expansion
 
@@ -40,14 +54,25 @@ def _visible(raw: bytes, table: dict[int, str]) -> str:
 
 
 # ------------------------------------------------------------------------------------- export
-def to_hf_tokenizer(tok: BPETokenizer):
-    """A ``tokenizers.Tokenizer`` equivalent to ``tok`` (needs the ``tokenizers`` package)."""
+REFUSALS = {
+    "word": "a word-level tokenizer drops the text's spacing (and unknown words), so a Hugging Face copy "
+            "could not count the bytes and tokens the model scores",
+    "word_bpe": "a word_bpe tokenizer normalises the text (case, punctuation, spacing) before splitting it, "
+                "so a Hugging Face copy could not count the bytes and tokens the model scores",
+    "llama2c": "llama2.c's merge rule (the best-scoring pair anywhere, ties to the leftmost, merging through "
+               "BOS) has no exact Hugging Face equivalent; use the model's original Hugging Face tokenizer",
+}
+
+
+def _tokenizers_modules():
     try:
-        from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers  # optional dependency
+        import tokenizers  # optional dependency
     except ImportError as exc:
         raise TinyLMError("exporting to Hugging Face needs the `tokenizers` package (pip install tokenizers)") from exc
-    if not isinstance(tok, BPETokenizer):
-        raise TinyLMError(f"only BPE tokenizers can be exported to Hugging Face (got {type(tok).__name__})")
+    return tokenizers
+
+
+def _bpe_to_hf(tok: BPETokenizer, hf_lib):
     table = byte_to_unicode()
     vocab: dict[str, int] = {s: i for i, s in enumerate(SPECIAL_TOKENS)}
     for i in range(BYTE_BASE, tok.vocab_size):
@@ -57,21 +82,71 @@ def to_hf_tokenizer(tok: BPETokenizer):
                               "a Hugging Face vocabulary cannot hold two ids for one string")
         vocab[text] = i
     merges = [(_visible(tok.token_bytes[a], table), _visible(tok.token_bytes[b], table)) for a, b in tok.merges]
-    hf = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
-    hf.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(total_pattern(tok.pattern)), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    hf = hf_lib.Tokenizer(hf_lib.models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
+    hf.pre_tokenizer = hf_lib.pre_tokenizers.Sequence([
+        hf_lib.pre_tokenizers.Split(hf_lib.Regex(total_pattern(tok.pattern)), behavior="isolated"),
+        hf_lib.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
     ])
-    hf.decoder = decoders.ByteLevel()
-    hf.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in SPECIAL_TOKENS])
+    hf.decoder = hf_lib.decoders.ByteLevel()
     return hf
 
 
-def export_hf(tok: BPETokenizer, path: str | Path) -> Path:
+def _char_to_hf(tok: CharTokenizer, hf_lib):
+    vocab = {s: i for i, s in enumerate(SPECIAL_TOKENS)}
+    vocab.update({f"<0x{b:02X}>": BYTE_BASE + b for b in range(256)})
+    vocab.update({c: i for c, i in tok._char_to_id.items()})  # single characters: never a special or <0xNN>
+    hf = hf_lib.Tokenizer(hf_lib.models.BPE(vocab=vocab, merges=[], fuse_unk=False, byte_fallback=True))
+    hf.decoder = hf_lib.decoders.Sequence([hf_lib.decoders.ByteFallback(), hf_lib.decoders.Fuse()])
+    return hf
+
+
+def to_hf_tokenizer(tok):
+    """A ``tokenizers.Tokenizer`` giving ``tok``'s ids (needs the ``tokenizers`` package); a
+    tokenizer Hugging Face cannot represent exactly is refused with the reason."""
+    kind = getattr(tok, "type_name", type(tok).__name__)
+    if not isinstance(tok, (BPETokenizer, CharTokenizer)):
+        reason = REFUSALS.get(kind, f"no Hugging Face tokenizer gives the ids of a {type(tok).__name__}")
+        raise TinyLMError(f"the {kind} tokenizer cannot be exported to Hugging Face: {reason} "
+                          "(only BPE tokenizers and char tokenizers can)")
+    hf_lib = _tokenizers_modules()
+    hf = _bpe_to_hf(tok, hf_lib) if isinstance(tok, BPETokenizer) else _char_to_hf(tok, hf_lib)
+    hf.add_special_tokens([hf_lib.AddedToken(s, special=True, normalized=False) for s in SPECIAL_TOKENS])
+    return hf
+
+
+def export_hf(tok, path: str | Path) -> Path:
     """Write ``tok`` as a Hugging Face ``tokenizer.json``."""
     path = Path(path)
     to_hf_tokenizer(tok).save(str(path))
     return path
+
+
+def hf_tokenizer_config(tok, model_max_length: int | None = None) -> dict:
+    """``tokenizer_config.json`` for ``tok``: its special tokens by role, special strings in text
+    kept as text, and no clean-up of spaces on decoding (tinylm's decode adds or drops none)."""
+    names = tok.special_tokens
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "split_special_tokens": True,
+              "clean_up_tokenization_spaces": False, "add_bos_token": False, "add_eos_token": False,
+              "bos_token": names[tok.bos_id] if tok.bos_id is not None else None,
+              "eos_token": names[tok.stop_ids[0]] if tok.stop_ids else None,
+              "unk_token": names[tok.unk_id], "pad_token": names[tok.pad_id]}
+    if model_max_length is not None:
+        config["model_max_length"] = model_max_length
+    return config
+
+
+def save_hf_tokenizer(tok, out_dir: str | Path, model_max_length: int | None = None) -> list[Path]:
+    """Write ``tokenizer.json``, ``tokenizer_config.json`` and ``special_tokens_map.json`` into
+    ``out_dir``: a directory ``transformers.AutoTokenizer.from_pretrained`` loads with ``tok``'s ids."""
+    hf = to_hf_tokenizer(tok)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    hf.save(str(out_dir / "tokenizer.json"))
+    config = hf_tokenizer_config(tok, model_max_length)
+    roles = {k: v for k, v in config.items() if k.endswith("_token") and v is not None}
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    (out_dir / "special_tokens_map.json").write_text(json.dumps(roles, indent=2) + "\n", encoding="utf-8")
+    return [out_dir / "tokenizer.json", out_dir / "tokenizer_config.json", out_dir / "special_tokens_map.json"]
 
 
 # ------------------------------------------------------------------------------------- import
@@ -163,4 +238,5 @@ def import_hf(path: str | Path) -> BPETokenizer:
     return tok
 
 
-__all__ = ["byte_to_unicode", "to_hf_tokenizer", "export_hf", "import_hf", "GPT2_SPLIT"]
+__all__ = ["byte_to_unicode", "to_hf_tokenizer", "export_hf", "save_hf_tokenizer", "hf_tokenizer_config",
+           "import_hf", "GPT2_SPLIT"]
