@@ -115,7 +115,7 @@ def test_bad_input():
     with pytest.raises(TinyLMError, match="empty"):
         train_bigram(np.array([], dtype=np.int64), VALID, V, FAST)
     with pytest.raises(TinyLMError, match="does not exist"):
-        NeuralBigramLM.load(tmp_missing := "/nonexistent/bigram.pt")  # noqa: F841
+        NeuralBigramLM.load("/nonexistent/bigram.pt")
 
 
 @pytest.mark.slow  # 300 training steps

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from conftest import make_stories, tiny_run_config
+from tinylm.training.metrics import EVAL_SAMPLES, read_eval_samples
 from tinylm.cli import COMMANDS, build_parser, main, options_from
 from tinylm.config import GENERATION_SURFACES, GenerationConfig, build_config
 from tinylm.models.checkpoint import load_checkpoint, save_checkpoint
@@ -53,6 +54,10 @@ def test_pipeline_writes_every_artifact(trained_run):
     assert 0 < valid["tokens"] <= valid["bytes"]
     report = (run / "report.md").read_text()
     assert f"{ev['eval']['valid']['bpb']:.4f}" in report  # the report reads the numbers from disk
+    # the sample prompts continued at each evaluation (steps 5 and 10), by the model of that step
+    at_eval = read_eval_samples(run / EVAL_SAMPLES)
+    assert [(r["step"], len(r["samples"])) for r in at_eval] == [(5, 1), (10, 1)]
+    assert at_eval[0]["samples"][0]["prompt"] == "ROMEO:" and at_eval[0]["samples"][0]["new_tokens"] > 0
 
 
 @pytest.mark.slow  # trained_run: the whole pipeline, plots and report included (~2 s once)
@@ -183,8 +188,9 @@ def test_every_subcommand_has_help_listing_every_option(capsys):
         for f in dataclasses.fields(options):
             shown = f.name if f.metadata["positional"] else f.metadata.get("flag") or "--" + f.name.replace("_", "-")
             assert shown in out or (f.metadata["metavar"] or "@") in out, (name, f.name)
-    assert set(COMMANDS) == {"demo", "prepare", "train", "generate", "evaluate", "export-hf", "report", "attention",
-                             "serve", "experiments", "study", "tokenizer-stats"}
+    assert set(COMMANDS) == {"demo", "prepare", "train", "generate", "evaluate", "export-hf", "export-tokenizer",
+                             "export-gguf", "export-llama2c", "report", "attention", "serve", "experiments", "study",
+                             "tokenizer-stats"}
 
 
 @pytest.mark.parametrize("override, message", [
@@ -238,3 +244,13 @@ def test_every_decoding_knob_reaches_generation_from_the_cli_the_api_and_the_sam
         assert getattr(sample.sample.generation(), name) == value, name
     offered_nowhere = [name for name, (flag, field) in GENERATION_SURFACES.items() if flag is None and field is None]
     assert offered_nowhere == ["seed_per_row"]  # always on: prompt (choice) i samples with seed + i
+
+
+def test_study_trains_gpts_unless_no_gpt(monkeypatch):
+    """A --no-... flag of a field whose name does not say 'no' would store False by default: the
+    study's GPT stage is on unless --no-gpt is given."""
+    seen = []
+    monkeypatch.setattr("tinylm.cli.run_study", lambda cfg: seen.append(cfg.gpt.enabled))
+    assert main(["study", "shakespeare", "--out", "unused"]) == 0
+    assert main(["study", "shakespeare", "--out", "unused", "--no-gpt"]) == 0
+    assert seen == [True, False]

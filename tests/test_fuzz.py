@@ -17,10 +17,7 @@ import shutil
 import struct
 import types
 import typing
-import types
-import typing
 from pathlib import Path
-from typing import Literal
 from typing import Literal
 
 import numpy as np

@@ -405,7 +405,7 @@ def test_scheduler_rows_joining_and_leaving_get_their_tokens_alone(models, posit
 
 def test_serve_command_warns_off_loopback_and_passes_its_limits(run, monkeypatch, capsys):
     seen = {}
-    monkeypatch.setattr(tinylm.cli, "serve_models", lambda models, host, port, limits, key: seen.update(
+    monkeypatch.setattr(tinylm.cli, "serve_models", lambda models, host, port, limits, key, runs: seen.update(
         models=list(models), host=host, port=port, limits=limits, key=key))
     assert main(["serve", "--checkpoint", str(run), "--host", "0.0.0.0", "--port", "8123", "--max-tokens", "64"]) == 0
     assert "WITHOUT AUTHENTICATION" in capsys.readouterr().err

@@ -2,20 +2,15 @@
 away mid-stream, and the playground page driven in a real browser (Debian's Chromium through
 Playwright), screenshots saved to the test's temporary directory."""
 import json
-import os
-import shutil
 import time
 
 import httpx
 import pytest
 
+from browser_util import browser_page, painted
 from serving_util import live_server, make_run
 
 pytestmark = pytest.mark.slow  # starts a server process (~3 s) per module
-
-CHROMIUM = "/usr/bin/chromium"
-INSTALL_HINT = ("install them with `apt-get install chromium` and `.venv/bin/pip install playwright` "
-                "(Playwright drives Debian's Chromium; it cannot download its own browser here)")
 
 
 @pytest.fixture(scope="module")
@@ -101,98 +96,62 @@ def test_a_client_that_disconnects_stops_its_generation(server):
     assert _rows_left(server) == 0
 
 
-def _browser():
-    """Playwright's Chromium, or a failure saying how to install it (`make test` installs Chromium
-    when it runs as root, so a missing browser is a broken setup, never a skip)."""
-    try:
-        from playwright.sync_api import sync_playwright  # only this test needs it
-    except ImportError:
-        sync_playwright = None
-    missing = [what for what, ok in (("playwright", sync_playwright is not None),
-                                      (CHROMIUM, os.path.exists(CHROMIUM) or shutil.which("chromium"))) if not ok]
-    if missing:
-        pytest.fail(f"{' and '.join(missing)} missing: {INSTALL_HINT}")
-    return sync_playwright
-
-
-def _painted(page, selector: str) -> int:
-    """How many canvases matching ``selector`` hold pixels of more than one colour."""
-    return page.evaluate("""(selector) => [...document.querySelectorAll(selector)].filter((c) => {
-        const d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;
-        for (let i = 4; i < d.length; i += 4)
-            if (d[i] !== d[0] || d[i + 1] !== d[1] || d[i + 2] !== d[2]) return true;
-        return false;
-    }).length""", selector)
-
-
 def test_the_page_in_a_real_browser(server, tmp_path):
-    sync_playwright = _browser()
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True,
-                                    args=["--disable-background-networking", "--disable-component-update",
-                                          "--no-first-run"])
-        try:
-            page = browser.new_page(viewport={"width": 1280, "height": 900})
-            errors = []
-            page.on("pageerror", lambda exc: errors.append(str(exc)))
-            page.goto(server + "/")
-            page.wait_for_function("document.querySelector('#model').options.length > 0")
+    with browser_page(server + "/") as page:
+        page.wait_for_function("document.querySelector('#model').options.length > 0")
 
-            # type a prompt, generate, wait for streamed tokens
-            page.fill("#prompt", "Once upon a time")
-            page.fill("#max_tokens", "24")
-            page.fill("#seed", "3")
-            page.click("#generate")
-            page.wait_for_function("document.querySelectorAll('#output .chip').length >= 24", timeout=30_000)
-            page.wait_for_selector("#generate:not([disabled])")
-            assert "24 tokens" in page.inner_text("#gen-info")
-            page.screenshot(path=str(tmp_path / "1-generated.png"))
+        # type a prompt, generate, wait for streamed tokens
+        page.fill("#prompt", "Once upon a time")
+        page.fill("#max_tokens", "24")
+        page.fill("#seed", "3")
+        page.click("#generate")
+        page.wait_for_function("document.querySelectorAll('#output .chip').length >= 24", timeout=30_000)
+        page.wait_for_selector("#generate:not([disabled])")
+        assert "24 tokens" in page.inner_text("#gen-info")
+        page.screenshot(path=str(tmp_path / "1-generated.png"))
 
-            # click a token: its 10 alternatives, with probabilities, the chosen one among them
-            page.click("#output .chip >> nth=5")
-            items = page.locator("#alternatives li")
-            assert items.count() == 10
-            probs = [float(t.rsplit(" ", 1)[1].rstrip("%")) for t in items.all_inner_texts()]
-            assert probs == sorted(probs, reverse=True) and 0 < sum(probs) <= 100.0001
-            page.screenshot(path=str(tmp_path / "2-alternatives.png"))
+        # click a token: its 10 alternatives, with probabilities, the chosen one among them
+        page.click("#output .chip >> nth=5")
+        items = page.locator("#alternatives li")
+        assert items.count() == 10
+        probs = [float(t.rsplit(" ", 1)[1].rstrip("%")) for t in items.all_inner_texts()]
+        assert probs == sorted(probs, reverse=True) and 0 < sum(probs) <= 100.0001
+        page.screenshot(path=str(tmp_path / "2-alternatives.png"))
 
-            # attention: a layer x head grid of heat-maps with pixels drawn, one enlarged on click
-            page.click("#tab-attention")
-            page.click("#attention-run")
-            page.wait_for_selector("#attention-grid canvas")
-            maps = page.locator("#attention-grid canvas")
-            assert maps.count() == 2 * 4  # 2 layers x 4 heads
-            assert _painted(page, "#attention-grid canvas") == 8
-            maps.nth(5).click()
-            assert _painted(page, "#attention-zoom") == 1
-            assert "layer 1, head 1" in page.inner_text("#attention-info")
-            page.screenshot(path=str(tmp_path / "3-attention.png"), full_page=True)
+        # attention: a layer x head grid of heat-maps with pixels drawn, one enlarged on click
+        page.click("#tab-attention")
+        page.click("#attention-run")
+        page.wait_for_selector("#attention-grid canvas")
+        maps = page.locator("#attention-grid canvas")
+        assert maps.count() == 2 * 4  # 2 layers x 4 heads
+        assert painted(page, "#attention-grid canvas") == 8
+        maps.nth(5).click()
+        assert painted(page, "#attention-zoom") == 1
+        assert "layer 1, head 1" in page.inner_text("#attention-info")
+        page.screenshot(path=str(tmp_path / "3-attention.png"), full_page=True)
 
-            # compare: greedy, sampling, beam search side by side with tokens/s and log-probabilities
-            page.click("#tab-compare")
-            page.click("#compare-run")
-            page.wait_for_function("document.querySelectorAll('#compare .column').length === 3", timeout=60_000)
-            columns = page.locator("#compare .column")
-            assert [columns.nth(i).get_attribute("data-setting") for i in range(3)] == ["greedy", "sampling",
-                                                                                         "beam search"]
-            for i in range(3):
-                assert "tokens/s" in columns.nth(i).inner_text()
-                assert float(columns.nth(i).locator(".mean-logprob").inner_text()) < 0
-                assert columns.nth(i).locator(".chip").count() >= 1
-            page.screenshot(path=str(tmp_path / "4-compare.png"), full_page=True)
+        # compare: greedy, sampling, beam search side by side with tokens/s and log-probabilities
+        page.click("#tab-compare")
+        page.click("#compare-run")
+        page.wait_for_function("document.querySelectorAll('#compare .column').length === 3", timeout=60_000)
+        columns = page.locator("#compare .column")
+        assert [columns.nth(i).get_attribute("data-setting") for i in range(3)] == ["greedy", "sampling",
+                                                                                     "beam search"]
+        for i in range(3):
+            assert "tokens/s" in columns.nth(i).inner_text()
+            assert float(columns.nth(i).locator(".mean-logprob").inner_text()) < 0
+            assert columns.nth(i).locator(".chip").count() >= 1
+        page.screenshot(path=str(tmp_path / "4-compare.png"), full_page=True)
 
-            # tokenizer and model card
-            page.click("#tab-tokenizer")
-            page.wait_for_selector("#tokenizer-out .tok")
-            assert page.locator("#tokenizer-out .tok").count() == len("Once upon a time, there was a little cat.")
-            page.click("#tab-card")
-            page.wait_for_selector("#card table")
-            assert "parameters" in page.inner_text("#card")
-            assert _painted(page, "#curves") == 1
-            page.screenshot(path=str(tmp_path / "5-card.png"), full_page=True)
-            assert not errors, errors
-        finally:
-            browser.close()
+        # tokenizer and model card
+        page.click("#tab-tokenizer")
+        page.wait_for_selector("#tokenizer-out .tok")
+        assert page.locator("#tokenizer-out .tok").count() == len("Once upon a time, there was a little cat.")
+        page.click("#tab-card")
+        page.wait_for_selector("#card table")
+        assert "parameters" in page.inner_text("#card")
+        assert painted(page, "#curves") == 1
+        page.screenshot(path=str(tmp_path / "5-card.png"), full_page=True)
     for name in ("1-generated", "2-alternatives", "3-attention", "4-compare", "5-card"):
         assert (tmp_path / f"{name}.png").stat().st_size > 5_000
     print(json.dumps({"screenshots": str(tmp_path)}))

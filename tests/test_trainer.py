@@ -236,3 +236,20 @@ def test_max_tokens_sets_the_step_count_stops_exactly_and_resume_keeps_it(tmp_pa
     cfg.train.epochs = 2
     with pytest.raises(TinyLMError, match="train.max_tokens and train.epochs both set the step count"):
         train(copy.deepcopy(cfg), prepared, tmp_path / "both")
+
+
+def test_on_evaluate_sees_each_evaluation_and_changes_nothing(tmp_path):
+    cfg, prepared = prepared_stories_run(tmp_path, threads=1, max_steps=6, eval_interval=2, log_interval=1)
+    cfg.model.dropout = 0.1  # a callback that drew from the global generator would shift the dropout masks
+    seen = []
+
+    def draw(model, step, tokens):
+        seen.append((step, tokens, model.training))
+        torch.rand(1000)  # what a sampler draws must not reach the run
+
+    train(copy.deepcopy(cfg), prepared, tmp_path / "with", on_evaluate=draw)
+    train(copy.deepcopy(cfg), prepared, tmp_path / "without")
+    step_tokens = cfg.train.batch_size * cfg.model.context_length
+    assert seen == [(2, 2 * step_tokens, False), (4, 4 * step_tokens, False), (6, 6 * step_tokens, False)]
+    losses = [[r["train_loss"] for r in read_metrics(tmp_path / run / "metrics.csv")] for run in ("with", "without")]
+    assert losses[0] == losses[1]

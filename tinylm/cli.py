@@ -20,7 +20,7 @@ import math
 import sys
 import types
 import typing
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Literal
 
@@ -37,16 +37,20 @@ from tinylm.evaluation.plots import attention_html, attention_maps, save_attenti
 from tinylm.evaluation.protocol import SAMPLING_TEMPERATURES, BleuProtocol, Decoding, format_bleu, run_bleu
 from tinylm.evaluation.report import write_report as write_run_report
 from tinylm.generation.generate import TextStream, complete, encode_prompt, prompt_head
+from tinylm.interop.gguf_export import GgufDtype, export_gguf
+from tinylm.interop.llama2c_export import export_llama2c
 from tinylm.interop.loading import export_hf, load_any_checkpoint
 from tinylm.models.checkpoint import load_checkpoint
 from tinylm.pipeline import run_pipeline
 from tinylm.serving.app import serve as serve_models
 from tinylm.serving.completions import Limits
 from tinylm.serving.models import load_models
+from tinylm.serving.runs import RunsRoot
 from tinylm.studies.shakespeare import run_study
 from tinylm.studies.study_config import load_study_config
 from tinylm.studies.tinystories import PARTS, load_experiment_config, run_experiments
 from tinylm.studies.tinystories_report import write_report as write_experiments_report
+from tinylm.tokenizers.hf_interop import save_hf_tokenizer
 from tinylm.tokenizers.io import load_tokenizer
 from tinylm.tokenizers.stats import collect, format_table, train_spec
 from tinylm.training.resume import resume_run_config
@@ -463,6 +467,72 @@ def export_hf_dir(opts: ExportOptions) -> int:
     out = export_hf(model, opts.out, tokenizer)
     kind = "GPT-2" if model.config.positions == "learned" else "Llama"
     print(f"wrote a Hugging Face {kind} model ({model.num_parameters():,} parameters) to {out}")
+    try:
+        save_hf_tokenizer(tokenizer, out, model.config.context_length)
+        print(f"wrote its tokenizer as {out}/tokenizer.json (+ tokenizer_config.json): AutoTokenizer loads it")
+    except TinyLMError as exc:  # the model is still usable with tinylm's tokenizer file beside it
+        print(f"no Hugging Face tokenizer.json: {exc}")
+    return 0
+
+
+@dataclass
+class ExportTokenizerOptions(ModelOptions):
+    out: str = opt("output directory", required=True)
+    hf: bool = opt("write Hugging Face files (tokenizer.json, tokenizer_config.json, special_tokens_map.json) that "
+                   "transformers' AutoTokenizer loads with the same ids; otherwise tinylm's own tokenizer file")
+
+
+@command("export-tokenizer")
+def export_tokenizer(opts: ExportTokenizerOptions) -> int:
+    """Write a model's tokenizer, for tools that count tokens on their side (e.g. lm-evaluation-harness)."""
+    model, tokenizer, _ = load_any_checkpoint(opts.checkpoint, opts.tokenizer)
+    out = Path(opts.out)
+    hf = getattr(tokenizer, "hf", None)  # a Hugging Face model directory's own tokenizer
+    if opts.hf and hf is not None:
+        hf.save_pretrained(out)
+    elif opts.hf:
+        save_hf_tokenizer(tokenizer, out, model.config.context_length)  # or refused, saying why
+    elif hf is not None:
+        raise TinyLMError(f"{opts.checkpoint} uses a Hugging Face tokenizer, which has no tinylm file; use --hf")
+    else:
+        out.mkdir(parents=True, exist_ok=True)
+        tokenizer.save(out / ("tokenizer.bin" if tokenizer.type_name == "llama2c" else "tokenizer.json"))
+    print(f"wrote the {tokenizer.type_name} tokenizer ({tokenizer.vocab_size:,} ids) "
+          f"{'as Hugging Face files ' if opts.hf else ''}to {out}")
+    return 0
+
+
+@dataclass
+class ExportGgufOptions(ModelOptions):
+    out: str = opt("output .gguf file", required=True)
+    dtype: GgufDtype = opt("weight matrices in float32, float16 or llama.cpp's 8-bit Q8_0 (norm weights stay "
+                           "float32)", "f32")
+
+
+@command("export-gguf")
+def export_gguf_file(opts: ExportGgufOptions) -> int:
+    """Write a Llama-shaped checkpoint and its tokenizer as one GGUF file for llama.cpp."""
+    model, tokenizer, _ = load_any_checkpoint(opts.checkpoint, opts.tokenizer)
+    out = export_gguf(model, opts.out, tokenizer, opts.dtype)
+    print(f"wrote a llama.cpp GGUF model ({opts.dtype}, {model.num_parameters():,} parameters) to {out}")
+    return 0
+
+
+@dataclass
+class ExportLlama2cOptions(ModelOptions):
+    out: str = opt("output checkpoint .bin (run.c's first argument)", required=True)
+    tokenizer_out: str | None = opt("output tokenizer .bin (run.c's -z; default: tok<vocab size>.bin beside --out)")
+    version: int = opt("llama2.c format: 0 is the one run.c reads, 1 has export.py's 256-byte header", 0, ge=0, le=1)
+
+
+@command("export-llama2c")
+def export_llama2c_files(opts: ExportLlama2cOptions) -> int:
+    """Write a Llama-shaped checkpoint as a llama2.c model .bin and tokenizer .bin for run.c."""
+    model, tokenizer, _ = load_any_checkpoint(opts.checkpoint, opts.tokenizer)
+    tok_out = opts.tokenizer_out or Path(opts.out).with_name(f"tok{model.config.vocab_size}.bin")
+    out, tok_out = export_llama2c(model, tokenizer, opts.out, tok_out, opts.version)
+    print(f"wrote a llama2.c version-{opts.version} model ({model.num_parameters():,} parameters) to {out} "
+          f"and its tokenizer to {tok_out}")
     return 0
 
 
@@ -514,6 +584,8 @@ def attention(opts: AttentionOptions) -> int:
 @dataclass
 class ServeOptions:
     checkpoint: list[str] = opt("any checkpoint `tinylm generate` takes; repeatable (models are chosen by name)", [])
+    name: list[str] = opt("the i-th --checkpoint's model name in the API (default: its run's directory name, "
+                          "runs/x/checkpoints/ema -> x)", [])
     tokenizer: list[str] = opt("the i-th goes with the i-th --checkpoint (a llama2.c .bin needs one; 'none' for a "
                                "checkpoint that brings its own)", [])
     host: str = opt("address to bind; anything but loopback exposes the API (use --api-key)", "127.0.0.1")
@@ -524,6 +596,8 @@ class ServeOptions:
     max_tokens: int = opt("refuse max_tokens above this", 512, ge=1)
     max_choices: int = opt("refuse requests asking for more choices (prompts x n)", 16, ge=1)
     max_body_bytes: int = opt("refuse bodies larger than this (413)", 1_000_000, ge=1)
+    runs: str | None = opt("a directory of runs (e.g. runs): the Runs view draws their curves as they train and "
+                           "loads their checkpoints", metavar="DIR")
 
 
 @command("serve")
@@ -534,9 +608,14 @@ def serve(opts: ServeOptions) -> int:
     if opts.host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("WARNING: serving on %s, reachable from other machines, %s", opts.host,
                     "API calls need the API key" if opts.api_key else "WITHOUT AUTHENTICATION (give --api-key)")
-    models = load_models(opts.checkpoint, opts.tokenizer, opts.max_batch)
+    if opts.runs is not None and not Path(opts.runs).is_dir():
+        raise TinyLMError(f"--runs {opts.runs}: no such directory")
+    # with --runs alone, models come from the Runs view's load buttons
+    models = (load_models(opts.checkpoint, opts.tokenizer, opts.max_batch, opts.name)
+              if opts.checkpoint or not opts.runs else {})
     limits = Limits(opts.max_tokens, opts.max_choices, opts.max_body_bytes)
-    serve_models(models, opts.host, opts.port, limits, opts.api_key)
+    runs = RunsRoot(Path(opts.runs), opts.max_batch) if opts.runs else None
+    serve_models(models, opts.host, opts.port, limits, opts.api_key, runs)
     return 0
 
 
@@ -572,7 +651,7 @@ class StudyOptions:
     quick: bool = opt("the preset's quick section (every stage on a few plays, under 90 s)")
     out: str | None = opt("run directory (default: the preset's out_dir)")
     gpt_minutes: float | None = opt("training budget of each GPT (gpt.minutes)", ge=0)
-    no_gpt: bool = opt("skip the GPT stage (gpt.enabled=false)")
+    gpt: bool = opt("the GPT stage; --no-gpt skips it (gpt.enabled=false)", True, flag="--no-gpt")
     bpe_merges: list[int] | None = opt("e.g. 1000 2000 3000", nargs="+", ge=1)
     threads: int | None = opt("torch threads", ge=1)
     overrides: list[str] = opt("StudyConfig fields, e.g. ngram.orders=[1,2] tokenizers.word_vocab=4000", [],
@@ -585,7 +664,7 @@ def study(opts: StudyOptions) -> int:
     """The four-stage Shakespeare study: tokenizers, n-grams, neural bigram, GPT."""
     shortcuts = {"out_dir": opts.out, "gpt.minutes": opts.gpt_minutes, "threads": opts.threads,
                  "tokenizers.bpe_merges": json.dumps(opts.bpe_merges) if opts.bpe_merges else None,
-                 "gpt.enabled": "false" if opts.no_gpt else None}
+                 "gpt.enabled": None if opts.gpt else "false"}
     words = [f"{key}={value}" for key, value in shortcuts.items() if value is not None]
     cfg = load_study_config(opts.config, list(opts.overrides) + words, quick=opts.quick)
     run_study(cfg)

@@ -393,6 +393,9 @@ class SampleConfig(GenerationConfig):
     """The run's sample continuations: prompt i continued with seed ``seed + i``."""
 
     prompts: list[str] = option(["ROMEO:"], "prompts continued after training")
+    # the prompts continued at every evaluation too (RUN/eval_samples.jsonl; `tinylm serve --runs`
+    # shows them): a few seconds per evaluation, counted in the run's time
+    every_eval: bool = True
     temperature: float = like(GenerationConfig, "temperature", 0.8)
     top_k: int | None = like(GenerationConfig, "top_k", 50)
     seed: int | None = like(GenerationConfig, "seed", 0)

@@ -20,6 +20,7 @@ from tinylm.evaluation.report import write_report
 from tinylm.generation.generate import complete
 from tinylm.models.checkpoint import load_checkpoint
 from tinylm.training import distributed
+from tinylm.training.metrics import EVAL_SAMPLES
 from tinylm.training.trainer import train
 
 log = logging.getLogger(__name__)
@@ -30,6 +31,21 @@ def sample_prompts(model, tokenizer, sample: SampleConfig) -> list[dict]:
     cfg = sample.generation(stop_ids=tokenizer.stop_ids)
     return [{"prompt": c.prompt, "continuation": c.continuation(tokenizer), "new_tokens": len(c.results[0].tokens)}
             for c in complete(model, tokenizer, sample.prompts, cfg)]
+
+
+def eval_sampler(cfg: RunConfig, tokenizer, out_dir: Path, fresh: bool):
+    """What the trainer calls after each evaluation: the sample prompts continued by the model of
+    that step, one JSON line per evaluation in ``RUN/eval_samples.jsonl`` (a resumed run appends;
+    a reader keeps the last line of each step)."""
+    path = out_dir / EVAL_SAMPLES
+    if fresh:
+        path.unlink(missing_ok=True)
+
+    def write(model, step: int, tokens: int) -> None:
+        row = {"step": step, "tokens": tokens, "samples": sample_prompts(model, tokenizer, cfg.sample)}
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(row, ensure_ascii=False) + "\n")
+    return write
 
 
 def run_pipeline(cfg: RunConfig, out_dir: str | Path, *, resume=None, force: bool = False) -> dict:
@@ -50,7 +66,8 @@ def run_pipeline(cfg: RunConfig, out_dir: str | Path, *, resume=None, force: boo
             raise TinyLMError(f"the {name} split has {n} tokens, fewer than one context window "
                               f"({cfg.model.context_length + 1}); use more data, a larger data.valid_fraction, or a "
                               "smaller model.context_length")
-    result = train(cfg, prepared, out_dir, resume=resume, force=force)
+    on_evaluate = eval_sampler(cfg, prepared.tokenizer, out_dir, resume is None and dist.is_main) if cfg.sample.every_eval else None
+    result = train(cfg, prepared, out_dir, resume=resume, force=force, on_evaluate=on_evaluate)
     distributed.cleanup(dist)
     if not dist.is_main:
         return {}

@@ -30,7 +30,10 @@ from tinylm.errors import TinyLMError
 from tinylm.generation.generate import generate_many
 from tinylm.serving.completions import (APIError, Limits, Plan, bad, chunk_json, completion_json, finish_reason,
                                         logprobs_json, new_text, plan_completion, tinylm_part, usage)
+from tinylm.serving.compare import router as compare_router
+from tinylm.serving.lens import router as lens_router
 from tinylm.serving.models import ServedModel
+from tinylm.serving.runs import RunsRoot, router as runs_router
 from tinylm.serving.scheduler import DoneEvent, ErrorEvent, Row, TokenEvent
 from tinylm.serving.schemas import CompletionRequest, DetokenizeRequest, TextRequest
 
@@ -125,6 +128,13 @@ class ServerState:
     def __init__(self, models: dict[str, ServedModel], limits: Limits):
         self.models, self.limits, self.outboxes = models, limits, {}
 
+    # for the routers of other modules (lens, runs), which cannot import this one
+    def model(self, name: str | None) -> ServedModel:
+        return get_model(self, name)
+
+    async def on_model_thread(self, served: ServedModel, fn, param: str = "text"):
+        return await on_model_thread(served, fn, param)
+
 
 async def server_state(request: Request) -> ServerState:
     # async: FastAPI runs a plain `def` dependency on its thread pool, a hop on every request
@@ -162,6 +172,9 @@ async def on_error(request: Request, exc: Exception) -> JSONResponse:
 
 def get_model(state: ServerState, name: str | None) -> ServedModel:
     models = state.models
+    if not models:  # `tinylm serve --runs DIR` alone, before a checkpoint was loaded
+        raise APIError(404, "no model is served yet: load a run's checkpoint (the Runs view, or POST "
+                       "/v1/tinylm/runs/load)", "model", "model_not_found")
     if name is None and len(models) == 1:
         return next(iter(models.values()))
     if name is None:
@@ -229,26 +242,31 @@ async def chat():
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request, state: StateDep):
     served = get_model(state, body.model)
+    if not getattr(served.model, "generates", True):  # an n-gram or bigram, served for scoring
+        raise bad("model", f"'{served.name}' ({served.model.config.described}) is served for scoring only",
+                  "model_cannot_generate")
     plan = plan_completion(served, body, state.limits)
     prompt_parts = await echo_logprobs(served, plan) if body.echo and body.logprobs is not None else None
+    if plan.scoring_only:  # max_tokens 0 with echo: the prompt and its log probabilities, nothing decoded
+        return completion_json(plan, served.tokenizer, served.name, prompt_parts)
     if body.stream and not plan.beam:
         return StreamingResponse(stream(state, served, plan, prompt_parts), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
     await (beam(served, plan) if plan.beam else decode(state, served, plan, request))
+    ended = [c for c in plan.choices if c.finish_reason == "stop_token"]
+    if prompt_parts is not None and ended:  # scoring: the stop token that ended a choice is listed too
+        await on_model_thread(served, lambda: served.list_stop_tokens(ended, body.logprobs), "prompt")
     return completion_json(plan, served.tokenizer, served.name, prompt_parts)
 
 
 async def echo_logprobs(served: ServedModel, plan: Plan) -> dict:
-    """With echo and logprobs: the prompt tokens' log probabilities (the first has none)."""
-    top = plan.request.logprobs
-    parts, seen = {}, {}
-    for c in plan.choices:
-        key = tuple(c.prompt_ids)
-        if key not in seen:
-            scored = await on_model_thread(served, lambda: served.sequence_logprobs(c.prompt_ids, top), "prompt")
-            seen[key] = (c.prompt_ids, [None] + [lp for lp, _ in scored], [None] + [a for _, a in scored])
-        parts[c.index] = seen[key]
-    return parts
+    """With echo and logprobs: every prompt token's log probability (the first has none), the
+    distinct prompts of the request scored together."""
+    rows = list(dict.fromkeys(tuple(c.echo_ids) for c in plan.choices))
+    scored = await on_model_thread(served, lambda: served.rows_logprobs([list(r) for r in rows],
+                                                                        plan.request.logprobs), "prompt")
+    parts = {r: (list(r), [None] + [lp for lp, _ in s], [None] + [a for _, a in s]) for r, s in zip(rows, scored)}
+    return {c.index: parts[tuple(c.echo_ids)] for c in plan.choices}
 
 
 async def beam(served: ServedModel, plan: Plan) -> None:
@@ -293,7 +311,7 @@ def record(plan: Plan, index: int, event) -> None:
         c.logprobs.append(event.logprob)
         c.top.append(event.top or [])
     elif isinstance(event, DoneEvent):
-        c.finish_reason, c.seconds = event.finish_reason, event.seconds
+        c.finish_reason, c.seconds, c.stop_id = event.finish_reason, event.seconds, event.stop_token
     elif isinstance(event, ErrorEvent):  # with a param: a knob the model could not honour; without: the server's fault
         raise (bad(event.param, event.message) if event.param is not None
                else APIError(500, event.message, None, "generation_failed", "server_error"))
@@ -382,8 +400,9 @@ async def score(body: TextRequest, state: StateDep):
     return await on_text(state, body, "score")
 
 
-def create_app(models: dict[str, ServedModel], limits: Limits | None = None, api_key: str | None = None) -> FastAPI:
-    """The FastAPI application serving ``models`` (name -> ServedModel)."""
+def create_app(models: dict[str, ServedModel], limits: Limits | None = None, api_key: str | None = None,
+               runs: RunsRoot | None = None) -> FastAPI:
+    """The FastAPI application serving ``models`` (name -> ServedModel) and, with ``runs``, the runs under it."""
     limits = limits or Limits()
     app = FastAPI(title="tinylm", docs_url=None, redoc_url=None, openapi_url=None, exception_handlers={
         APIError: on_error, HTTPException: on_error, Exception: on_error, RequestValidationError: on_validation_error})
@@ -392,16 +411,22 @@ def create_app(models: dict[str, ServedModel], limits: Limits | None = None, api
         app.add_middleware(ApiKey, key=api_key)
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
     app.include_router(router)
+    app.include_router(compare_router)
+    app.include_router(lens_router)
+    app.include_router(runs_router)
     app.state.server = ServerState(models, limits)
+    app.state.runs = runs
     return app
 
 
-def serve(models: dict[str, ServedModel], host: str, port: int, limits: Limits, api_key: str | None) -> None:
+def serve(models: dict[str, ServedModel], host: str, port: int, limits: Limits, api_key: str | None,
+          runs: RunsRoot | None = None) -> None:
     """Run the app with uvicorn until interrupted."""
     import uvicorn  # deferred: only `tinylm serve` needs it
 
-    app = create_app(models, limits, api_key)
-    log.info("serving %s on http://%s:%d  (open it in a browser for the playground)", ", ".join(models), host, port)
+    app = create_app(models, limits, api_key, runs)
+    log.info("serving %s on http://%s:%d  (open it in a browser for the playground)",
+             ", ".join(models) + (f" and the runs under {runs.root}" if runs else ""), host, port)
     try:
         uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=2)
     finally:

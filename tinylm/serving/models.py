@@ -16,7 +16,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tinylm.constants import IGNORE_INDEX
+from tinylm.constants import IGNORE_INDEX, PAD_ID
+from tinylm.data.tokens import pad_rows
 from tinylm.errors import TinyLMError
 from tinylm.evaluation.perplexity import document_windows, evaluate_texts
 from tinylm.evaluation.plots import attention_maps, attention_maps_of_ids, token_labels
@@ -26,13 +27,22 @@ from tinylm.serving.completions import APIError
 from tinylm.serving.scheduler import Scheduler
 from tinylm.training.metrics import read_metrics
 
+CHECKPOINTS_DIR = "checkpoints"  # a run's checkpoints live in <run>/checkpoints/<name>
+SCORED_FLOATS = 2**24  # log probabilities held at once when scoring (rows x positions x vocabulary)
+
 
 def model_name(path: str, taken: set[str]) -> str:
-    """``runs/demo`` -> demo, ``stories260K.bin`` -> stories260K, ``runs/demo/checkpoints/best`` ->
-    demo; a second model of the same name gets ``-2``."""
-    p = Path(path)
-    parts = [x for x in p.parts if x not in ("checkpoints", "best", "last", "/", ".")]
+    """The run a checkpoint belongs to: ``runs/demo`` -> demo, ``runs/demo/checkpoints/ema`` (or
+    best, last, step-0000100) -> demo, ``stories260K.bin`` -> stories260K; a second model of the
+    same name gets ``-2``."""
+    parts = [x for x in Path(path).absolute().parts if x not in ("/", ".")]
+    if CHECKPOINTS_DIR in parts[1:]:
+        parts = parts[: len(parts) - 1 - parts[::-1].index(CHECKPOINTS_DIR)]
     base = Path(parts[-1]).stem if parts else "model"
+    return unique_name(base, taken)
+
+
+def unique_name(base: str, taken: set[str]) -> str:
     name, k = base, 2
     while name in taken:
         name, k = f"{base}-{k}", k + 1
@@ -137,16 +147,45 @@ class ServedModel:
     def sequence_logprobs(self, ids: list[int], top: int = 0) -> list[tuple[float, list[tuple[int, float]]]]:
         """(log p(ids[t] | ids[:t]), the ``top`` most likely (id, log p)) for t >= 1, with the
         strided windows ``tinylm evaluate`` uses for a text longer than the context."""
-        out = []
+        return self.rows_logprobs([ids], top)[0]
+
+    def rows_logprobs(self, rows: list[list[int]], top: int = 0) -> list[list[tuple[float, list[tuple[int, float]]]]]:
+        """``sequence_logprobs`` of several rows, their windows scored in batches (right-padded:
+        a causal model's positions never see the padding after them)."""
+        windows = [(r, inputs, targets) for r, ids in enumerate(rows)
+                   for inputs, targets in document_windows(ids, self.context_length)]
+        out: list[list] = [[] for _ in rows]
+        k = min(top, self.vocab_size)
+        batch = max(1, SCORED_FLOATS // (self.context_length * self.vocab_size))
         with torch.inference_mode():
-            for inputs, targets in document_windows(ids, self.context_length):
-                logits, _ = self.model(torch.tensor([inputs]))
-                logp = torch.log_softmax(logits[0].float(), dim=-1)
-                for pos, target in enumerate(targets):
-                    if target != IGNORE_INDEX:
-                        values, top_ids = logp[pos].topk(min(top, logp.shape[-1]))
-                        out.append((float(logp[pos, target]), list(zip(top_ids.tolist(), values.tolist()))))
+            for b in range(0, len(windows), batch):
+                chunk = windows[b : b + batch]
+                logits, _ = self.model(pad_rows([inputs for _, inputs, _ in chunk], PAD_ID))
+                logp = torch.log_softmax(logits.float(), dim=-1)
+                for j, (r, _, targets) in enumerate(chunk):
+                    pos = [p for p, t in enumerate(targets) if t != IGNORE_INDEX]
+                    rows_logp = logp[j, pos]
+                    picked = rows_logp.gather(1, torch.tensor([[targets[p]] for p in pos])).squeeze(1).tolist()
+                    values, ids = rows_logp.topk(k, dim=-1)
+                    out[r].extend(zip(picked, [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]))
         return out
+
+    def list_stop_tokens(self, choices: list, top: int = 0) -> None:
+        """Set ``choice.stop`` = (id, log p, the ``top`` alternatives) of the stop token that ended
+        each choice: the scheduler ends a row on it without emitting it, and OpenAI's logprobs list
+        it last. The id is the one the decoder reported (``choice.stop_id``); where none was
+        reported (a beam), the likeliest of the choice's stop ids after its tokens."""
+        rows = [(c.prompt_ids + c.tokens)[-self.context_length:] for c in choices]
+        k = min(top, self.vocab_size)
+        batch = max(1, SCORED_FLOATS // (self.context_length * self.vocab_size))
+        with torch.inference_mode():
+            for b in range(0, len(rows), batch):
+                logits, _ = self.model(pad_rows(rows[b : b + batch], PAD_ID))
+                for j, c in enumerate(choices[b : b + batch]):
+                    logp = torch.log_softmax(logits[j, len(rows[b + j]) - 1].float(), dim=-1)
+                    stop = c.stop_id if c.stop_id is not None else max(c.cfg.stop_ids, key=lambda i: float(logp[i]))
+                    values, ids = logp.topk(k)
+                    c.stop = (stop, float(logp[stop]), list(zip(ids.tolist(), values.tolist())))
 
     def attention(self, text: str) -> dict:
         """The maps of ``tinylm attention``; a text longer than the context keeps its last tokens
@@ -165,17 +204,27 @@ class ServedModel:
                 "weights": [np.round(w, 5).tolist() for w in maps.weights], "warnings": notes}
 
 
-def load_models(checkpoints: list[str], tokenizers: list[str], max_batch: int) -> dict[str, ServedModel]:
-    """Every ``--checkpoint``, named; the i-th ``--tokenizer`` goes with the i-th checkpoint
-    (``none`` for one that brings its own tokenizer)."""
+def load_models(checkpoints: list[str], tokenizers: list[str], max_batch: int,
+                names: list[str] | None = None) -> dict[str, ServedModel]:
+    """Every ``--checkpoint``, named after its run (or the i-th ``--name``); the i-th
+    ``--tokenizer`` goes with the i-th checkpoint (``none`` for one that brings its own tokenizer)."""
     if not checkpoints:
         raise TinyLMError("give at least one --checkpoint")
     if tokenizers and len(tokenizers) != len(checkpoints):
         raise TinyLMError(f"{len(tokenizers)} --tokenizer for {len(checkpoints)} --checkpoint: give one per "
                           "checkpoint, in the same order ('none' for a checkpoint that brings its own tokenizer)")
+    names = list(names or [])
+    if names and len(names) != len(checkpoints):
+        raise TinyLMError(f"{len(names)} --name for {len(checkpoints)} --checkpoint: give one per checkpoint, "
+                          "in the same order")
+    for n in names:
+        if not n or n.strip() != n or "/" in n:
+            raise TinyLMError(f"--name {n!r}: a model name is not empty, without '/' or surrounding spaces")
+    if len(set(names)) != len(names):
+        raise TinyLMError(f"--name {' '.join(names)}: the names must be distinct")
     models: dict[str, ServedModel] = {}
     for i, path in enumerate(checkpoints):
         tok = tokenizers[i] if tokenizers else None
-        name = model_name(path, set(models))
+        name = names[i] if names else model_name(path, set(models))
         models[name] = ServedModel.load(path, None if tok in (None, "none") else tok, name, max_batch)
     return models

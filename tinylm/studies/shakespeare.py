@@ -74,7 +74,8 @@ def run_config(cfg: StudyConfig, spec: TokenizerSpec, out_dir: Path) -> RunConfi
         gpt.lr / 10
     t.warmup_steps = max(1, min(100, gpt.max_steps // 10))
     t.eval_interval, t.eval_batches, t.log_interval = gpt.eval_interval, gpt.eval_batches, gpt.eval_interval
-    t.early_stopping_patience, t.threads, t.progress, t.seed, t.device = 3, cfg.threads, False, cfg.seed, "cpu"
+    # train.progress stays on: a bar on a terminal, a line per evaluation in a log file
+    t.early_stopping_patience, t.threads, t.seed, t.device = 3, cfg.threads, cfg.seed, "cpu"
     rc.sample.prompts, rc.sample.max_new_tokens = list(sampling.prompts), sampling.max_new_tokens
     rc.sample.temperature = sampling.temperature
     return rc
@@ -130,8 +131,10 @@ def _token_ids(prepared: Prepared) -> dict[str, np.ndarray]:
     return {name: np.asarray(s.ids, dtype=np.int64) for name, s in prepared.splits.items()}
 
 
-def ngram_models(cfg: StudyConfig, spec: TokenizerSpec, prepared: Prepared, say) -> dict:
-    """Every order x smoothing, scored on valid and test, with samples."""
+def ngram_models(cfg: StudyConfig, spec: TokenizerSpec, prepared: Prepared, say,
+                 save_dir: Path | None = None) -> dict:
+    """Every order x smoothing, scored on valid and test, with samples; the Kneser-Ney model of
+    each order saved as ``save_dir/ngram-<order>.npz`` (what ``tinylm serve`` loads)."""
     out = {"rows": [], "samples": []}
     tok, splits, ids, V = prepared.tokenizer, prepared.splits, _token_ids(prepared), prepared.tokenizer.vocab_size
     for order in cfg.ngram.orders:
@@ -147,6 +150,8 @@ def ngram_models(cfg: StudyConfig, spec: TokenizerSpec, prepared: Prepared, say)
                 lm.set_weights(cfg.ngram.fixed_weights[: order + 1])
             valid = _split_metrics(lm.score(ids["valid"]), splits["valid"])
             test = _split_metrics(lm.score(ids["test"]), splits["test"])
+            if save_dir is not None and name == "kneser_ney":
+                lm.save(save_dir / f"ngram-{order}.npz")
             out["rows"].append(_row(spec.name, V, "ngram", order, name, None, valid, test,
                                     t_count + time.perf_counter() - t1))
             out["samples"] += samples(cfg, tok, spec.name, f"{order}-gram {name}", lm.next_token_logits)
@@ -170,8 +175,10 @@ def bigram_runs(cfg: StudyConfig) -> list[tuple[str, BigramConfig]]:
                for d in b.d_embeds for wd in b.weight_decays])
 
 
-def bigram_sweep(cfg: StudyConfig, spec: TokenizerSpec, prepared: Prepared, best_from_first, say) -> dict:
-    """Every run of the sweep (or the first tokenizer's best setting), scored on valid and test."""
+def bigram_sweep(cfg: StudyConfig, spec: TokenizerSpec, prepared: Prepared, best_from_first, say,
+                 save_dir: Path | None = None) -> dict:
+    """Every run of the sweep (or the first tokenizer's best setting), scored on valid and test;
+    the best run's model saved as ``save_dir/bigram.pt``."""
     tok, splits, ids, V = prepared.tokenizer, prepared.splits, _token_ids(prepared), prepared.tokenizer.vocab_size
     runs = [r for r in bigram_runs(cfg) if best_from_first is None or r[0] == best_from_first]
     out = {"runs": [], "samples": []}
@@ -191,6 +198,8 @@ def bigram_sweep(cfg: StudyConfig, spec: TokenizerSpec, prepared: Prepared, best
         if best is None or result.best_val_loss < best[0].best_val_loss:
             best = (result, label, valid, test)
     result, label, valid, test = best
+    if save_dir is not None:
+        result.model.save(save_dir / "bigram.pt", {"label": label})
     out["best"] = label
     out["row"] = _row(spec.name, V, "neural_bigram", 2, label, result.model.num_parameters(), valid, test,
                       sum(r["seconds"] for r in out["runs"]))
@@ -313,7 +322,7 @@ def ngram_stage(study: StudyRun, spec: TokenizerSpec, prepared: Prepared) -> Non
     """Stage 2: the n-gram models of every order and smoothing."""
     ngram = study.stage("2 n-grams", study.out / spec.name / "stage-ngram.json",
                         [*study.model_inputs, asdict(study.cfg.ngram), asdict(spec)],
-                        lambda: ngram_models(study.cfg, spec, prepared, study.say))
+                        lambda: ngram_models(study.cfg, spec, prepared, study.say, study.out / spec.name))
     study.state["rows"] += ngram["rows"]
     study.state["samples"] += ngram["samples"]
 
@@ -323,7 +332,7 @@ def bigram_stage(study: StudyRun, spec: TokenizerSpec, prepared: Prepared) -> No
     fixed = study.best_bigram if study.cfg.bigram.sweep_on == "first" else None
     bigram = study.stage("3 neural bigram", study.out / spec.name / "stage-bigram.json",
                          [*study.model_inputs, asdict(study.cfg.bigram), asdict(spec), fixed],
-                         lambda: bigram_sweep(study.cfg, spec, prepared, fixed, study.say))
+                         lambda: bigram_sweep(study.cfg, spec, prepared, fixed, study.say, study.out / spec.name))
     study.best_bigram = study.best_bigram or bigram["best"]
     study.state["rows"].append(bigram["row"])
     study.state["bigram_runs"] += bigram["runs"]

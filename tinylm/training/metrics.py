@@ -6,6 +6,7 @@ the studies read it through ``read_metrics``.
 from __future__ import annotations
 
 import csv
+import json
 import os
 from pathlib import Path
 
@@ -14,6 +15,8 @@ from tinylm.errors import TinyLMError
 METRICS_COLUMNS = ["step", "tokens", "lr", "train_loss", "val_loss", "val_ppl", "tokens_per_s", "elapsed_s"]
 # epochs.csv (train.epochs): the reports' per-epoch table; train_loss is the epoch's token-weighted mean
 EPOCH_COLUMNS = ["step", "epoch", "train_loss", "val_loss", "train_ppl", "val_ppl", "elapsed_s"]
+# the sample prompts continued at each evaluation: one JSON object per line ({"step", "tokens", "samples"})
+EVAL_SAMPLES = "eval_samples.jsonl"
 
 
 class MetricsLog:
@@ -55,3 +58,18 @@ def read_metrics(path: str | Path) -> list[dict]:
                 for row in rows]
     except ValueError as exc:
         raise TinyLMError(f"{path} holds a cell that is not a number ({exc})") from exc
+
+
+def read_eval_samples(path: Path) -> list[dict]:
+    """The rows of ``eval_samples.jsonl`` by step, the last written for a step (a resumed run
+    writes its steps again); a line being written or damaged is left out."""
+    by_step = {}
+    text = path.read_text(encoding="utf-8", errors="replace") if path.is_file() else ""
+    for line in text.splitlines():
+        try:
+            row = json.loads(line)
+            by_step[int(row["step"])] = row
+        except (ValueError, KeyError, TypeError):
+            continue
+    return [by_step[k] for k in sorted(by_step)]
+

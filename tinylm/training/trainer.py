@@ -227,11 +227,15 @@ class TrainState:
     epoch_targets: int = 0
     last_loss: float = math.nan
     stopped: str = "max_steps"
+    on_evaluate: Callable[[GPT, int, int], None] | None = None
 
 
 def train(cfg: RunConfig, prepared: Prepared, out_dir: str | Path, *,
-          resume: str | Path | None = None, force: bool = False) -> TrainResult:
+          resume: str | Path | None = None, force: bool = False,
+          on_evaluate: Callable[[GPT, int, int], None] | None = None) -> TrainResult:
     """Train (or, with ``resume``, continue training) and write checkpoints into ``out_dir``.
+    ``on_evaluate(model, step, tokens_seen)`` runs on rank 0 after each evaluation, with the random
+    state saved and restored around it (what it draws cannot change the run).
 
     Under torchrun (WORLD_SIZE > 1) every rank calls this; only rank 0 logs and writes files.
     """
@@ -239,6 +243,7 @@ def train(cfg: RunConfig, prepared: Prepared, out_dir: str | Path, *,
     try:
         say = log.info if dist.is_main else (lambda *a, **k: None)
         state = _set_up(cfg, prepared, Path(out_dir), say, dist, fresh=resume is None)
+        state.on_evaluate = on_evaluate
         if resume is not None:
             _resume(state, resume, force)
         _start_session(state)
@@ -440,6 +445,15 @@ def _evaluate(state: TrainState, row: dict, tok_s: float) -> None:
     msg = (f"step {state.step}: train {state.last_loss:.4f}, valid {val:.4f} (ppl {math.exp(min(val, 50)):.2f}), "
            f"{tok_s:,.0f} tok/s")
     (state.progress.message if state.progress is not None else state.say)(msg)
+    if state.on_evaluate is not None and state.dist.is_main:
+        devices = [state.device] if state.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            was_training = state.model.training
+            state.model.eval()
+            try:
+                state.on_evaluate(state.model, state.step, state.tokens_seen)
+            finally:
+                state.model.train(was_training)
     if tc.early_stopping_patience and state.bad_evals >= tc.early_stopping_patience:
         state.stopped = "early_stopping"
         state.say(f"train: early stopping at step {state.step}: no validation improvement in {state.bad_evals} "

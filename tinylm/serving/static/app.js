@@ -95,6 +95,18 @@ function chip(text, logprob) {
   return span;
 }
 
+// Click, or Enter / Space once focused: mouse and keyboard reach the same action.
+function onActivate(el, action) {
+  el.tabIndex = 0;
+  if (!/^(BUTTON|A)$/.test(el.tagName)) el.setAttribute("role", "button");
+  el.addEventListener("click", action);
+  el.addEventListener("keydown", (event) => {
+    if (event.key !== "Enter" && event.key !== " ") return;
+    event.preventDefault();
+    action();
+  });
+}
+
 function showAlternatives(index) {
   const t = state.tokens[index];
   document.querySelectorAll("#output .chip").forEach((el) => el.classList.toggle("selected", Number(el.dataset.index) === index));
@@ -162,7 +174,7 @@ function addToken(text, logprob, top) {
   state.tokens.push({ text, logprob, top });
   const span = chip(text, logprob);
   span.dataset.index = index;
-  span.addEventListener("click", () => showAlternatives(index));
+  onActivate(span, () => showAlternatives(index));
   $("output").appendChild(span);
 }
 
@@ -242,8 +254,9 @@ async function showAttention() {
         const canvas = document.createElement("canvas");
         canvas.className = "attention-map";
         canvas.title = `layer ${l}, head ${h}`;
+        canvas.setAttribute("aria-label", `attention of layer ${l}, head ${h}: enlarge`);
         drawMap(canvas, w, cell, null);
-        canvas.addEventListener("click", () => {
+        onActivate(canvas, () => {
           const zoom = $("attention-zoom");
           zoom.style.display = "block";
           drawMap(zoom, w, Math.max(12, Math.min(28, Math.floor(640 / T))), data.tokens);
@@ -280,7 +293,7 @@ async function compare() {
       const col = document.createElement("div");
       col.className = "column";
       col.dataset.setting = name;
-      col.innerHTML = `<h3>${name}${extra.beam_width > 1 ? ` (${extra.beam_width} beams)` : ""}</h3>` +
+      col.innerHTML = `<h2>${name}${extra.beam_width > 1 ? ` (${extra.beam_width} beams)` : ""}</h2>` +
         `<div class="stats"><span class="tps">${c.tinylm.tokens_per_s ?? "-"} tokens/s</span> · ` +
         `${lps.length} tokens · mean log-prob per token <b class="mean-logprob">${mean.toFixed(3)}</b> · ` +
         `finish: ${c.finish_reason}</div>`;
@@ -386,14 +399,29 @@ function drawCurves(rows) {
 
 // ------------------------------------------------------------------------------ wiring
 function showTab(name) {
-  document.querySelectorAll("#tabs button").forEach((b) => b.classList.toggle("active", b.dataset.tab === name));
+  document.querySelectorAll("#tabs button").forEach((b) => {
+    b.classList.toggle("active", b.dataset.tab === name);
+    b.setAttribute("aria-selected", String(b.dataset.tab === name));
+  });
   document.querySelectorAll(".panel").forEach((p) => p.classList.toggle("active", p.id === "panel-" + name));
   $("controls").style.display = name === "generate" || name === "compare" ? "block" : "none";
   if (name === "tokenizer") tokenize();
   if (name === "card") showCard().catch((err) => { $("card").innerHTML = `<span class="error">${escapeHtml(err.message)}</span>`; });
 }
 
+// The tabs as ARIA tabs: screen readers announce the tab list, which tab is selected, and each panel's name.
+function markTabs() {
+  document.querySelectorAll("#tabs button").forEach((b) => {
+    b.setAttribute("role", "tab");
+    b.setAttribute("aria-selected", String(b.classList.contains("active")));
+    b.setAttribute("aria-controls", "panel-" + b.dataset.tab);
+    const panel = $("panel-" + b.dataset.tab);
+    if (panel) { panel.setAttribute("role", "tabpanel"); panel.setAttribute("aria-label", b.textContent); }
+  });
+}
+
 async function start() {
+  markTabs();
   document.querySelectorAll("#tabs button").forEach((b) => b.addEventListener("click", () => showTab(b.dataset.tab)));
   $("generate").addEventListener("click", generate);
   $("stop-generation").addEventListener("click", () => state.controller && state.controller.abort());
@@ -411,6 +439,11 @@ async function loadModels() {
   try {
     const data = await api("/v1/models");
     $("model").innerHTML = data.data.map((m) => `<option>${escapeHtml(m.id)}</option>`).join("");
+    if (!data.data.length) {  // `tinylm serve --runs DIR` alone: models come from the Runs view
+      state.model = null;
+      setStatus("no model served yet: load a checkpoint in the Runs view");
+      return;
+    }
     state.model = data.data[0].id;
     setStatus(`${data.data.length} model(s) served`);
   } catch (err) {

@@ -1,0 +1,56 @@
+"""``POST /v1/tinylm/lens``: the logit lens of a served GPT over a text (``evaluation.lens``), as
+JSON for the playground's "Logit lens" view: per layer and position, the most likely next tokens
+and the probability of the token that actually follows.
+"""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from pydantic import Field
+
+from tinylm.errors import TinyLMError
+from tinylm.evaluation.lens import check_layered, logit_lens
+from tinylm.serving.completions import bad
+from tinylm.serving.schemas import Strict
+
+router = APIRouter()
+
+
+class LensRequest(Strict):
+    model: str | None = None
+    text: str = Field(description="the text to read the model's layers on")
+    top: int = Field(5, ge=1, le=20, description="tokens kept per cell, most likely first")
+
+
+def lens_json(served, text: str, top: int) -> dict:
+    """The lens of ``served`` over its start token and ``text``; a text longer than the context keeps
+    its last tokens after the start token (the prompt rule), with a warning."""
+    start = [served.tokenizer.bos_id] if served.tokenizer.bos_id is not None else []
+    ids, notes = list(served.tokenizer.encode(text)), []
+    keep = served.context_length - len(start)
+    if len(ids) > keep:
+        notes.append(f"the text is {len(start) + len(ids)} tokens, longer than the context "
+                     f"({served.context_length}); showing its last {keep} after the start token")
+        ids = ids[-keep:]
+    grid = logit_lens(served.model, start + ids, top)
+    shown = sorted({i for row in grid.top_ids for cell in row for i in cell})
+    labels = {piece["id"]: piece["text"] for piece in served.pieces(shown)}
+    return {"tokens": served.pieces(grid.ids), "layers": grid.layers,
+            "top": [[[{"id": i, "text": labels[i], "p": round(p, 6)} for i, p in zip(ids_, probs)]
+                     for ids_, probs in zip(row_ids, row_probs)]
+                    for row_ids, row_probs in zip(grid.top_ids, grid.top_probs)],
+            "next_p": [[None if p is None else round(p, 6) for p in row] for row in grid.next_probs],
+            "warnings": notes}
+
+
+@router.post("/v1/tinylm/lens")
+async def lens(body: LensRequest, request: Request):
+    state = request.app.state.server
+    served = state.model(body.model)
+    if not body.text:
+        raise bad("text", "must not be empty", "empty_text")
+    try:
+        check_layered(served.model)
+    except TinyLMError as exc:
+        raise bad("model", f"{served.name}: {exc}", "model_has_no_layers") from exc
+    return {"model": served.name, **await state.on_model_thread(served, lambda: lens_json(served, body.text, body.top))}
