@@ -19,14 +19,22 @@ Then a KV-cache speed-up table (tinylm greedy, batch 1, with / without cache at 
 ../shared/anchors/llama2c relative to the repository, or --llama2c-dir), beside llama2.c's
 ``run`` binary when ``--llama2c PATH_TO_RUN`` is given (same checkpoint, same step count;
 identical text required); then stories260K's bits per byte on valid.txt in float32 and in
-bfloat16 (``tinylm generate --dtype bfloat16``) with its greedy speed in each.
+bfloat16 (``tinylm generate --dtype bfloat16``) with its greedy speed in each. Last, int8 weights
+(``--dtype int8``: W8A8 with per-token activation scales, and weight-only int8;
+``tinylm.models.quantize``; CPU only, ``--skip-int8`` leaves them out): the bench model's greedy
+tokens/s in float32 and each int8 kind at each batch size, run alternately, eager and with
+--compiled compiled; and bits per byte on valid.txt in float32 and int8 for trained models
+(stories260K, and ``--int8-checkpoint RUN`` such as ../runs/tinystories-cpu-25m), with their greedy
+speed at batch 1.
 
     python benchmarks/bench_generate.py [--quick] [--compiled] [--threads 1] [--json out.json] [--llama2c ./run]
+                                        [--int8-checkpoint ../runs/tinystories-cpu-25m] [--skip-int8]
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import re
 import statistics
@@ -39,6 +47,7 @@ import torch
 
 from tinylm.generation import GenerationConfig, generate_many
 from tinylm.interop.gpt2 import from_hf_gpt2
+from tinylm.models.quantize import quantize_gpt
 
 SHARED_LLAMA2C = Path(__file__).resolve().parents[2] / "shared" / "anchors" / "llama2c"
 SHARED_VALID = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinystories" / "valid.txt"
@@ -248,6 +257,86 @@ def bfloat16_rows(args) -> list[dict]:
     return rows
 
 
+INT8_KERNELS = {"int8": "rowwise", "int8_weight_only": "dequantize"}  # name in the tables -> quantize_gpt's kernel
+
+
+def int8_speed_rows(model, args) -> list[dict]:
+    """The bench model in float32 and with int8 weights: ``--dtype int8`` (W8A8, per-token scales)
+    and weight-only int8; greedy tokens/s at each batch size, eager and (with --compiled) compiled,
+    the three run alternately. The bench model is untrained (nearly flat logits), so its greedy
+    tokens part from float32's early; int8's accuracy is the bits-per-byte table's."""
+    systems = {"float32": model, **{name: quantize_gpt(copy.deepcopy(model), kernel)
+                                    for name, kernel in INT8_KERNELS.items()}}
+    g = torch.Generator().manual_seed(11)
+    rows = []
+    for batch in args.batches:
+        prompts = torch.randint(4, model.config.vocab_size, (batch, args.prompt_len), generator=g).tolist()
+        for compile in ([False, True] if args.compiled else [False]):
+            for m in systems.values():  # warm-up (compiles at full length)
+                run_tinylm(m, prompts, "greedy_cache", args.new_tokens if compile else 4, compile)
+            times, outputs = {name: [] for name in systems}, {}
+            for _ in range(args.repeats):
+                for name, m in systems.items():
+                    dt, outputs[name] = run_tinylm(m, prompts, "greedy_cache", args.new_tokens, compile)
+                    times[name].append(dt)
+            speed = {name: batch * args.new_tokens / statistics.median(t) for name, t in times.items()}
+            for name in INT8_KERNELS:
+                pairs = [(a, b) for ra, rb in zip(outputs["float32"], outputs[name]) for a, b in zip(ra, rb)]
+                rows.append({"table": "int8_speed", "system": "tinylm_compiled" if compile else "tinylm",
+                             "weights": name, "batch": batch, "new_tokens": args.new_tokens,
+                             "float32_tokens_per_s": round(speed["float32"], 1),
+                             "tokens_per_s": round(speed[name], 1), "speedup": round(speed[name] / speed["float32"], 2),
+                             "same_greedy_tokens": round(sum(a == b for a, b in pairs) / len(pairs), 3),
+                             "repeats": args.repeats})
+                r = rows[-1]
+                print(f"  {r['system']:15s} batch {batch:3d}: float32 {r['float32_tokens_per_s']:.1f} tok/s, {name} "
+                      f"{r['tokens_per_s']:.1f} tok/s, {r['speedup']:.2f}x", flush=True)
+    return rows
+
+
+def int8_bpb_rows(args) -> list[dict]:
+    """Bits per byte on valid.txt in float32 and with int8 weights, and greedy tokens/s at batch 1
+    in each, for trained models: stories260K (unless --skip-llama2c) and ``--int8-checkpoint`` (the
+    bench model is untrained)."""
+    from tinylm.data.corpora import load_text_file
+    from tinylm.evaluation.perplexity import evaluate_texts
+    from tinylm.interop import load_any_checkpoint
+
+    models = [] if args.skip_llama2c else [("stories260K", args.llama2c_dir / "stories260K.bin",
+                                             args.llama2c_dir / "tok512.bin")]
+    if args.int8_checkpoint:
+        models.append((args.int8_checkpoint.name, args.int8_checkpoint, None))
+    if not models:
+        print("  (skipped: --skip-llama2c and no --int8-checkpoint)")
+        return []
+    if not args.valid.is_file():
+        print(f"  (skipped: {args.valid} not found)")
+        return []
+    texts = [d for d in load_text_file(args.valid) if d][: args.bf16_stories]
+    rows = []
+    for label, ckpt, tok_path in models:
+        if not ckpt.exists() or (tok_path is not None and not tok_path.is_file()):
+            print(f"  ({label} skipped: {ckpt} not found)")
+            continue
+        model, tok, _ = load_any_checkpoint(ckpt, tok_path)
+        ids = ([tok.bos_id] if tok.bos_id is not None else []) + tok.encode("Once upon a time")
+        fp_bpb = evaluate_texts(model, tok, texts, batch_size=32)["bpb"]
+        fp_speed, fp_tokens = time_greedy(model, ids, 200, tok.stop_ids, args.repeats)
+        for name, kernel in INT8_KERNELS.items():
+            int8 = quantize_gpt(copy.deepcopy(model), kernel)
+            bpb = evaluate_texts(int8, tok, texts, batch_size=32)["bpb"]
+            speed, tokens = time_greedy(int8, ids, 200, tok.stop_ids, args.repeats)
+            rows.append({"table": "int8_bpb", "model": label, "weights": name, "parameters": model.num_parameters(),
+                         "stories": len(texts), "float32_bpb": round(fp_bpb, 5), "bpb": round(bpb, 5),
+                         "bpb_change": round(bpb - fp_bpb, 5), "float32_tokens_per_s": round(fp_speed, 1),
+                         "tokens_per_s": round(speed, 1), "same_greedy_tokens": tokens == fp_tokens})
+            r = rows[-1]
+            print(f"  {label} {name}: {r['float32_bpb']:.5f} -> {r['bpb']:.5f} bpb ({r['bpb_change']:+.5f}) on "
+                  f"{len(texts)} stories; greedy {r['float32_tokens_per_s']:.1f} -> {r['tokens_per_s']:.1f} tok/s",
+                  flush=True)
+    return rows
+
+
 def print_table(rows: list[dict]) -> None:
     gen = [r for r in rows if r["table"] == "generate"]
     if gen:
@@ -277,6 +366,15 @@ def print_table(rows: list[dict]) -> None:
                                       "same greedy tokens"], "lrrrrl",
                    lambda r: [r["dtype"], r["stories"], f"{r['bpb']:.5f}", f"{r['bpb_change']:+.5f}",
                               f"{r['tokens_per_s']:.1f}", r["same_tokens_as_float32"]])
+    markdown_table(rows, "int8_speed", ["system (bench model, greedy)", "weights", "batch", "float32 tok/s",
+                                        "int8 tok/s", "/ float32", "same greedy tokens"], "llrrrrr",
+                   lambda r: [r["system"], r["weights"], r["batch"], f"{r['float32_tokens_per_s']:.1f}",
+                              f"{r['tokens_per_s']:.1f}", f"{r['speedup']:.2f}x", r["same_greedy_tokens"]])
+    markdown_table(rows, "int8_bpb", ["model", "weights", "stories (valid.txt)", "float32 bpb", "int8 bpb", "change",
+                                      "float32 tok/s", "int8 tok/s", "same greedy tokens"], "llrrrrrrl",
+                   lambda r: [r["model"], r["weights"], r["stories"], f"{r['float32_bpb']:.5f}", f"{r['bpb']:.5f}",
+                              f"{r['bpb_change']:+.5f}", f"{r['float32_tokens_per_s']:.1f}",
+                              f"{r['tokens_per_s']:.1f}", r["same_greedy_tokens"]])
 
 
 def markdown_table(rows: list[dict], table: str, header: list[str], align: str, cells) -> None:
@@ -303,7 +401,11 @@ def main(argv=None) -> int:
     p.add_argument("--skip-bfloat16", action="store_true", help="leave out the bfloat16 table (it scores valid.txt twice)")
     p.add_argument("--compiled", action=argparse.BooleanOptionalAction, default=None,
                    help="time the compiled systems too (default: on, off with --quick: compiling takes minutes)")
-    p.add_argument("--valid", type=Path, default=SHARED_VALID, help="TinyStories valid.txt for the bfloat16 table")
+    p.add_argument("--skip-int8", action="store_true", help="leave out the int8 tables")
+    p.add_argument("--int8-checkpoint", type=Path,
+                   help="a trained tinylm checkpoint or run directory for the int8 bits-per-byte table "
+                        "(e.g. ../runs/tinystories-cpu-25m); stories260K is always scored")
+    p.add_argument("--valid", type=Path, default=SHARED_VALID, help="TinyStories valid.txt for the bfloat16 and int8 tables")
     p.add_argument("--modes", dest="modes_arg", help=f"comma-separated subset of {','.join(MODES)}")
     p.add_argument("--batches", dest="batches_arg", help="comma-separated batch sizes (default: 1,16; --quick: 1,4)")
     args = p.parse_args(argv)
@@ -348,6 +450,11 @@ def main(argv=None) -> int:
         if not args.skip_bfloat16:
             print("bfloat16 decoding (stories260K):")
             rows += bfloat16_rows(args)
+    if not args.skip_int8 and args.device == "cpu":
+        print("int8 weights (bench model, greedy):")
+        rows += int8_speed_rows(model, args)
+        print("int8 weights, bits per byte on valid.txt (trained models):")
+        rows += int8_bpb_rows(args)
     print_table(rows)
     print(f"\nbenchmark took {time.perf_counter() - t0:.0f} s")
     if args.json:

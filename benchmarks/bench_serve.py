@@ -1,28 +1,34 @@
 """`tinylm serve` under load: concurrent streaming clients, then a burst of malformed requests.
 
 Starts the server on 127.0.0.1 (a free port, ``--threads`` torch threads) with the demo model
-(``runs/demo``: run ``make demo`` first, or give ``--checkpoint``), then for 1, 4 and 16
-concurrent clients runs bounded load: each client sends ``--requests`` streaming completions one
+(``runs/demo``: run ``make demo`` first, or give ``--checkpoint``), once per ``--modes`` entry:
+``eager`` (``tinylm serve``) and ``compiled`` (``tinylm serve --compile``: the decoding step under
+torch.compile, every batch bucket compiled before the server answers; the start-up time is
+printed), both by default, eager alone with ``--quick``. For each, for 1, 4 and 16 concurrent
+clients it runs bounded load: each client sends ``--requests`` streaming completions one
 after another (a fixed count, and at most ``--seconds`` per level), every request
 ``--max-tokens`` tokens long unless the model ends it (the demo model, trained on whole plays,
 practically never ends within 64 tokens; the tokens counted are the tokens streamed). Reported per level: requests, errors (must be 0),
 p50/p95 time to first token, p50 time per token after the first, aggregate tokens/s over the
-level's wall time, and the ratio of aggregate tokens/s to one client's (the reference measured
-in the same run: how much batching the concurrent requests buys).
+level's wall time, the ratio of aggregate tokens/s to one client's of the same mode (the reference
+measured in the same run: how much batching the concurrent requests buys) and, for the compiled
+server, to the eager server's at the same number of clients.
 
-Then a burst of malformed and oversized requests (every kind the API refuses: bad values, unknown
+Then, on the first mode's server, a burst of malformed and oversized requests (every kind the API refuses: bad values, unknown
 model, empty prompt, beam_width above the vocabulary, invalid JSON, wrong types, unknown fields,
 bodies over the limit, chat completions), a few hundred in all, 16 in flight; every one must get
 its 4xx answer in OpenAI's error shape, after which ``/health`` must answer and one normal
 completion must succeed.
 
-Targets on a 2-core CPU: 16 clients >= 4x the tokens/s of 1 client; p95 time to first token at 4
-clients <= 250 ms; 0 errors; healthy after the burst.
+Targets on a 2-core CPU: 16 clients >= 5x the tokens/s of 1 client (each mode); the compiled
+server >= 1.5x the eager server's tokens/s at 16 clients; p95 time to first token at 4 clients
+<= 250 ms; 0 errors; healthy after the burst.
 
-    python benchmarks/bench_serve.py [--quick] [--threads 1] [--checkpoint runs/demo] [--json out.json]
+    python benchmarks/bench_serve.py [--quick] [--modes eager,compiled] [--threads 1] [--checkpoint runs/demo] [--json out.json]
 
-``--json PATH`` writes {"rows": [{"clients", "requests", "errors", "ttft_p50_ms", "ttft_p95_ms",
-"tokens_per_s", ...}], "burst": {...}, "targets": {...}, "setup": {...}}.
+``--json PATH`` writes {"rows": [{"mode", "clients", "requests", "errors", "ttft_p50_ms",
+"ttft_p95_ms", "tokens_per_s", "vs_1_client", "vs_eager", ...}], "burst": {...}, "targets": {...},
+"setup": {..., "startup_s": {mode: seconds}}}.
 """
 
 from __future__ import annotations
@@ -51,13 +57,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(checkpoint: str, threads: int, port: int, max_body: int) -> subprocess.Popen:
+def start_server(checkpoint: str, threads: int, port: int, max_body: int, compile: bool = False) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "tinylm.cli", "serve", "--checkpoint", checkpoint, "--threads", str(threads),
-           "--port", str(port), "--max-body-bytes", str(max_body)]
+           "--port", str(port), "--max-body-bytes", str(max_body)] + (["--compile"] if compile else [])
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
+    wait = 900 if compile else 120  # a cold compile of every batch bucket takes minutes on 2 cores
+    deadline = time.monotonic() + wait
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise SystemExit(f"tinylm serve exited: {proc.stdout.read()}")
@@ -68,7 +75,7 @@ def start_server(checkpoint: str, threads: int, port: int, max_body: int) -> sub
             pass
         time.sleep(0.2)
     proc.kill()
-    raise SystemExit("tinylm serve did not become healthy in 120 s")
+    raise SystemExit(f"tinylm serve did not become healthy in {wait} s")
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -225,11 +232,14 @@ async def burst(url: str, model: str, vocab: int, max_body: int, total: int) -> 
 
 # ---------------------------------------------------------------------------------------- main
 def print_table(rows: list[dict], b: dict, targets: dict) -> None:
-    print("\n| clients | requests | errors | TTFT p50 ms | TTFT p95 ms | per-token p50 ms | tokens/s | vs 1 client |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("\n| mode | clients | requests | errors | TTFT p50 ms | TTFT p95 ms | per-token p50 ms | tokens/s | vs 1 client "
+          "| vs eager |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
-        print(f"| {r['clients']} | {r['requests']} | {r['errors']} | {r['ttft_p50_ms']:.1f} | {r['ttft_p95_ms']:.1f} | "
-              f"{r['per_token_p50_ms']:.2f} | {r['tokens_per_s']:.1f} | {r['vs_1_client']:.2f}x |")
+        vs_eager = f"{r['vs_eager']:.2f}x" if r.get("vs_eager") is not None else ""
+        print(f"| {r['mode']} | {r['clients']} | {r['requests']} | {r['errors']} | {r['ttft_p50_ms']:.1f} | "
+              f"{r['ttft_p95_ms']:.1f} | {r['per_token_p50_ms']:.2f} | {r['tokens_per_s']:.1f} | "
+              f"{r['vs_1_client']:.2f}x | {vs_eager} |")
     print(f"\nmalformed burst: {b['requests']} requests of {b['kinds']} kinds in {b['seconds']} s, "
           f"{b['unexpected']} unexpected answers; healthy after: {b['healthy_after']}; "
           f"a normal completion after: {b['completion_after']}")
@@ -240,40 +250,24 @@ def print_table(rows: list[dict], b: dict, targets: dict) -> None:
         print(f"  {'PASS' if ok else 'FAIL'}  {name}: {detail}")
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--checkpoint", default=str(REPO / "runs" / "demo"))
-    p.add_argument("--threads", type=int, default=1, help="the server's torch threads")
-    p.add_argument("--clients", default="1,4,16", help="concurrency levels, comma-separated")
-    p.add_argument("--requests", type=int, default=6, help="requests per client per level")
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--seconds", type=float, default=90, help="time bound of each level")
-    p.add_argument("--burst", type=int, default=300, help="malformed requests in the burst")
-    p.add_argument("--quick", action="store_true", help="2 requests per client, 24 tokens, 100 malformed (< 60 s)")
-    p.add_argument("--json", help="write the rows here")
-    a = p.parse_args(argv)
-    if a.quick:
-        a.requests, a.max_tokens, a.seconds, a.burst = 2, 24, 15, 100
-    if not Path(a.checkpoint).exists():
-        print(f"{a.checkpoint} not found: run `make demo` first (it writes runs/demo) or give --checkpoint")
-        return 2
-    levels = [int(x) for x in a.clients.split(",")]
-    max_body = 100_000
+def run_mode(a, mode: str, levels: list[int], max_body: int, with_burst: bool) -> tuple[list[dict], dict | None, float]:
+    """Start the server of ``mode``, run every load level (and the burst); (rows, burst, start-up s)."""
     port = free_port()
-    t_start = time.perf_counter()
-    server = start_server(a.checkpoint, a.threads, port, max_body)
+    t0 = time.perf_counter()
+    server = start_server(a.checkpoint, a.threads, port, max_body, compile=mode == "compiled")
+    startup = time.perf_counter() - t0
     url = f"http://127.0.0.1:{port}"
+    rows, b = [], None
     try:
         model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
         card = httpx.get(f"{url}/v1/models/{model}").json()["card"]
         vocab = card["config"]["vocab_size"]
-        print(f"tinylm serve on {url}: {model} ({card['parameters']:,} parameters, vocab {vocab}, context "
-              f"{card['config']['context_length']}), {a.threads} torch thread(s); {a.requests} streaming requests "
-              f"per client, {a.max_tokens} tokens each, sampling T 0.8 top-k 50")
+        print(f"{mode}: tinylm serve on {url} ready in {startup:.1f} s: {model} ({card['parameters']:,} parameters, "
+              f"vocab {vocab}, context {card['config']['context_length']}), {a.threads} torch thread(s); "
+              f"{a.requests} streaming requests per client, {a.max_tokens} tokens each, sampling T 0.8 top-k 50")
         asyncio.run(level(url, model, 2, 1, 4, 30))  # warm-up: first-call costs out of the measurements
-        rows = []
         for clients in levels:
-            row = asyncio.run(level(url, model, clients, a.requests, a.max_tokens, a.seconds))
+            row = {"mode": mode, **asyncio.run(level(url, model, clients, a.requests, a.max_tokens, a.seconds))}
             rows.append(row)
             print(f"  {clients:2d} clients: {row['requests']} requests, {row['errors']} errors, TTFT p50 "
                   f"{row['ttft_p50_ms']} ms p95 {row['ttft_p95_ms']} ms, {row['tokens_per_s']} tok/s", flush=True)
@@ -282,28 +276,83 @@ def main(argv=None) -> int:
         base = rows[0]["tokens_per_s"] if rows else float("nan")
         for r in rows:
             r["vs_1_client"] = round(r["tokens_per_s"] / base, 2) if base else float("nan")
-        b = asyncio.run(burst(url, model, vocab, max_body, a.burst))
+        if with_burst:
+            b = asyncio.run(burst(url, model, vocab, max_body, a.burst))
     finally:
-        server.terminate()
-        try:
-            server.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            server.kill()
-    by = {r["clients"]: r for r in rows}
+        stop_server(server)
+    return rows, b, startup
+
+
+def stop_server(server: subprocess.Popen) -> None:
+    """Terminate the server process, killing it when it does not exit within 10 s."""
+    server.terminate()
+    try:
+        server.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        server.kill()
+
+
+def check_targets(rows: list[dict], b: dict) -> dict:
     targets = {"no errors": (all(r["errors"] == 0 for r in rows), f"{sum(r['errors'] for r in rows)} errors"),
                "healthy after the malformed burst": (b["healthy_after"] and b["completion_after"] and not b["unexpected"],
                                                      f"{b['unexpected']} unexpected answers")}
-    if 1 in by and 16 in by:
-        targets["16 clients >= 4x the tokens/s of 1"] = (by[16]["vs_1_client"] >= 4, f"{by[16]['vs_1_client']:.2f}x")
-    if 4 in by:
-        targets["p95 TTFT at 4 clients <= 250 ms"] = (by[4]["ttft_p95_ms"] <= 250, f"{by[4]['ttft_p95_ms']} ms")
+    by = {(r["mode"], r["clients"]): r for r in rows}
+    for mode in dict.fromkeys(r["mode"] for r in rows):
+        if (mode, 1) in by and (mode, 16) in by:
+            ratio = by[mode, 16]["vs_1_client"]
+            targets[f"{mode}: 16 clients >= 5x the tokens/s of 1"] = (ratio >= 5, f"{ratio:.2f}x")
+        if (mode, 4) in by:
+            targets[f"{mode}: p95 TTFT at 4 clients <= 250 ms"] = (by[mode, 4]["ttft_p95_ms"] <= 250,
+                                                                   f"{by[mode, 4]['ttft_p95_ms']} ms")
+    if ("compiled", 16) in by and ("eager", 16) in by:
+        ratio = by["compiled", 16]["vs_eager"]
+        targets["compiled >= 1.5x the eager tokens/s at 16 clients"] = (ratio >= 1.5, f"{ratio:.2f}x")
+    return targets
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--checkpoint", default=str(REPO / "runs" / "demo"))
+    p.add_argument("--threads", type=int, default=1, help="the server's torch threads")
+    p.add_argument("--modes", help="servers to measure, comma-separated: eager, compiled (default: both; "
+                                   "--quick: eager)")
+    p.add_argument("--clients", default="1,4,16", help="concurrency levels, comma-separated")
+    p.add_argument("--requests", type=int, default=6, help="requests per client per level")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--seconds", type=float, default=90, help="time bound of each level")
+    p.add_argument("--burst", type=int, default=300, help="malformed requests in the burst")
+    p.add_argument("--quick", action="store_true", help="eager only, 2 requests per client, 24 tokens, "
+                                                        "100 malformed (< 60 s)")
+    p.add_argument("--json", help="write the rows here")
+    a = p.parse_args(argv)
+    if a.quick:
+        a.requests, a.max_tokens, a.seconds, a.burst = 2, 24, 15, 100
+    modes = (a.modes or ("eager" if a.quick else "eager,compiled")).split(",")
+    if set(modes) - {"eager", "compiled"} or not modes:
+        p.error(f"--modes {a.modes}: choose from eager, compiled")
+    if not Path(a.checkpoint).exists():
+        print(f"{a.checkpoint} not found: run `make demo` first (it writes runs/demo) or give --checkpoint")
+        return 2
+    levels = [int(x) for x in a.clients.split(",")]
+    max_body = 100_000
+    t_start = time.perf_counter()
+    rows, b, startup = [], None, {}
+    for k, mode in enumerate(modes):
+        mode_rows, mode_burst, startup[mode] = run_mode(a, mode, levels, max_body, with_burst=k == 0)
+        rows += mode_rows
+        b = b or mode_burst
+    eager = {r["clients"]: r["tokens_per_s"] for r in rows if r["mode"] == "eager"}
+    for r in rows:
+        r["vs_eager"] = round(r["tokens_per_s"] / eager[r["clients"]], 2) if eager.get(r["clients"]) else None
+    targets = check_targets(rows, b)
     print_table(rows, b, targets)
     print(f"\ntotal {time.perf_counter() - t_start:.1f} s")
     if a.json:
         Path(a.json).write_text(json.dumps({
             "rows": rows, "burst": b, "targets": {k: {"ok": ok, "value": v} for k, (ok, v) in targets.items()},
             "setup": {"checkpoint": str(a.checkpoint), "threads": a.threads, "requests_per_client": a.requests,
-                      "max_tokens": a.max_tokens, "cpu_count": os.cpu_count()}}, indent=1))
+                      "max_tokens": a.max_tokens, "cpu_count": os.cpu_count(), "modes": modes,
+                      "startup_s": {m: round(t, 1) for m, t in startup.items()}}}, indent=1))
     return 0 if all(ok for ok, _ in targets.values()) else 1
 
 

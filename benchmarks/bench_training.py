@@ -46,6 +46,14 @@ the table says so.
     (--quick: 10 steps). --sizes, --settings, --batch, --steps and --rounds override.
 
     .venv/bin/python benchmarks/bench_training.py --table roofline [--quick] [--compile-rows] [--json PATH]
+
+--profile: instead of a table, torch.profiler over one training step (the second from the initial
+    weights) of the roofline table's tinylm GPT and HF GPT-2 at each size (--sizes, default 128,256)
+    and setting (--settings, default fp32): the 10 ops with the most self CPU time, their share of
+    the step's self CPU time and call counts (self CUDA time on a GPU). What separates the two
+    systems op by op; one profiled step is no speed measure (the tables are).
+
+    .venv/bin/python benchmarks/bench_training.py --profile [--sizes 128] [--settings fp32,fp32_compile] [--json PATH]
 """
 
 from __future__ import annotations
@@ -382,18 +390,26 @@ class RoofRow:
         self.seconds: list[float] = []
         self.warmup_s = 0.0
 
-    def train(self, batches: list) -> float:
-        """``len(batches)`` optimizer steps from the initial weights; returns the wall seconds."""
+    def reset(self):
+        """The initial weights back, and a fresh optimizer for them."""
         with torch.no_grad():
             self.model.load_state_dict(self.initial)
-        opt = make_optimizer(self.model, self.tcfg)
+        return make_optimizer(self.model, self.tcfg)
+
+    def step(self, opt, x: torch.Tensor, y: torch.Tensor) -> None:
+        """One training step as the trainer takes it: forward, loss, backward, clipping, AdamW."""
+        accumulate_gradients(self.run, [(x, y)], self.device, self.precision)
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.tcfg.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    def train(self, batches: list) -> float:
+        """``len(batches)`` optimizer steps from the initial weights; returns the wall seconds."""
+        opt = self.reset()
         sync(self.device)
         start = time.perf_counter()
         for x, y in batches:
-            accumulate_gradients(self.run, [(x, y)], self.device, self.precision)
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.tcfg.grad_clip)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+            self.step(opt, x, y)
         sync(self.device)
         return time.perf_counter() - start
 
@@ -503,6 +519,73 @@ def roofline_table(args) -> None:
     if args.json:
         Path(args.json).write_text(json.dumps(table, indent=2))
 
+# ----------------------------------------------------------------------------------- op profile
+PROFILE_TOP = 10
+
+
+def profile_step(row: RoofRow, batches: list) -> dict:
+    """torch.profiler over one training step of ``row`` (the second from the initial weights: the
+    first creates the optimizer state); the ops with the most self CPU time, and the step's wall time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    opt = row.reset()
+    row.step(opt, *batches[0])
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if row.device.type == "cuda" else [])
+    sync(row.device)
+    start = time.perf_counter()
+    with profile(activities=activities) as prof:
+        row.step(opt, *batches[1])
+        sync(row.device)
+    wall = time.perf_counter() - start
+    events = prof.key_averages()
+    total = sum(e.self_cpu_time_total for e in events)
+    top = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:PROFILE_TOP]
+    ops = [{"op": e.key, "self_cpu_ms": round(e.self_cpu_time_total / 1e3, 3),
+            "self_cpu_share": round(e.self_cpu_time_total / total, 4), "calls": e.count,
+            "self_device_ms": round(getattr(e, "self_device_time_total", 0) / 1e3, 3)} for e in top]
+    return {"config": f"profile_{row.name}", "system": row.system, "d_model": row.d, "setting": row.setting,
+            "step_wall_s": round(wall, 4), "self_cpu_ms_total": round(total / 1e3, 3), "op_kinds": len(events),
+            "top_ops": ops}
+
+
+def profile_table(args) -> None:
+    """--profile: the top ops of one training step of tinylm and of HF GPT-2 at each size and setting
+    (the roofline table's models, batches and settings; default fp32 eager)."""
+    device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
+    spec = roof_spec(args, device)
+    settings = spec.settings if args.settings else ["fp32"]
+    t0 = time.perf_counter()
+    train_tokens, _, source = load_token_stream(ROOF_VOCAB, args.corpus, data_dir=args.data)
+    batches = [tuple(t.to(device) for t in batch_at(train_tokens, i, spec.batch, ROOF_CONTEXT, seed=1)) for i in range(4)]
+    print(f"device: {device}, torch {torch.__version__}; data: {source}; {ROOF_LAYERS} layers, context {ROOF_CONTEXT}, "
+          f"vocab {ROOF_VOCAB}, batch {spec.batch}; one profiled step per row (after one unprofiled)")
+    table = []
+    for d in spec.sizes:
+        base = roof_models(d, device)
+        for setting in settings:
+            for system in ("tinylm", "hf_gpt2"):
+                row = RoofRow(system, d, setting, copy.deepcopy(base[system]), device)
+                row.train(batches[2:] if row.compile else batches[2:3])  # compiles; warms allocators and kernels
+                table.append(result := profile_step(row, batches))
+                print(f"\n{row.name}: step {result['step_wall_s'] * 1e3:,.1f} ms wall, "
+                      f"{result['self_cpu_ms_total']:,.1f} ms self CPU over {result['op_kinds']} op kinds")
+                print("op | self CPU ms | share | calls" + (" | self CUDA ms" if device.type == "cuda" else ""))
+                print("--- | --- | --- | ---" + (" | ---" if device.type == "cuda" else ""))
+                for op in result["top_ops"]:
+                    print(f"{op['op']} | {op['self_cpu_ms']:,.2f} | {op['self_cpu_share']:.1%} | {op['calls']}"
+                          + (f" | {op['self_device_ms']:,.2f}" if device.type == "cuda" else ""))
+    by = {(r["system"], r["d_model"], r["setting"]): r for r in table}
+    print()
+    for d in spec.sizes:
+        for setting in settings:
+            t, h = by[("tinylm", d, setting)], by[("hf_gpt2", d, setting)]
+            print(f"d{d} {setting}: tinylm step {t['step_wall_s'] * 1e3:,.1f} ms, hf_gpt2 {h['step_wall_s'] * 1e3:,.1f} ms "
+                  f"(tinylm {h['step_wall_s'] / t['step_wall_s']:.3f}x hf under the profiler, one step: not a speed measure)")
+    print(f"total {time.perf_counter() - t0:.1f} s")
+    if args.json:
+        Path(args.json).write_text(json.dumps(table, indent=2))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--table", choices=("default", "roofline"), default="default",
@@ -523,9 +606,14 @@ def main() -> None:
     roof.add_argument("--compile-rows", action="store_true", help="with --quick: the compiled settings too")
     roof.add_argument("--batch", type=int, help="sequences per step")
     roof.add_argument("--steps", type=int, help="optimizer steps per row and round")
+    ap.add_argument("--profile", action="store_true",
+                    help=f"instead of a table: the top {PROFILE_TOP} ops by self CPU time of one training step of tinylm "
+                         "and of HF GPT-2 (roofline models; --sizes, --settings (default fp32), --batch, --device apply)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    if args.table == "roofline":
+    if args.profile:
+        profile_table(args)
+    elif args.table == "roofline":
         roofline_table(args)
     else:
         default_table(args)

@@ -95,7 +95,7 @@ def test_trainer_with_accumulation_matches_big_batch(tmp_path, stories_file):
     initial = GPT(dataclasses.replace(cfg.model, vocab_size=prepared.tokenizer.vocab_size))
     for name in states[0]:
         torch.testing.assert_close(states[1][name], states[0][name], rtol=0, atol=1e-5, msg=name)
-    assert not torch.equal(states[0]["blocks.0.attn.q_proj.weight"], initial.state_dict()["blocks.0.attn.q_proj.weight"])
+    assert not torch.equal(states[0]["blocks.0.attn.qkv.weight"], initial.state_dict()["blocks.0.attn.qkv.weight"])
 
 
 def test_bad_accumulation_and_batch_inputs(tmp_path, stories_file):

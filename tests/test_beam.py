@@ -86,3 +86,23 @@ def test_beam_runs_past_the_context_length():
     model = GPT(ModelConfig(vocab_size=23, context_length=16, d_model=32, n_layers=2, n_heads=4)).eval()
     hyps = beam_search(model, [[1, 2, 3]], GenerationConfig(max_new_tokens=30, beam_width=3))[0]
     assert len(hyps[0].tokens) == 30
+
+
+def test_cache_reorder_from_the_shared_slots_equals_a_full_reorder():
+    from tinylm.generation.beam import _common_prefix, _reorder_cache
+
+    model = tiny_model()
+    torch.manual_seed(1)
+    full, part = model.new_kv_cache(6, 12), model.new_kv_cache(6, 12)
+    for a, b in zip((*full.k, *full.v), (*part.k, *part.v)):
+        a.copy_(torch.randn_like(a))
+        a[:, :, :7] = a[:1, :, :7]  # slots 0-6 the same in every row, as a prompt and a shared history are
+        b.copy_(a)
+    full.length = part.length = 10
+    rows = torch.tensor([2, 2, 0, 5, 4, 1])
+    full.reorder(rows)
+    _reorder_cache(part, rows, 7)
+    for a, b in zip((*full.k, *full.v), (*part.k, *part.v)):
+        assert torch.equal(a, b)
+    generated = torch.tensor([[3, 4, 5, 0], [3, 4, 6, 0], [3, 4, 5, 0], [3, 9, 5, 0]])  # 2 prompts x 2 beams
+    assert _common_prefix(generated, 3, 2, 2) == 1 and _common_prefix(generated, 0, 2, 2) == 0

@@ -69,3 +69,25 @@ def test_bench_training_roofline_quick_writes_peaks_and_rows(tmp_path):
     assert rows["hf_gpt2_d128_fp32"]["final_loss"] == pytest.approx(rows["tinylm_d128_fp32"]["final_loss"], abs=1e-3)
     assert rows["tinylm_d128_fp32"]["speedup_vs_fp32"] == 1.0
     assert "speed-up vs fp32 eager, tinylm d128: bf16" in proc.stdout
+
+
+@pytest.mark.slow
+def test_bench_training_profile_lists_the_top_ops_of_one_step_of_each_system(tmp_path):
+    out = tmp_path / "profile.json"
+    cmd = [sys.executable, str(REPO / "benchmarks/bench_training.py"), "--profile", "--sizes", "128", "--batch", "2",
+           "--device", "cpu", "--corpus", "shakespeare", "--json", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = {r["config"]: r for r in json.loads(out.read_text())}
+    assert list(rows) == ["profile_tinylm_d128_fp32", "profile_hf_gpt2_d128_fp32"]
+    for name, r in rows.items():
+        ops = r["top_ops"]
+        assert len(ops) == 10 and r["step_wall_s"] > 0
+        times = [op["self_cpu_ms"] for op in ops]
+        assert times == sorted(times, reverse=True) and times[0] <= r["self_cpu_ms_total"]
+        assert sum(op["self_cpu_share"] for op in ops) <= 1.0 + 1e-3
+        for op in ops:
+            assert op["self_cpu_share"] == pytest.approx(op["self_cpu_ms"] / r["self_cpu_ms_total"], abs=2e-3)
+        # a training step of a transformer: matrix products forward and backward are among the top ops
+        assert {"aten::mm", "aten::addmm"} & {op["op"] for op in ops}, name
+        assert f"{name.removeprefix('profile_')}: step" in proc.stdout

@@ -129,3 +129,18 @@ def test_count_matrix_mode_optimises_the_same_objective_as_pairs():
     assert nn_nll / n < ml_nll / n * 1.01
     with pytest.raises(TinyLMError, match="mode"):
         train_bigram(TRAIN, VALID, V, BigramConfig(mode="minibatch"))
+
+
+def test_adam_l2_adds_the_decay_to_the_gradient_and_adamw_decouples_it():
+    """With no decay the two optimizers take the same steps; with a large one they differ."""
+    runs = {}
+    for name in ("adamw", "adam_l2"):
+        for wd in (0.0, 0.5):
+            cfg = BigramConfig(**{**FAST.__dict__, "weight_decay": wd, "max_steps": 30, "patience": 0,
+                                  "optimizer": name})
+            runs[name, wd] = train_bigram(TRAIN, VALID, V, cfg)
+    w = {k: r.model.embed.weight.detach() for k, r in runs.items()}
+    assert torch.equal(w["adamw", 0.0], w["adam_l2", 0.0])
+    assert not torch.allclose(w["adamw", 0.5], w["adam_l2", 0.5], atol=1e-4)
+    with pytest.raises(TinyLMError, match="optimizer 'sgd'"):
+        train_bigram(TRAIN, VALID, V, BigramConfig(**{**FAST.__dict__, "optimizer": "sgd"}))

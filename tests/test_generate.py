@@ -158,6 +158,11 @@ def test_benchmark_quick_runs_and_matches_reference(tmp_path):
     for r in kv:
         assert r["speedup"] == pytest.approx(r["cache_tokens_per_s"] / r["nocache_tokens_per_s"], rel=0.01)
         assert min(r["cache_tokens_per_s"], r["nocache_tokens_per_s"]) >= r["new_tokens"] / wall
+    int8 = [r for r in rows if r["table"] == "int8_speed"]
+    assert {(r["weights"], r["batch"]) for r in int8} == {(w, b) for w in ("int8", "int8_weight_only") for b in (1, 4)}
+    for r in int8:
+        assert r["speedup"] == pytest.approx(r["tokens_per_s"] / r["float32_tokens_per_s"], rel=0.02)
+    assert not [r for r in rows if r["table"] == "int8_bpb"]  # --skip-llama2c and no checkpoint: nothing scored
 
 
 def test_a_fully_banned_vocabulary_is_a_clear_error_not_a_crash():

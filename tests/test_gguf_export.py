@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import make_stories
-from export_util import PROMPTS, train_llama_run
+from export_util import PROMPTS, separate_matrices, train_llama_run
 from tinylm.cli import main
 from tinylm.config import ModelConfig
 from tinylm.errors import TinyLMError
@@ -39,7 +39,7 @@ def llama_gpt(vocab=330, tie=False, seed=0, **overrides) -> GPT:
 
 def tinylm_weights(model: GPT) -> dict[str, np.ndarray]:
     """The model's weights under llama.cpp's tensor names, mapped here by hand."""
-    sd = {k: v.detach().numpy() for k, v in model.state_dict().items()}
+    sd = separate_matrices(model)
     out = {"token_embd.weight": sd["tok_emb.weight"], "output_norm.weight": sd["norm_f.weight"]}
     if not model.config.tie_weights:
         out["output.weight"] = sd["lm_head.weight"]

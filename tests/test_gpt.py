@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 from tinylm.config import ModelConfig
 from tinylm.errors import TinyLMError
-from tinylm.models.gpt import GPT, LayerNorm, RMSNorm
+from tinylm.models.gpt import GPT, LayerNorm, RMSNorm, state_dict_by_parts
 
 
 def make(**kw):
@@ -51,19 +51,23 @@ def test_attention_equals_torch_reference_directly():
     model = make(attention="manual").double().eval()
     attn = model.blocks[0].attn
     x = torch.randn(2, 10, 32, dtype=torch.double)
-    q = attn.q_proj(x).view(2, 10, 4, 8).transpose(1, 2)
-    k = attn.k_proj(x).view(2, 10, 4, 8).transpose(1, 2)
-    v = attn.v_proj(x).view(2, 10, 4, 8).transpose(1, 2)
+    # q, k and v as three separate products with the rows of the fused weight
+    q, k, v = (F.linear(x, w, b).view(2, 10, 4, 8).transpose(1, 2)
+               for w, b in zip(attn.qkv.weight.split(32), attn.qkv.bias.split(32)))
     ref = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(2, 10, 32)
     assert torch.allclose(attn(x), attn.out_proj(ref), atol=1e-12)
 
 
-def test_norms_match_torch():
-    x = torch.randn(4, 7, 16, dtype=torch.double)
+def test_norms_match_their_formulas():
+    x = torch.randn(4, 7, 16, dtype=torch.double) * 3 + 1
     ln = LayerNorm(16).double()
     torch.nn.init.normal_(ln.weight)
     torch.nn.init.normal_(ln.bias)
-    assert torch.allclose(ln(x), F.layer_norm(x, (16,), ln.weight, ln.bias, 1e-5), atol=1e-12)
+    x_hat = (x - x.mean(-1, keepdim=True)) / torch.sqrt(x.var(-1, unbiased=False, keepdim=True) + 1e-5)
+    assert torch.allclose(ln(x), x_hat * ln.weight + ln.bias, atol=1e-12)
+    no_bias = LayerNorm(16, bias=False).double()
+    torch.nn.init.normal_(no_bias.weight)
+    assert torch.allclose(no_bias(x), x_hat * no_bias.weight, atol=1e-12)
     rms = RMSNorm(16).double()
     ref = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5)
     assert torch.allclose(rms(x), ref, atol=1e-12)
@@ -162,8 +166,76 @@ def test_xavier_init_sets_matrices_uniform_in_the_xavier_bound_and_keeps_norms_a
     bound = math.sqrt(6 / (w.shape[0] + w.shape[1]))
     assert w.abs().max() <= bound and w.abs().max() > 0.95 * bound  # uniform fills the interval
     assert abs(w.std().item() - bound / math.sqrt(3)) < 0.01
+    # the fused q/k/v weight: each part in its own (64, 64) bound, not the bound of the (192, 64) whole
+    bound = math.sqrt(6 / (64 + 64))
+    for part in model.blocks[0].attn.qkv.weight.split(64):
+        assert part.abs().max() <= bound and part.abs().max() > 0.95 * bound
     gpt2 = GPT(ModelConfig(vocab_size=500, context_length=8, d_model=64, n_layers=2, n_heads=4))
     assert abs(gpt2.blocks[0].ffn.up.weight.std().item() - 0.02) < 0.002
     assert torch.all(model.blocks[0].norm1.weight == 1) and torch.all(model.blocks[0].ffn.up.bias == 0)
     with pytest.raises(TinyLMError, match="model.init"):
         ModelConfig(vocab_size=50, init="kaiming").resolved()
+
+
+# ------------------------------------------------------------------ fused q/k/v and gate/up weights
+def _pre_fusion_state(model: GPT) -> dict:
+    """The model's weights as tinylm saved them before q, k, v (and gate, up) were one matrix each,
+    split here by hand: attn.q_proj / k_proj / v_proj, ffn.gate / ffn.up, weights and biases."""
+    cfg, state = model.config, dict(model.state_dict())
+    q_rows, kv_rows = cfg.d_attn, cfg.n_kv_heads * (cfg.d_attn // cfg.n_heads)
+    for key in [k for k in state if ".attn.qkv." in k]:
+        q, k, v = torch.split(state.pop(key), [q_rows, kv_rows, kv_rows])
+        for name, part in (("q_proj", q), ("k_proj", k), ("v_proj", v)):
+            state[key.replace(".qkv.", f".{name}.")] = part.clone()
+    for key in [k for k in state if ".ffn.gate_up." in k]:
+        gate, up = state.pop(key).chunk(2)
+        state[key.replace(".gate_up.", ".gate.")], state[key.replace(".gate_up.", ".up.")] = gate.clone(), up.clone()
+    return state
+
+
+FUSION_SHAPES = {
+    "gpt2": {},
+    "llama_gqa": dict(positions="rope", norm="rmsnorm", ffn="swiglu", bias=False, n_kv_heads=2),
+    "swiglu_bias_gqa": dict(ffn="swiglu", n_kv_heads=1),
+}
+
+
+@pytest.mark.parametrize("shape", FUSION_SHAPES)
+def test_a_state_dict_from_before_the_fusion_loads_with_equal_logits(shape):
+    torch.manual_seed(0)
+    model = make(**FUSION_SHAPES[shape]).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.1)  # biases and gains away from their 0 / 1 init
+    old = _pre_fusion_state(model)
+    assert not any(".qkv." in k or ".gate_up." in k for k in old)
+    torch.manual_seed(1)
+    loaded = make(**FUSION_SHAPES[shape]).eval()
+    assert loaded.load_state_dict(old, strict=True)  # the pre-hook joins the parts
+    x = torch.randint(0, 50, (2, 12))
+    assert torch.equal(loaded(x)[0], model(x)[0])
+    assert set(old) == set(state_dict_by_parts(loaded)) and all(
+        torch.equal(old[k], v) for k, v in state_dict_by_parts(loaded).items())
+
+
+def test_a_state_dict_with_only_some_parts_is_refused_naming_them():
+    model = make()
+    old = _pre_fusion_state(model)
+    del old["blocks.0.attn.v_proj.weight"]
+    with pytest.raises(RuntimeError, match=r'Missing key\(s\) in state_dict: "blocks\.0\.attn\.qkv\.weight"') as err:
+        make().load_state_dict(old, strict=True)
+    assert '"blocks.0.attn.q_proj.weight", "blocks.0.attn.k_proj.weight"' in str(err.value)  # left as they were
+
+
+def test_fused_qkv_with_grouped_query_heads_is_the_three_separate_projections():
+    torch.manual_seed(0)
+    model = make(n_kv_heads=2, attention="manual").double().eval()
+    attn = model.blocks[0].attn
+    assert attn.qkv.split_sizes == (32, 16, 16)  # q: 4 heads of 8, k and v: 2 heads of 8
+    x = torch.randn(2, 10, 32, dtype=torch.double)
+    wq, wk, wv = attn.qkv.weight.split((32, 16, 16))
+    bq, bk, bv = attn.qkv.bias.split((32, 16, 16))
+    q = F.linear(x, wq, bq).view(2, 10, 4, 8).transpose(1, 2)
+    k, v = (F.linear(x, w, b).view(2, 10, 2, 8).transpose(1, 2).repeat_interleave(2, dim=1) for w, b in ((wk, bk), (wv, bv)))
+    ref = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(2, 10, 32)
+    torch.testing.assert_close(attn(x), attn.out_proj(ref), rtol=0, atol=1e-12)

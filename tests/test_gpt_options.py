@@ -36,10 +36,11 @@ def test_qk_norm_makes_attention_blind_to_the_scale_of_queries_and_keys():
     before = _logits(normed, x)
     with torch.no_grad():
         for block in normed.blocks:
-            block.attn.q_proj.weight.mul_(7.0)
-            block.attn.k_proj.weight.mul_(3.0)
+            q_rows, k_rows, _ = block.attn.qkv.weight.split(block.attn.qkv.split_sizes)
+            q_rows.mul_(7.0)
+            k_rows.mul_(3.0)
         for block in base.blocks:
-            block.attn.q_proj.weight.mul_(7.0)
+            block.attn.qkv.weight[: block.attn.qkv.split_sizes[0]].mul_(7.0)
     torch.testing.assert_close(_logits(normed, x), before, rtol=1e-4, atol=1e-4)
     assert not torch.allclose(_logits(base, x), _logits(_pair()[0], x), atol=1e-3)  # without it, scale matters
 
@@ -62,7 +63,7 @@ def test_relu_squared_feed_forward():
     torch.manual_seed(0)
     model = GPT(cfg).eval()
     ffn = model.blocks[0].ffn
-    assert ffn.gate is None  # two matrices, like the GELU MLP
+    assert not hasattr(ffn, "gate_up")  # two matrices, like the GELU MLP
     h = torch.randn(3, 5, 32)
     expected = F.linear(F.relu(F.linear(h, ffn.up.weight)) ** 2, ffn.down.weight)
     with torch.no_grad():

@@ -54,7 +54,7 @@ def test_dropout_masks_really_differ_between_seeds():
     x, y = _batch()
     a, _, _ = _grads(model, x, y, seed=1)
     b, _, _ = _grads(model, x, y, seed=2)
-    assert (a["blocks.0.attn.q_proj.weight"] - b["blocks.0.attn.q_proj.weight"]).abs().max() > 1e-6
+    assert (a["blocks.0.attn.qkv.weight"] - b["blocks.0.attn.qkv.weight"]).abs().max() > 1e-6
 
 
 def test_recompute_without_restoring_rng_would_differ():
@@ -80,7 +80,7 @@ def test_autograd_grad_reaches_block_parameters():
     enable_grad_checkpointing(model)
     x, y = _batch()
     _, loss = model(x, y)
-    w = model.blocks[1].attn.q_proj.weight
+    w = model.blocks[1].attn.qkv.weight
     (g,) = torch.autograd.grad(loss, [w])
     disable_grad_checkpointing(model)
     _, loss = model(x, y)

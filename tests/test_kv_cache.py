@@ -115,8 +115,9 @@ def test_inference_weight_cache_follows_weight_updates():
     with torch.inference_mode():
         before = model(x)[0]
     with torch.no_grad():
-        model.blocks[0].attn.k_proj.weight.mul_(1.5)
-        model.blocks[1].ffn.gate.weight.add_(0.01)
+        attn = model.blocks[0].attn
+        attn.qkv.weight[attn.qkv.split_sizes[0] : sum(attn.qkv.split_sizes[:2])].mul_(1.5)  # the k rows
+        model.blocks[1].ffn.gate_up.weight[: model.config.d_ff].add_(0.01)  # the gate rows
         model.lm_head.weight.mul_(0.5)
     model.train()
     reference = model(x)[0].detach()  # the training path reads the parameters directly

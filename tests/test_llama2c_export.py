@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import make_stories
-from export_util import PROMPTS, train_llama_run
+from export_util import PROMPTS, separate_matrices, train_llama_run
 from tinylm.cli import main
 from tinylm.config import ModelConfig
 from tinylm.errors import TinyLMError
@@ -39,7 +39,7 @@ def llama_gpt(tie=False, seed=0, **overrides) -> GPT:
 
 def version1_bytes(model: GPT) -> bytes:
     """llama2.c export.py's version1_export layout, written out independently of tinylm's writer."""
-    cfg, sd = model.config, {k: v.detach().numpy() for k, v in model.state_dict().items()}
+    cfg, sd = model.config, separate_matrices(model)
     layers = lambda name: [sd[f"blocks.{i}.{name}"] for i in range(cfg.n_layers)]  # noqa: E731
     head = struct.pack("<Ii7i", 0x616B3432, 1, cfg.d_model, cfg.d_ff, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads,
                        cfg.vocab_size, cfg.context_length) + struct.pack("B", int(cfg.tie_weights))

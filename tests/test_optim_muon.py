@@ -35,6 +35,31 @@ def test_muon_step_matches_torch_optim_muon(nesterov):
         assert (p - start).abs().max() > 1e-2  # it moved
 
 
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_muon_step_on_a_fused_weight_equals_the_steps_on_its_separate_matrices(nesterov):
+    """A q/k/v weight of grouped-query shape (q 16 rows, k and v 8) stacked into one parameter:
+    with its split sizes Muon makes the very update three separate matrices would get."""
+    g = torch.Generator().manual_seed(0)
+    sizes = (16, 8, 8)
+    parts = [torch.randn(n, 16, generator=g) for n in sizes]
+    separate = [torch.nn.Parameter(m.clone()) for m in parts]
+    fused = torch.nn.Parameter(torch.cat(parts))
+    as_one = torch.nn.Parameter(torch.cat(parts))
+    kw = dict(lr=0.05, weight_decay=0.1, momentum=0.9, nesterov=nesterov)
+    ref_opt, opt = Muon(separate, **kw), Muon([fused], split_sizes={id(fused): sizes}, **kw)
+    one_opt = Muon([as_one], **kw)  # the fused matrix orthogonalised as a whole: another optimizer
+    for _ in range(3):
+        grads = [torch.randn(n, 16, generator=g) for n in sizes]
+        for p, grad in zip(separate, grads):
+            p.grad = grad.clone()
+        fused.grad, as_one.grad = torch.cat(grads), torch.cat(grads)
+        for o in (ref_opt, opt, one_opt):
+            o.step()
+    torch.testing.assert_close(fused.detach(), torch.cat([p.detach() for p in separate]), rtol=0, atol=1e-6)
+    assert (as_one - fused).abs().max() > 1e-3
+    assert (fused - torch.cat(parts)).abs().max() > 1e-2  # it moved
+
+
 def test_orthogonalize_pushes_singular_values_towards_one():
     g = torch.randn(64, 16) @ torch.diag(torch.logspace(-1, 1, 16))  # condition number 100
     s = torch.linalg.svdvals(orthogonalize(g))
@@ -52,7 +77,11 @@ def test_muon_takes_only_the_blocks_weight_matrices():
     muon, adamw = opt.parts
     muon_ids = {id(p) for g in muon.param_groups for p in g["params"]}
     expected = {id(p) for n, p in model.named_parameters() if n.startswith("blocks.") and p.dim() == 2}
-    assert muon_ids == expected and len(expected) == 2 * 7  # q, k, v, out, gate, up, down per block
+    assert muon_ids == expected and len(expected) == 2 * 4  # qkv, out, gate_up, down per block
+    # the fused matrices are updated part by part: q, k, v (16 rows each here) and gate, up
+    assert {muon.split_sizes[id(b.attn.qkv.weight)] for b in model.blocks} == {(16, 16, 16)}
+    assert {muon.split_sizes[id(b.ffn.gate_up.weight)] for b in model.blocks} == {(64, 64)}
+    assert len(muon.split_sizes) == 2 * 2
     adam_ids = {id(p) for g in adamw.param_groups for p in g["params"]}
     assert adam_ids.isdisjoint(muon_ids)
     assert muon_ids | adam_ids == {id(p) for p in model.parameters()}  # the tied embedding/head once, in AdamW

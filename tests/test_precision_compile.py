@@ -30,7 +30,7 @@ from conftest import make_stories, prepared_stories_run, tiny_run_config, with_o
 from tinylm.config import ModelConfig
 from tinylm.data.prepare import prepare
 from tinylm.data.tokens import Batches
-from tinylm.models.gpt import GPT
+from tinylm.models.gpt import GPT, state_dict_by_parts
 from tinylm.training.distributed import DistContext
 from tinylm.training.grad_checkpoint import CheckpointedBlock, compiled_tinylm_checkpoint, enable_grad_checkpointing
 from tinylm.training.metrics import read_metrics
@@ -113,6 +113,7 @@ def _accumulation_gap(prepared, precision: str, device: str) -> float:
     big, acc = grads
     # the keys' bias gets no gradient in exact arithmetic (it adds the same score to every key of a
     # query, which softmax ignores): what it holds is rounding, with no norm to be relative to
+    big, acc = state_dict_by_parts(model, big), state_dict_by_parts(model, acc)  # the keys' bias: rows of qkv.bias
     return max(((acc[k] - big[k]).norm() / big[k].norm()).item() for k in big if not k.endswith("k_proj.bias"))
 
 
@@ -176,7 +177,8 @@ def test_bf16_two_gloo_processes_match_one_process_with_doubled_batch(tmp_path):
     # AdamW turns bf16 rounding in a tiny gradient into a step of lr whatever its sign, so the
     # weights are compared by how far training moved them: within 5% of that (measured: 2.2%).
     # The keys' bias is left out: its gradient is zero in exact arithmetic, all rounding.
-    initial = _initial_weights(cfg, prepared)
+    model = build_model(cfg, prepared.tokenizer.vocab_size)  # the keys' bias: rows of qkv.bias
+    initial, ddp, single = (state_dict_by_parts(model, s) for s in (_initial_weights(cfg, prepared), ddp, single))
     for k in single:
         if not k.endswith("k_proj.bias"):
             moved = (single[k] - initial[k]).norm()

@@ -12,6 +12,7 @@ import random
 import time
 
 import pytest
+import yaml
 
 from tinylm.cli import build_parser, main
 from tinylm.config import parse_overrides
@@ -46,7 +47,7 @@ def tiny_config(out_dir, corpus, *overrides: str) -> StudyConfig:
 
 @pytest.mark.slow
 def test_study_writes_one_table_for_every_model_and_tokenizer(tmp_path, corpus):
-    cfg = tiny_config(tmp_path / "study", corpus)
+    cfg = tiny_config(tmp_path / "study", corpus, 'gpt.run_overrides=["model.norm=rmsnorm"]')
     run_study(cfg)
     out = tmp_path / "study"
     rows = list(csv.DictReader(open(out / "results.csv")))
@@ -76,6 +77,13 @@ def test_study_writes_one_table_for_every_model_and_tokenizer(tmp_path, corpus):
         stats = study["tokenizers"][0]["splits"][name]
         assert stats["reconstructed"] == stats["documents"] > 0
     assert len(study["bigram_runs"]) == 2 + 1 + 1  # the sweep on the first tokenizer, its best on the others
+    # 4 steps and 40 bigram steps end on the step cap, not on early stopping: marked in every table
+    assert all(g["converged"] is False for g in study["gpt_runs"])
+    assert "max_steps (not converged)" in md and "GPT t | " in md and "(not converged) |" in md
+    assert "does not beat" in md or "beats" in md
+    gpt_bpe = next(r for r in rows if r["tokenizer"] == "bpe-40" and r["model"] == "gpt")
+    assert f"at {float(gpt_bpe['test_bpb']):.3f} test bits per byte" in md
+    assert yaml.safe_load((out / "bpe-40" / "gpt-t" / "config.yaml").read_text())["model"]["norm"] == "rmsnorm"
     assert study["gpt_runs"][0]["tokens_per_parameter"] == pytest.approx(
         study["gpt_runs"][0]["train_tokens"] / study["gpt_runs"][0]["parameters"])
 
@@ -131,6 +139,31 @@ def test_a_bad_setting_is_one_error_naming_the_key_before_any_work(overrides, me
         load_study_config("shakespeare-report", overrides.split())
     assert message in str(info.value) and "\n" not in str(info.value)
     assert load_study_config("shakespeare-report", ["bigram.lrs=[]"]).bigram.lrs == []  # the grid alone is a sweep
+
+
+def test_gpt_run_overrides_must_name_a_model_or_train_key():
+    with pytest.raises(TinyLMError, match="gpt.run_overrides"):
+        study_config(parse_overrides(['gpt.run_overrides=["data.train=x"]']))
+    with pytest.raises(TinyLMError, match="norm"):  # checked by the run config when the GPT is built
+        from tinylm.config import RunConfig, apply_updates
+        apply_updates(RunConfig(), parse_overrides(["model.norm=batchnorm"]))
+
+
+def test_the_verdict_names_each_reference_and_the_gap():
+    from tinylm.studies.shakespeare_summary import answer_lines
+
+    def row(model, order, smoothing, bpb, converged=True):
+        return {"tokenizer": "bpe-10", "model": model, "order": order, "smoothing": smoothing, "test_bpb": bpb,
+                "converged": converged}
+    run = {"rows": [row("ngram", 2, "kneser_ney", 2.0), row("ngram", 4, "kneser_ney", 1.8),
+                    row("ngram", 4, "laplace", 3.0), row("neural_bigram", 2, "d=8", 2.4, False),
+                    row("gpt", None, "small", 1.62), row("gpt", None, "big", 1.9, False)]}
+    text = "\n".join(answer_lines(None, run))
+    assert "the best GPT, small at 1.620 test bits per byte" in text
+    assert "beats the 4-gram kneser_ney (1.800) by 0.180 bits per byte (10.0%)" in text
+    assert "beats the neural bigram (2.400, not converged) by 0.780" in text
+    run["rows"][-2]["test_bpb"] = 1.85
+    assert "does not beat the 4-gram kneser_ney (1.800): it is 0.050 bits per byte worse" in "\n".join(answer_lines(None, run))
 
 
 def test_old_flat_keys_load_into_their_sections():

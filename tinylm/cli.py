@@ -41,6 +41,7 @@ from tinylm.interop.gguf_export import GgufDtype, export_gguf
 from tinylm.interop.llama2c_export import export_llama2c
 from tinylm.interop.loading import export_hf, load_any_checkpoint
 from tinylm.models.checkpoint import load_checkpoint
+from tinylm.models.quantize import InferenceDtype, to_inference_dtype
 from tinylm.pipeline import run_pipeline
 from tinylm.serving.app import serve as serve_models
 from tinylm.serving.completions import Limits
@@ -314,9 +315,9 @@ class GenerateOptions(ModelOptions, DecodingOptions):
     stream: bool = opt("print text as tokens arrive")
     json: bool = opt("one JSON object per result (text, tokens, tokens_per_s)")
     threads: int | None = opt("torch threads (default: torch's choice)", ge=1)
-    dtype: Literal["float32", "bfloat16"] = opt("weights for decoding: bfloat16 halves their memory and shifts the "
-                                                "numbers slightly (bits per byte: benchmarks/bench_generate.py)",
-                                                "float32")
+    dtype: InferenceDtype = opt("weights for decoding: bfloat16 halves their memory, int8 quarters it (CPU; "
+                                "activations rounded to 8 bits per token too); both shift the numbers slightly "
+                                "(bits per byte: benchmarks/bench_generate.py)", "float32")
 
 
 def decoding_config(opts: DecodingOptions, stop_ids=()) -> GenerationConfig:
@@ -347,8 +348,7 @@ def generate(opts: GenerateOptions) -> int:
     if opts.threads:
         torch.set_num_threads(opts.threads)
     model, tokenizer, _ = load_any_checkpoint(opts.checkpoint, opts.tokenizer)
-    if opts.dtype == "bfloat16":
-        model = model.to(torch.bfloat16)
+    model = to_inference_dtype(model, opts.dtype)
     prompts = _read_prompts(opts)
     cfg = decoding_config(opts, tokenizer.stop_ids).validate(model.config.vocab_size)
     if opts.stream and not opts.json:
@@ -598,6 +598,9 @@ class ServeOptions:
     max_body_bytes: int = opt("refuse bodies larger than this (413)", 1_000_000, ge=1)
     runs: str | None = opt("a directory of runs (e.g. runs): the Runs view draws their curves as they train and "
                            "loads their checkpoints", metavar="DIR")
+    dtype: InferenceDtype = opt("weights of the --checkpoint models, as for `tinylm generate --dtype`", "float32")
+    compile: bool = opt("torch.compile the decoding step of the --checkpoint models, its shapes in a few buckets "
+                        "(a context up to 256 compiles them all at start-up, ~10 s each on 2 cores; docs/serving.md)")
 
 
 @command("serve")
@@ -611,7 +614,8 @@ def serve(opts: ServeOptions) -> int:
     if opts.runs is not None and not Path(opts.runs).is_dir():
         raise TinyLMError(f"--runs {opts.runs}: no such directory")
     # with --runs alone, models come from the Runs view's load buttons
-    models = (load_models(opts.checkpoint, opts.tokenizer, opts.max_batch, opts.name)
+    models = (load_models(opts.checkpoint, opts.tokenizer, opts.max_batch, opts.name, opts.dtype,
+                          opts.compile)
               if opts.checkpoint or not opts.runs else {})
     limits = Limits(opts.max_tokens, opts.max_choices, opts.max_body_bytes)
     runs = RunsRoot(Path(opts.runs), opts.max_batch) if opts.runs else None

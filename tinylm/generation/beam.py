@@ -62,11 +62,13 @@ def _beam_search(model, prompts: list[list[int]], cfg: GenerationConfig) -> list
     if cfg.max_new_tokens == 0:
         return [[Generated([], "length", 0.0)] for _ in prompts]
     stop_set = set(cfg.stop_ids)
+    stop_ids = torch.tensor(sorted(stop_set), device=device) if stop_set else None
     states = [_Prompt(k) for _ in prompts]
     # beam rows are prompt-major: row b * k + j is beam j of prompt b
-    generated = torch.zeros(B * k, cfg.max_new_tokens, dtype=torch.long)  # tokens per row (CPU)
+    generated = torch.zeros(B * k, cfg.max_new_tokens, dtype=torch.long, device=device)  # tokens per row
     scores = torch.full((B, k), START_PENALTY, device=device)
     scores[:, 0] = 0.0
+    first_row = torch.arange(0, B * k, k, device=device)[:, None]  # (B, 1)
     history = HistoryProcessor(cfg, [p for p in prompts for _ in range(k)], V, device)
     history = history if history.active else None
     # enough candidates that k of them survive even if every stop id is chosen by every beam
@@ -75,11 +77,13 @@ def _beam_search(model, prompts: list[list[int]], cfg: GenerationConfig) -> list
     max_len = cache_slots(context_length, max(len(p) for p in prompts) + cfg.max_new_tokens, cfg.compile)
     expand = torch.arange(B, device=device).repeat_interleave(k)
     cache = positions = None
+    shared_slots = 0  # cache slots equal in every beam row of a prompt (prompt, common history)
     if cfg.use_cache:  # one prefill per prompt, then each prompt row copied to its k beams
         prepared = prepare_for_inference(model)
         cache, logits, positions = prefill(model, prompts, max_len)
         cache.reorder(expand)
         positions = positions[expand] if positions is not None else None
+        shared_slots = cache.length
     else:
         logits = full_forward(model, prompts)
     logits = logits[expand]
@@ -90,53 +94,35 @@ def _beam_search(model, prompts: list[list[int]], cfg: GenerationConfig) -> list
         log_probs = torch.log_softmax(logits.float(), dim=-1)
         if history is not None:
             log_probs = history(log_probs, step)
+        # one top-k over every beam of a prompt: (B, k V) -> the best candidates, sorted
         totals = (log_probs.view(B, k, V) + scores[:, :, None]).view(B, k * V)
-        top_scores, top_index = torch.topk(totals, n_candidates, dim=-1)  # sorted, best first
-        top_scores, top_index = top_scores.tolist(), top_index.tolist()
-
-        next_rows, next_tokens, next_scores = [], [], []
-        for b, state in enumerate(states):
-            accepting = not state.done and not (cfg.early_stopping and len(state.finished) == k)
-            running, ended = [], []  # (score, row, token)
-            for rank in range(n_candidates):
-                score, (beam, token) = top_scores[b][rank], divmod(top_index[b][rank], V)
-                row = b * k + beam
-                stops = token in stop_set
-                if stops or last_step:
-                    ended.append((score, row, token))
-                    if rank < k and accepting:
-                        tokens = generated[row, :step].tolist() + ([] if stops else [token])
-                        state.add_finished(score / norm, tokens, "stop_token" if stops else "length")
-                elif len(running) < k:
-                    running.append((score, row, token))
-            if last_step:
-                continue
-            while len(running) < k:  # tiny vocabularies only: continue ended beams, never chosen again
-                score, row, token = ended.pop(0) if ended else running[-1]
-                running.append((score + START_PENALTY, row, token))
-            # can the best running beam still beat the worst kept hypothesis?
-            if len(state.finished) == k and (cfg.early_stopping or running[0][0] / norm <= state.finished[-1][0]):
-                state.done = True
-            for score, row, token in running:
-                next_scores.append(score)
-                next_rows.append(row)
-                next_tokens.append(token)
-        if last_step or all(s.done for s in states):
+        top_scores, top_index = torch.topk(totals, n_candidates, dim=-1)
+        beams = top_index // V
+        tokens = top_index - beams * V
+        rows = beams + first_row  # (B, n_candidates): the beam row each candidate extends
+        if last_step:
+            ends = torch.ones_like(tokens, dtype=torch.bool)
+        else:
+            ends = torch.isin(tokens, stop_ids) if stop_ids is not None else None
+        if ends is not None and bool(ends[:, :k].any()):  # the only per-candidate Python: hypotheses ending
+            _add_finished(states, cfg, step, norm, generated, top_scores, rows, tokens, ends, stop_set)
+        if last_step:
+            break
+        scores, rows, tokens = _running(top_scores, rows, tokens, ends, k)  # (B, k) each
+        if _update_done(states, cfg, scores[:, 0], norm):
             break
 
-        scores = torch.tensor(next_scores, device=device).view(B, k)
-        rows_cpu = torch.tensor(next_rows)
-        generated = generated.index_select(0, rows_cpu)
-        generated[:, step] = torch.tensor(next_tokens)
-        rows = rows_cpu.to(device)
-        tokens = torch.tensor(next_tokens, device=device)
+        rows, tokens = rows.reshape(-1), tokens.reshape(-1)
+        common = _common_prefix(generated, step, B, k) if shared_slots else 0  # before the reorder
+        generated = generated.index_select(0, rows)
+        generated[:, step] = tokens
         if history is not None:
-            history.reorder(next_rows)
-            history.observe(tokens, next_tokens)
+            row_list, token_list = rows.tolist(), tokens.tolist()
+            history.reorder(row_list)
+            history.observe(tokens, token_list)
         if cfg.use_cache and cache.length < cache.max_len:
-            cache.reorder(rows)
-            if positions is not None:
-                positions = positions[rows]
+            # rows move only among a prompt's beams, whose key masks and positions are the same
+            _reorder_cache(cache, rows, shared_slots + common if shared_slots else 0)
             logits = decode_step(prepared, cache, tokens, positions, cfg.compile)
             if positions is not None:
                 positions += 1
@@ -144,8 +130,85 @@ def _beam_search(model, prompts: list[list[int]], cfg: GenerationConfig) -> list
             seqs = [prompts[r // k] + generated[r, : step + 1].tolist() for r in range(B * k)]
             if cfg.use_cache:
                 cache, logits, positions = prefill(model, [s[-(context_length // 2) :] for s in seqs], context_length)
+                shared_slots = 0  # a window per beam: no slot is known to be shared
             else:
                 logits = full_forward(model, [s[-context_length:] for s in seqs])
 
     return [[Generated(list(t), reason, score) for score, t, reason in state.finished[: cfg.num_return_sequences]]
             for state in states]
+
+
+def _common_prefix(generated: torch.Tensor, step: int, B: int, k: int) -> int:
+    """How many leading generated tokens every beam of every prompt has in common."""
+    if step == 0:
+        return 0
+    history = generated[:, :step].view(B, k, step)
+    agree = (history == history[:, :1]).all(1).all(0)  # (step,)
+    return int(agree.cumprod(0).sum())
+
+
+def _reorder_cache(cache, rows: torch.Tensor, start: int) -> None:
+    """Row i of the cache becomes old row ``rows[i]``, in place: only the rows that change, and
+    only their slots from ``start`` (the slots before it hold the same keys and values in every
+    row a beam can come from: the prompt and the history all beams share)."""
+    n = cache.length
+    moved = (rows != torch.arange(rows.numel(), device=rows.device)).nonzero().squeeze(1)
+    if moved.numel() == 0 or start >= n:
+        return
+    sources = rows.index_select(0, moved)
+    for t in (*cache.k, *cache.v):
+        part = t[:, :, start:n]
+        part.index_copy_(0, moved, part.index_select(0, sources))
+
+
+def _add_finished(states, cfg, step, norm, generated, top_scores, rows, tokens, ends, stop_set) -> None:
+    """Candidates ranked in a prompt's first k that end (stop token, or the last step) become
+    finished hypotheses, unless the prompt no longer accepts any."""
+    k = states[0].k
+    accepting = [not s.done and not (cfg.early_stopping and len(s.finished) == k) for s in states]
+    top_scores, rows, tokens = top_scores[:, :k].tolist(), rows[:, :k].tolist(), tokens[:, :k].tolist()
+    for b, rank in ends[:, :k].nonzero().tolist():  # prompt by prompt, best rank first
+        if not accepting[b]:
+            continue
+        token, row = tokens[b][rank], rows[b][rank]
+        stops = token in stop_set
+        ids = generated[row, :step].tolist() + ([] if stops else [token])
+        states[b].add_finished(top_scores[b][rank] / norm, ids, "stop_token" if stops else "length")
+
+
+def _running(top_scores, rows, tokens, ends, k: int):
+    """The best k candidates of each prompt that do not end: (scores, rows, tokens), each (B, k)."""
+    if ends is None or not bool(ends.any()):
+        return top_scores[:, :k], rows[:, :k], tokens[:, :k]
+    if bool(((~ends).sum(1) < k).any()):
+        return _running_short(top_scores, rows, tokens, ends, k)
+    keep = torch.sort(ends.to(torch.uint8), dim=1, stable=True).indices[:, :k]  # non-ending first, in rank order
+    return top_scores.gather(1, keep), rows.gather(1, keep), tokens.gather(1, keep)
+
+
+def _running_short(top_scores, rows, tokens, ends, k: int):
+    """Tiny vocabularies only: fewer than k candidates of a prompt go on, so ended beams continue
+    with a score no candidate will ever choose."""
+    device = top_scores.device
+    out = []
+    for score_b, row_b, token_b, end_b in zip(top_scores.tolist(), rows.tolist(), tokens.tolist(), ends.tolist()):
+        candidates = list(zip(score_b, row_b, token_b))
+        running = [c for c, e in zip(candidates, end_b) if not e][:k]
+        ended = [c for c, e in zip(candidates, end_b) if e]
+        while len(running) < k:
+            score, row, token = ended.pop(0) if ended else running[-1]
+            running.append((score + START_PENALTY, row, token))
+        out.append(running)
+    scores, rows, tokens = (torch.tensor([[c[i] for c in r] for r in out], device=device) for i in range(3))
+    return scores.float(), rows, tokens
+
+
+def _update_done(states, cfg, best_running: torch.Tensor, norm: float) -> bool:
+    """Mark prompts that hold k hypotheses no running beam can beat as done; True when all are."""
+    k = states[0].k
+    if any(len(s.finished) == k and not s.done for s in states):
+        best = (best_running / norm).tolist()
+        for b, s in enumerate(states):
+            if len(s.finished) == k and (cfg.early_stopping or best[b] <= s.finished[-1][0]):
+                s.done = True
+    return all(s.done for s in states)

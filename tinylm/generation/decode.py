@@ -29,6 +29,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from tinylm.models.gpt import GPT, KVCache, apply_rope, rms_normalize, rope_factors, soft_cap
+from tinylm.models.quantize import Int8Matmul, int8_kernel_of, is_quantized, quantize_transposed
 
 
 def _transposed(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -66,17 +67,18 @@ class Prepared:
     rope_sin: torch.Tensor | None
     layers: list[PreparedLayer]
     norm_f: nn.Module
-    head: torch.Tensor  # (C, V)
+    head: torch.Tensor | Int8Matmul  # (C, V)
 
 
 def _weights_key(model: GPT) -> tuple:
-    return tuple((p.data_ptr(), p._version, p.dtype, p.device) for p in model.parameters())
+    # buffers too: an int8 model's weights are buffers (its integers and scales)
+    return tuple((p.data_ptr(), p._version, p.dtype, p.device) for p in (*model.parameters(), *model.buffers()))
 
 
 def _qkv(attn, scale_queries: float) -> tuple[torch.Tensor, torch.Tensor | None]:
     """q, k and v side by side, the query part times ``scale_queries``: the attention's
     1/sqrt(D) moves into the weights (rotary positions are linear, so they commute with it)."""
-    w, b = _transposed(attn.q_proj, attn.k_proj, attn.v_proj)
+    w, b = _transposed(attn.qkv)  # a copy: the scaling below leaves the model's weights alone
     q_width = attn.n_heads * attn.head_dim
     w[:, :q_width] *= scale_queries
     if b is not None:
@@ -103,7 +105,7 @@ def prepare_for_inference(model: GPT) -> Prepared:
         layers.append(PreparedLayer(
             norm1=block.norm1, qkv=_qkv(attn, scale_queries), out=_transposed(attn.out_proj),
             norm2=block.norm2, ffn_down=_transposed(ffn.down),
-            ffn_in=_transposed(ffn.gate, ffn.up) if ffn.swiglu else _transposed(ffn.up)))
+            ffn_in=_transposed(ffn.gate_up) if ffn.swiglu else _transposed(ffn.up)))
     pos_table = {"learned": lambda: model.pos_emb.weight, "sinusoidal": lambda: model.pos_table}.get(cfg.positions)
     rope = cfg.positions == "rope"
     prepared = Prepared(
@@ -114,11 +116,25 @@ def prepare_for_inference(model: GPT) -> Prepared:
         pos_table=pos_table() if pos_table else None,
         rope_cos=model.rope_cos if rope else None, rope_sin=model.rope_sin if rope else None,
         layers=layers, norm_f=model.norm_f, head=model.lm_head.weight.t().contiguous())
+    if is_quantized(model):
+        _quantize_prepared(prepared, int8_kernel_of(model))
     model.__dict__["_prepared_for_inference"] = (key, prepared)
     return prepared
 
 
-def _linear(x: torch.Tensor, weight: tuple[torch.Tensor, torch.Tensor | None]) -> torch.Tensor:
+def _quantize_prepared(p: Prepared, kernel) -> None:
+    """An int8 model's matrices in the decoding layout as int8 again: its weights are int8 values
+    times per-row scales, and quantising (int8 x scale) x c per row gives back the same integers,
+    so the step multiplies by exactly the model's int8 weights (the query scaling included)."""
+    for layer in p.layers:
+        for name in ("qkv", "out", "ffn_in", "ffn_down"):
+            setattr(layer, name, quantize_transposed(*getattr(layer, name), kernel))
+    p.head = quantize_transposed(p.head, None, kernel)
+
+
+def _linear(x: torch.Tensor, weight: tuple[torch.Tensor, torch.Tensor | None] | Int8Matmul) -> torch.Tensor:
+    if isinstance(weight, Int8Matmul):
+        return weight(x)
     w, b = weight
     return torch.addmm(b, x, w) if b is not None else x @ w
 
@@ -175,7 +191,7 @@ def step_logits(p: Prepared, keys: list[torch.Tensor], values: list[torch.Tensor
         else:
             h = p.activation(h)
         x = x + _linear(h, layer.ffn_down)
-    logits = p.norm_f(x) @ p.head  # (B, V)
+    logits = _linear(p.norm_f(x), p.head if isinstance(p.head, Int8Matmul) else (p.head, None))  # (B, V)
     if p.logit_softcap is not None:
         logits = soft_cap(logits, p.logit_softcap)
     return logits
@@ -237,7 +253,7 @@ def decode_step(prepared: Prepared, cache: KVCache, tokens: torch.Tensor, positi
     else:
         # what the compiled code is specialised on: shapes, dtype, device, padding (not the weights' values)
         shape = (tuple(cache.k[0].shape), len(cache.k), cache.k[0].dtype, tokens.device.type,
-                 cache.key_mask is None, tuple(prepared.head.shape))
+                 cache.key_mask is None, type(prepared.head).__name__, tuple(prepared.head.shape))
         first = shape not in _compiled_shapes
         t0 = time.perf_counter()
         cuda = tokens.device.type == "cuda"

@@ -29,6 +29,7 @@ import numpy as np
 from tinylm.config import ModelConfig
 from tinylm.errors import TinyLMError
 from tinylm.interop.llama import non_llama_options
+from tinylm.models.gpt import state_dict_by_parts
 from tinylm.tokenizers.base import Tokenizer
 from tinylm.tokenizers.bpe import BPETokenizer
 from tinylm.tokenizers.hf_interop import byte_to_unicode
@@ -38,7 +39,8 @@ GgufDtype = Literal["f32", "f16", "q8_0"]
 GGUF_DTYPES = get_args(GgufDtype)
 # tinylm BPE split pattern -> the llama.cpp pre-tokenizer that splits text the same way
 PRE_TOKENIZERS = {"gpt2": "gpt-2"}
-# (tinylm name inside a block, gguf MODEL_TENSOR member name)
+# (tinylm name inside a block, gguf MODEL_TENSOR member name); llama.cpp stores q, k, v and gate,
+# up separately: the fused matrices are split into their parts (``state_dict_by_parts``)
 LAYER_TENSORS = [
     ("norm1.weight", "ATTN_NORM"), ("attn.q_proj.weight", "ATTN_Q"), ("attn.k_proj.weight", "ATTN_K"),
     ("attn.v_proj.weight", "ATTN_V"), ("attn.out_proj.weight", "ATTN_OUT"), ("norm2.weight", "FFN_NORM"),
@@ -65,7 +67,7 @@ def model_tensors(model) -> list[tuple[str, np.ndarray]]:
     """(GGUF name, float32 array) of every weight, in llama.cpp's order; no ``output`` when tied."""
     gguf = _gguf()
     names, T = gguf.TENSOR_NAMES, gguf.MODEL_TENSOR
-    sd = {k: v.detach().float().cpu().numpy() for k, v in model.state_dict().items()}
+    sd = {k: v.detach().float().cpu().numpy() for k, v in state_dict_by_parts(model).items()}
     out = [(names[T.TOKEN_EMBD] + ".weight", sd["tok_emb.weight"])]
     for i in range(model.config.n_layers):
         out += [(names[getattr(T, member)].format(bid=i) + ".weight", sd[f"blocks.{i}.{ours}"])

@@ -2,7 +2,8 @@
 
 GPT-2 is tinylm's default architecture (pre-LN, learned positions, LayerNorm, tanh-GELU, biases,
 tied head), so the mapping is one tensor to one tensor: GPT-2's ``Conv1D`` layers store weights
-as (in, out) and are transposed, and its fused ``c_attn`` is split into q, k, v.
+as (in, out) and are transposed; its fused ``c_attn`` is tinylm's ``qkv`` (q, k, v rows in the
+same order).
 """
 
 from __future__ import annotations
@@ -31,9 +32,10 @@ def config_from_gpt2(c) -> ModelConfig:
     )
 
 
-# (HF GPT-2 name, tinylm name, transposed?) of the per-layer weights besides the fused c_attn;
+# (HF GPT-2 name, tinylm name, transposed?) of every per-layer weight;
 # HF's Conv1D stores weights as (in, out), nn.Linear as (out, in)
 LAYER_WEIGHTS = [
+    ("attn.c_attn.weight", "attn.qkv.weight", True), ("attn.c_attn.bias", "attn.qkv.bias", False),
     ("attn.c_proj.weight", "attn.out_proj.weight", True), ("attn.c_proj.bias", "attn.out_proj.bias", False),
     ("mlp.c_fc.weight", "ffn.up.weight", True), ("mlp.c_fc.bias", "ffn.up.bias", False),
     ("mlp.c_proj.weight", "ffn.down.weight", True), ("mlp.c_proj.bias", "ffn.down.bias", False),
@@ -58,16 +60,10 @@ def from_hf_gpt2(hf_model) -> GPT:
     cfg = config_from_gpt2(hf_model.config)
     model = GPT(cfg)
     sd = {k: v.detach().float() for k, v in hf_model.state_dict().items()}
-    C = cfg.d_model
     new = {"tok_emb.weight": sd["transformer.wte.weight"], "pos_emb.weight": sd["transformer.wpe.weight"],
            "norm_f.weight": sd["transformer.ln_f.weight"], "norm_f.bias": sd["transformer.ln_f.bias"],
            "lm_head.weight": sd.get("lm_head.weight", sd["transformer.wte.weight"])}
     for i in range(cfg.n_layers):
-        h, b = f"transformer.h.{i}.", f"blocks.{i}."
-        qkv_w, qkv_b = sd[h + "attn.c_attn.weight"].t(), sd[h + "attn.c_attn.bias"]  # (3C, C), (3C,)
-        for j, name in enumerate(("q_proj", "k_proj", "v_proj")):
-            new[b + f"attn.{name}.weight"] = qkv_w[j * C : (j + 1) * C]
-            new[b + f"attn.{name}.bias"] = qkv_b[j * C : (j + 1) * C]
         new.update(_rename_layer(sd, i, to_tinylm=True))
     model.load_state_dict({k: v.contiguous() for k, v in new.items()}, strict=True)
     return model.eval()
@@ -98,9 +94,6 @@ def to_hf_gpt2(model: GPT):
            "transformer.ln_f.weight": sd["norm_f.weight"], "transformer.ln_f.bias": sd["norm_f.bias"],
            "lm_head.weight": sd["lm_head.weight"]}
     for i in range(cfg.n_layers):
-        h, b = f"transformer.h.{i}.", f"blocks.{i}."
-        new[h + "attn.c_attn.weight"] = torch.cat([sd[b + f"attn.{n}.weight"] for n in ("q_proj", "k_proj", "v_proj")]).t()
-        new[h + "attn.c_attn.bias"] = torch.cat([sd[b + f"attn.{n}.bias"] for n in ("q_proj", "k_proj", "v_proj")])
         new.update(_rename_layer(sd, i, to_tinylm=False))
     missing, unexpected = hf.load_state_dict({k: v.contiguous() for k, v in new.items()}, strict=False)
     missing = [k for k in missing if not k.endswith(".attn.bias") and not k.endswith("masked_bias")]

@@ -12,7 +12,7 @@ import torch
 
 from tinylm.config import ModelConfig
 from tinylm.errors import TinyLMError
-from tinylm.models.gpt import GPT
+from tinylm.models.gpt import GPT, state_dict_by_parts
 
 
 def meta_to_hf_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -26,7 +26,10 @@ def hf_to_meta_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.view(n_heads, 2, out // n_heads // 2, inp).transpose(1, 2).reshape(out, inp)
 
 
-# (HF Llama name, tinylm name) of every per-layer weight; q and k also need their rows permuted
+# (HF Llama name, tinylm name) of every per-layer weight; q and k also need their rows permuted.
+# tinylm's fused matrices are named by their parts here (attn.q_proj: the q rows of attn.qkv;
+# ffn.gate, ffn.up: the halves of ffn.gate_up): ``state_dict_by_parts`` splits a model's state
+# that way, and loading a state dict so named joins the parts.
 LAYER_WEIGHTS = [
     ("self_attn.q_proj.weight", "attn.q_proj.weight"), ("self_attn.k_proj.weight", "attn.k_proj.weight"),
     ("self_attn.v_proj.weight", "attn.v_proj.weight"), ("self_attn.o_proj.weight", "attn.out_proj.weight"),
@@ -117,7 +120,7 @@ def to_hf_llama(model: GPT, bos_id: int = 2, eos_id: int = 3):
                          rope_theta=cfg.rope_theta, tie_word_embeddings=cfg.tie_weights, attention_bias=False,
                          mlp_bias=False, bos_token_id=bos_id, eos_token_id=eos_id)
     hf = LlamaForCausalLM(hf_cfg)
-    sd = {k: v.detach().float() for k, v in model.state_dict().items()}
+    sd = {k: v.detach().float() for k, v in state_dict_by_parts(model).items()}
     new = {"model.embed_tokens.weight": sd["tok_emb.weight"], "model.norm.weight": sd["norm_f.weight"],
            "lm_head.weight": sd["lm_head.weight"]}
     new.update(_rename_layers(sd, cfg, False, meta_to_hf_rows))

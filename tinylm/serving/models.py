@@ -23,6 +23,7 @@ from tinylm.evaluation.perplexity import document_windows, evaluate_texts
 from tinylm.evaluation.plots import attention_maps, attention_maps_of_ids, token_labels
 from tinylm.evaluation.report import read_json
 from tinylm.interop.loading import load_any_checkpoint
+from tinylm.models.quantize import InferenceDtype, to_inference_dtype
 from tinylm.serving.completions import APIError
 from tinylm.serving.scheduler import Scheduler
 from tinylm.training.metrics import read_metrics
@@ -68,10 +69,13 @@ class ServedModel:
     created: int
 
     @classmethod
-    def load(cls, path: str, tokenizer_path: str | None, name: str, max_batch: int) -> "ServedModel":
+    def load(cls, path: str, tokenizer_path: str | None, name: str, max_batch: int,
+             dtype: InferenceDtype = "float32", compile: bool = False) -> "ServedModel":
         model, tokenizer, source = load_any_checkpoint(path, tokenizer_path)
-        model.eval()
-        return cls(name, str(path), model, tokenizer, source, Scheduler(model, max_batch, name), int(time.time()))
+        source = {**source, "dtype": dtype, "parameters": model.num_parameters()}  # before int8 moves them to buffers
+        model = to_inference_dtype(model, dtype).eval()
+        return cls(name, str(path), model, tokenizer, source, Scheduler(model, max_batch, name, compile),
+                   int(time.time()))
 
     @property
     def context_length(self) -> int:
@@ -84,7 +88,8 @@ class ServedModel:
     # ---------------------------------------------------------------------------- model card
     def card(self) -> dict:
         config = dataclasses.asdict(self.model.config)
-        card = {"format": self.source.get("format"), "path": self.path, "parameters": self.model.num_parameters(),
+        card = {"format": self.source.get("format"), "path": self.path, "dtype": self.source.get("dtype", "float32"),
+                "parameters": self.source.get("parameters") or self.model.num_parameters(),
                 "config": {k: v for k, v in config.items() if isinstance(v, (int, float, str, bool))},
                 "tokenizer": {"type": getattr(self.tokenizer, "type_name", type(self.tokenizer).__name__),
                               "vocab_size": self.tokenizer.vocab_size, "bos_id": self.tokenizer.bos_id,
@@ -205,7 +210,8 @@ class ServedModel:
 
 
 def load_models(checkpoints: list[str], tokenizers: list[str], max_batch: int,
-                names: list[str] | None = None) -> dict[str, ServedModel]:
+                names: list[str] | None = None, dtype: InferenceDtype = "float32",
+                compile: bool = False) -> dict[str, ServedModel]:
     """Every ``--checkpoint``, named after its run (or the i-th ``--name``); the i-th
     ``--tokenizer`` goes with the i-th checkpoint (``none`` for one that brings its own tokenizer)."""
     if not checkpoints:
@@ -226,5 +232,5 @@ def load_models(checkpoints: list[str], tokenizers: list[str], max_batch: int,
     for i, path in enumerate(checkpoints):
         tok = tokenizers[i] if tokenizers else None
         name = names[i] if names else model_name(path, set(models))
-        models[name] = ServedModel.load(path, None if tok in (None, "none") else tok, name, max_batch)
+        models[name] = ServedModel.load(path, None if tok in (None, "none") else tok, name, max_batch, dtype, compile)
     return models

@@ -15,6 +15,16 @@ finished or abandoned rows leave. A row's output is what ``tinylm generate`` giv
 Batched matrix products may round differently from a single row's in the last bits; the tests
 check that the tokens are the same, alone and under concurrency.
 
+Compiled (``compile=True``, ``tinylm serve --compile``): the step runs under ``torch.compile``,
+which specialises on shapes, so the cache's shapes come from a few buckets and stay put as rows
+join and leave: its batch dimension holds a power of two of rows (1, 2, 4, ..., ``max_batch``;
+the rows beyond the real ones are padding whose logits are dropped) and its slots are the
+model's context when that is short (one bucket), else a power of two times 64. Rows joining a
+batch of the same bucket are written into the cache in place. Every batch bucket of a short
+context is compiled when the scheduler starts (each compile time printed), longer contexts
+compile each bucket on first use. ``bucketed=True`` without ``compile`` gives the same shapes
+eagerly (the tests check the bucket bookkeeping that way, fast).
+
 Other model work (beam search, scoring, attention maps) runs on the same thread between steps
 (``submit``), so one model is never used by two threads at once.
 """
@@ -24,6 +34,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import queue
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -35,7 +46,7 @@ from tinylm.config import GenerationConfig
 from tinylm.generation.core import prefill
 from tinylm.generation.decode import decode_step, prepare_for_inference
 from tinylm.generation.generate import hits_stop_string
-from tinylm.generation.processors import HistoryProcessor
+from tinylm.generation.processors import HistoryProcessor, shape_distribution
 from tinylm.generation.sampling import select_next
 from tinylm.models.gpt import KVCache
 
@@ -85,12 +96,47 @@ class Row:
         self.cancelled.set()
 
 
+SHORT_CONTEXT = 256  # up to this context a compiled cache always has the context's slots: one bucket
+SLOT_BUCKET = 64  # longer contexts: 64, 128, 256, ... slots
+
+
+def batch_buckets(max_batch: int) -> list[int]:
+    """The batch sizes of a bucketed cache: powers of two, and ``max_batch`` itself."""
+    return sorted({min(2**k, max_batch) for k in range(max_batch.bit_length() + 1)})
+
+
+def slot_bucket(needed: int, context_length: int) -> int:
+    """Cache slots of a bucketed cache that must hold ``needed`` slots."""
+    if context_length <= SHORT_CONTEXT:
+        return context_length
+    slots = SLOT_BUCKET
+    while slots < needed:
+        slots *= 2
+    return min(context_length, slots)
+
+
+def draw_per_row(probs: torch.Tensor, generators: list) -> torch.Tensor:
+    """``torch.multinomial(probs[r:r+1], 1, generator=generators[r])`` for every row r, batched.
+
+    One draw is torch's own algorithm for a single sample: the argmax of p / q with q ~ Exp(1)
+    drawn from the row's generator. Drawing q row by row keeps each generator's stream (the
+    tests check the tokens against ``select_next``), and the division and argmax run once for the
+    batch instead of once per row."""
+    q = torch.empty_like(probs)
+    for row, generator in zip(q, generators):
+        row.exponential_(generator=generator)
+    return (probs / q).argmax(dim=-1)
+
+
 class Scheduler:
     """``add(row)`` from any thread; tokens come back through ``row.emit`` on the decoding thread."""
 
-    def __init__(self, model, max_batch: int = 32, name: str = "model"):
+    def __init__(self, model, max_batch: int = 32, name: str = "model", compile: bool = False,
+                 bucketed: bool | None = None):
         self.model, self.max_batch = model, max_batch
         self.context_length = model.config.context_length
+        self.compile = compile
+        self.bucketed = compile if bucketed is None else bucketed
         self.inbox: queue.Queue = queue.Queue()
         self.rows: list[Row] = []  # in the order of the cache's batch dimension
         self.cache: KVCache | None = None
@@ -99,8 +145,37 @@ class Scheduler:
         self.steps = 0  # decoding steps run (for tests and the health endpoint)
         self.max_rows_seen = 0
         self._stop = threading.Event()
+        self.compile_seconds: dict[tuple[int, int], float] = {}  # (rows, slots) -> seconds, compiled at start
+        if compile and self.context_length <= SHORT_CONTEXT:
+            self._compile_buckets()
         self._thread = threading.Thread(target=self._loop, name=f"tinylm-decode-{name}", daemon=True)
         self._thread.start()
+
+    def _compile_buckets(self) -> None:
+        """Compile the step for every batch bucket now: no request waits for a compile later."""
+        started = time.perf_counter()
+        prepared = prepare_for_inference(self.model)
+        slots = slot_bucket(self.context_length, self.context_length)
+        with torch.inference_mode():
+            for rows in batch_buckets(self.max_batch):
+                cache = self.model.new_kv_cache(rows, slots)
+                cache.key_mask = torch.ones(rows, slots, dtype=torch.bool)
+                t0 = time.perf_counter()
+                # tokens and positions as distinct tensors, as in serving (the compiled code guards on aliasing)
+                tokens, positions = torch.zeros(rows, dtype=torch.long), torch.zeros(rows, dtype=torch.long)
+                decode_step(prepared, cache, tokens, positions, compile=True)
+                self.compile_seconds[rows, slots] = time.perf_counter() - t0
+        print(f"compiled the decoding step for {len(self.compile_seconds)} batch buckets "
+              f"({', '.join(str(b) for b, _ in self.compile_seconds)} rows x {slots} cache slots) in "
+              f"{time.perf_counter() - started:.1f} s", file=sys.stderr)
+
+    def _capacity(self, rows: int) -> int:
+        """The cache's batch size for ``rows`` rows (bucketed: a batch bucket, the rest padding)."""
+        return next(b for b in batch_buckets(self.max_batch) if b >= rows) if self.bucketed else rows
+
+    def _slots(self, needed: int) -> int:
+        needed = min(needed, self.context_length)
+        return slot_bucket(needed, self.context_length) if self.bucketed else needed
 
     # ------------------------------------------------------------------------ public interface
     def add(self, row: Row) -> None:
@@ -127,6 +202,12 @@ class Scheduler:
 
     # ------------------------------------------------------------------------------ the loop
     def _loop(self) -> None:
+        if self.compile:
+            import torch._dynamo  # deferred: an eager server never loads the compiler stack
+
+            # dynamo's settings are per thread: decode.py raises the recompile limit only for the
+            # thread that compiled first, and every (batch, slots) bucket is one more compile
+            torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
         waiting: list[Row] = []
         while not self._stop.is_set():
             for item in self._drain(block=not self.rows and not waiting):
@@ -187,10 +268,7 @@ class Scheduler:
                 self._compact()
             if self.cache.length >= self.cache.max_len:
                 self._resize(self.context_length)
-            positions = torch.tensor([r.cached for r in self.rows], dtype=torch.long)
-            logits_old = decode_step(self.prepared, self.cache, self.pending, positions)
-            for r in self.rows:
-                r.cached += 1
+            logits_old = self._decode()
         if fresh:
             self.prepared = prepare_for_inference(self.model)
             rows = [ids for _, ids in fresh]
@@ -205,6 +283,16 @@ class Scheduler:
         self.max_rows_seen = max(self.max_rows_seen, len(self.rows))
         self._select(logits)
 
+    def _decode(self) -> torch.Tensor:
+        """One token for every row (padding rows: token 0 at position 0, their logits dropped)."""
+        n, padding = len(self.rows), self.cache.batch_size - len(self.rows)
+        positions = torch.tensor([r.cached for r in self.rows] + [0] * padding, dtype=torch.long)
+        tokens = torch.cat([self.pending, self.pending.new_zeros(padding)]) if padding else self.pending
+        logits = decode_step(self.prepared, self.cache, tokens, positions, self.compile)
+        for r in self.rows:
+            r.cached += 1
+        return logits[:n] if padding else logits
+
     def _start(self, r: Row) -> None:
         cfg = r.cfg
         r.seq, r.out, r.started = list(r.prompt_ids), [], time.perf_counter()
@@ -214,8 +302,8 @@ class Scheduler:
 
     def _select(self, logits: torch.Tensor) -> None:
         """Each row's next token from its logits row, with its own knobs and generator. Rows whose
-        knobs shape the distribution alike go through ``select_next`` together (row-wise ops: the
-        same numbers as one at a time); each draws from its own generator."""
+        knobs shape the distribution alike are shaped together (row-wise ops: the same numbers as
+        one at a time); each sampled row draws from its own generator (``draw_per_row``)."""
         scores = logits
         for i, r in enumerate(self.rows):
             if r.history is None:
@@ -237,9 +325,16 @@ class Scheduler:
         tokens = torch.empty(len(self.rows), dtype=torch.long)
         for members in groups.values():
             cfg = self.rows[members[0]].cfg
-            generators = None if cfg.greedy else [self.rows[i].generator for i in members]
-            index = torch.tensor(members)
-            tokens[index] = select_next(scores.index_select(0, index), cfg, generators)
+            group = scores if len(members) == len(self.rows) else scores.index_select(0, torch.tensor(members))
+            if cfg.greedy:
+                picked = select_next(group, cfg)
+            else:  # select_next with one generator per row, its draws batched
+                probs = torch.softmax(shape_distribution(group.float(), cfg), dim=-1)
+                picked = draw_per_row(probs, [self.rows[i].generator for i in members])
+            if len(members) == len(self.rows):
+                tokens = picked
+            else:
+                tokens[torch.tensor(members)] = picked
         token_list = tokens.tolist()
         for i, r in enumerate(self.rows):
             if r.cancelled.is_set():
@@ -277,15 +372,28 @@ class Scheduler:
     def _leave(self, leaving: list[Row]) -> None:
         if not leaving:
             return
-        keep = [i for i, r in enumerate(self.rows) if r not in leaving]
-        self.rows = [self.rows[i] for i in keep]
-        if not keep:
-            self.cache, self.pending = None, None
+        gone = {id(r) for r in leaving}
+        kept = [id(r) not in gone for r in self.rows]
+        n = sum(kept)
+        if not n:
+            self.rows, self.cache, self.pending = [], None, None
             return
-        index = torch.tensor(keep, dtype=torch.long)
-        self.cache.reorder(index)
-        self.pending = self.pending.index_select(0, index)
-        self._compact()
+        # the rows beyond the first n that stay fill the places of those that leave: only they are
+        # copied (in place), and the kept rows are the first n of the cache
+        tail = [i for i in range(n, len(self.rows)) if kept[i]]
+        order = [i if kept[i] else tail.pop() for i in range(n)]
+        rest = sorted(set(range(self.cache.batch_size)) - set(order))
+        self.rows = [self.rows[i] for i in order]
+        self.pending = self.pending.index_select(0, torch.tensor(order, dtype=torch.long))
+        cache = self.cache
+        cache.reorder(torch.tensor(order + rest, dtype=torch.long))
+        capacity = self._capacity(n)
+        if capacity < cache.batch_size:  # the first rows of a contiguous tensor: views, no copy
+            cache.k, cache.v = [t[:capacity] for t in cache.k], [t[:capacity] for t in cache.v]
+            cache.key_mask = cache.key_mask[:capacity]
+        cache.key_mask[n:] = True  # padding attends to anything: finite logits, dropped
+        if not self.bucketed:  # fewer slots for the next merge; a bucketed cache compacts when full
+            self._compact()
 
     def _compact(self) -> None:
         """Drop the leading slots no row uses any more (every row's tokens are the last slots)."""
@@ -304,12 +412,12 @@ class Scheduler:
     def _resize(self, size: int) -> None:
         """Move the cache into ``size`` slots (the filled ones keep their places)."""
         old, n = self.cache, self.cache.length
-        cache = self.model.new_kv_cache(len(self.rows), size)
+        cache = self.model.new_kv_cache(old.batch_size, size)
         for dst, src in ((cache.k, old.k), (cache.v, old.v)):
             for d, s in zip(dst, src):
                 d[:, :, :n] = s[:, :, :n]
         cache.length = n
-        cache.key_mask = torch.ones(len(self.rows), size, dtype=torch.bool)
+        cache.key_mask = torch.ones(old.batch_size, size, dtype=torch.bool)
         cache.key_mask[:, :n] = old.key_mask[:, :n]
         self.cache = cache
 
@@ -321,21 +429,29 @@ class Scheduler:
         # slots for what the rows may still generate, not always the whole context: a batch of 32
         # rows of a 1,024-token model would hold gigabytes of cache it mostly never fills
         remaining = max(r.cfg.max_new_tokens - len(r.out) for r in self.rows + rows)
-        size = min(self.context_length, length + remaining)
-        cache = self.model.new_kv_cache(total, size)
-        cache.length = length
-        cache.key_mask = torch.ones(total, size, dtype=torch.bool)
-        offset = 0
-        for part, n_rows in ((old, len(self.rows)), (new, len(rows))):
-            if part is None or n_rows == 0:
-                continue
-            start = length - part.length  # left padding added to this part
-            for dst, src in ((cache.k, part.k), (cache.v, part.v)):
-                for d, s in zip(dst, src):
-                    d[offset : offset + n_rows, :, start:length] = s[:, :, : part.length]
-            cache.key_mask[offset : offset + n_rows, :start] = False
-            if part.key_mask is not None:
-                cache.key_mask[offset : offset + n_rows, start:length] = part.key_mask[:, : part.length]
-            offset += n_rows
-        self.cache = cache
+        size, capacity = self._slots(length + remaining), self._capacity(total)
+        if old is not None and old.batch_size == capacity and old.max_len == size and old.length >= new.length:
+            self._write_rows(old, len(self.rows), new)  # the same bucket: no new cache
+        else:
+            cache = self.model.new_kv_cache(capacity, size)
+            cache.length = length
+            cache.key_mask = torch.ones(capacity, size, dtype=torch.bool)
+            if old is not None and self.rows:
+                self._write_rows(cache, 0, old, len(self.rows))
+            self._write_rows(cache, len(self.rows), new)
+            self.cache = cache
         self.rows = self.rows + rows  # ``_select`` sets every row's pending token next
+
+    @staticmethod
+    def _write_rows(cache: KVCache, offset: int, part: KVCache, n_rows: int | None = None) -> None:
+        """Copy the first ``n_rows`` rows of ``part`` (default: all) into ``cache`` from row
+        ``offset``, their filled slots right-aligned with ``cache.length``, the slots before masked."""
+        n_rows = part.batch_size if n_rows is None else n_rows
+        rows, start = slice(offset, offset + n_rows), cache.length - part.length  # left padding added to this part
+        for dst, src in ((cache.k, part.k), (cache.v, part.v)):
+            for d, s in zip(dst, src):
+                d[rows, :, start : cache.length] = s[:n_rows, :, : part.length]
+        cache.key_mask[rows, :start] = False
+        cache.key_mask[rows, start:] = True
+        if part.key_mask is not None:
+            cache.key_mask[rows, start : cache.length] = part.key_mask[:n_rows, : part.length]

@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tinylm.config import GenerationConfig, ModelConfig, RunConfig, check_config
+from tinylm.config import GenerationConfig, ModelConfig, RunConfig, apply_updates, check_config, parse_overrides
 from tinylm.constants import EOS_ID, SOS_ID, UNK_ID
 from tinylm.data.cleaning import clean_documents
 from tinylm.data.prepare import Prepared, load_raw_documents, prepare
@@ -75,17 +75,24 @@ def run_config(cfg: StudyConfig, spec: TokenizerSpec, out_dir: Path) -> RunConfi
     t.warmup_steps = max(1, min(100, gpt.max_steps // 10))
     t.eval_interval, t.eval_batches, t.log_interval = gpt.eval_interval, gpt.eval_batches, gpt.eval_interval
     # train.progress stays on: a bar on a terminal, a line per evaluation in a log file
-    t.early_stopping_patience, t.threads, t.seed, t.device = 3, cfg.threads, cfg.seed, "cpu"
+    t.early_stopping_patience, t.threads, t.seed, t.device = gpt.patience, cfg.threads, cfg.seed, "cpu"
     rc.sample.prompts, rc.sample.max_new_tokens = list(sampling.prompts), sampling.max_new_tokens
     rc.sample.temperature = sampling.temperature
     return rc
 
 
-def _row(tok_name, vocab, model, order, setting, params, valid, test, seconds) -> dict:
+def converged(stopped_because: str) -> bool:
+    """A trained model counts as converged only when its validation loss stopped improving for the
+    patience; a run ended by its step or wall-clock cap may still have been improving."""
+    return stopped_because == "early_stopping"
+
+
+def _row(tok_name, vocab, model, order, setting, params, valid, test, seconds, is_converged=True) -> dict:
+    """One model's scores; n-grams are fitted in closed form, so they are always converged."""
     return {"tokenizer": tok_name, "vocab_size": vocab, "model": model, "order": order, "smoothing": setting,
             "parameters": params, "valid_ppl": valid["token_ppl"], "test_ppl": test["token_ppl"],
             "valid_bpb": valid["bpb"], "test_bpb": test["bpb"], "valid_tokens": valid["tokens"],
-            "test_tokens": test["tokens"], "seconds": round(seconds, 2)}
+            "test_tokens": test["tokens"], "seconds": round(seconds, 2), "converged": is_converged}
 
 
 def _split_metrics(nll_and_count, split) -> dict:
@@ -165,7 +172,7 @@ def bigram_runs(cfg: StudyConfig) -> list[tuple[str, BigramConfig]]:
     b = cfg.bigram
     base = BigramConfig(max_steps=b.max_steps, max_seconds=b.max_seconds, threads=1, seed=cfg.seed,
                         eval_interval=b.eval_interval or max(10, b.max_steps // 30), patience=b.patience,
-                        batch_size=b.batch_size, mode=b.mode,
+                        batch_size=b.batch_size, mode=b.mode, optimizer=b.optimizer,
                         warmup_steps=0 if b.schedule == "constant" else min(50, b.max_steps // 10))
 
     def at(lr, **kw):
@@ -192,6 +199,7 @@ def bigram_sweep(cfg: StudyConfig, spec: TokenizerSpec, prepared: Prepared, best
                             "best_val_loss": result.best_val_loss, "valid_ppl": valid["token_ppl"],
                             "test_ppl": test["token_ppl"], "valid_bpb": valid["bpb"], "test_bpb": test["bpb"],
                             "steps": result.steps, "stopped": result.stopped_because,
+                            "converged": converged(result.stopped_because), "optimizer": bcfg.optimizer,
                             "seconds": round(result.seconds, 2), "history": result.history})
         say(f"[{spec.name}] neural bigram {label}: valid ppl {valid['token_ppl']:.2f} ({result.steps} steps, "
             f"{result.stopped_because})")
@@ -202,7 +210,7 @@ def bigram_sweep(cfg: StudyConfig, spec: TokenizerSpec, prepared: Prepared, best
         result.model.save(save_dir / "bigram.pt", {"label": label})
     out["best"] = label
     out["row"] = _row(spec.name, V, "neural_bigram", 2, label, result.model.num_parameters(), valid, test,
-                      sum(r["seconds"] for r in out["runs"]))
+                      sum(r["seconds"] for r in out["runs"]), converged(result.stopped_because))
     out["samples"] = samples(cfg, tok, spec.name, f"neural bigram {label}", result.model.next_token_logits)
     return out
 
@@ -225,7 +233,10 @@ def gpt_model(cfg: StudyConfig, spec: TokenizerSpec, rc: RunConfig, prepared: Pr
     name, layers, d_model, heads = parse_size(size)
     gpt = cfg.gpt
     rc = dataclasses.replace(rc, model=ModelConfig(context_length=gpt.context_length, d_model=d_model,
-                                                   n_layers=layers, n_heads=heads, dropout=gpt.dropout))
+                                                   n_layers=layers, n_heads=heads, dropout=gpt.dropout),
+                             train=dataclasses.replace(rc.train))
+    apply_updates(rc, parse_overrides(gpt.run_overrides))
+    check_config(rc)
     splits = {k: head_of_split(s, gpt.data_fraction, prepared.tokenizer) for k, s in prepared.splits.items()}
     check_context_fits(splits, gpt.context_length)
     torch.set_num_threads(cfg.threads)
@@ -235,7 +246,7 @@ def gpt_model(cfg: StudyConfig, spec: TokenizerSpec, rc: RunConfig, prepared: Pr
     ev = {k: evaluate_split(model, splits[k]) for k in ("valid", "test")}
     params = model.num_parameters()
     row = _row(spec.name, tokenizer.vocab_size, "gpt", None, name, params, ev["valid"], ev["test"],
-               time.perf_counter() - t0)
+               time.perf_counter() - t0, converged(result.stopped_because))
     curve = [{"step": r["step"], "train_loss": r["train_loss"], "val_loss": r["val_loss"]}
              for r in read_metrics(gpt_dir / "metrics.csv") if r["val_loss"] is not None]
     gpt_samples = [[spec.name, f"GPT {name}", s["prompt"], tokenizer.represented(s["prompt"]) + s["continuation"]]
@@ -243,7 +254,8 @@ def gpt_model(cfg: StudyConfig, spec: TokenizerSpec, rc: RunConfig, prepared: Pr
     run = {"tokenizer": spec.name, "size": name, "layers": layers, "d_model": d_model, "heads": heads,
            "context_length": gpt.context_length, "parameters": params, "train_tokens": splits["train"].n_tokens,
            "tokens_per_parameter": splits["train"].n_tokens / params, "data_fraction": gpt.data_fraction,
-           "steps": result.steps, "stopped": result.stopped_because, "train_seconds": round(result.seconds, 1),
+           "steps": result.steps, "stopped": result.stopped_because, "converged": converged(result.stopped_because),
+           "train_seconds": round(result.seconds, 1),
            "tokens_per_s": result.tokens_per_s, "tokens_seen": result.steps * gpt.batch_size * gpt.context_length,
            "valid_ppl": ev["valid"]["token_ppl"], "test_ppl": ev["test"]["token_ppl"]}
     say(f"[{spec.name}] GPT {name} ({params:,} parameters): {result.steps} steps ({result.stopped_because}), "

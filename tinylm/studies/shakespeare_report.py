@@ -8,6 +8,7 @@ from __future__ import annotations
 import csv
 import dataclasses
 import json
+import math
 import platform
 import re
 from functools import partial
@@ -18,7 +19,7 @@ from tinylm.evaluation.report import format_number
 from tinylm.studies.shakespeare_summary import summary_lines
 
 RESULT_COLUMNS = ["tokenizer", "vocab_size", "model", "order", "smoothing", "parameters", "valid_ppl", "test_ppl",
-                  "valid_bpb", "test_bpb", "valid_tokens", "test_tokens", "seconds"]
+                  "valid_bpb", "test_bpb", "valid_tokens", "test_tokens", "seconds", "converged"]
 COMPARABILITY_NOTE = (
     "Token perplexity is per token of each tokenizer, so it is **not comparable across tokenizers** "
     "(a character-level model predicts far easier units than a word-level one). Bits per byte "
@@ -29,6 +30,13 @@ SPLITS = ("train", "valid", "test")
 
 
 _f = partial(format_number, missing="-", grouped=True)  # the study's cells: "-" for no value, 1,234.5
+NOT_CONVERGED = " (not converged)"
+
+
+def mark(entry: dict | None) -> str:
+    """The tag every table puts after a model stopped by its step or wall-clock cap rather than by
+    early stopping (results saved before the flag existed carry none)."""
+    return NOT_CONVERGED if entry is not None and entry.get("converged") is False else ""
 
 
 def _variant(row: dict) -> str:
@@ -113,12 +121,13 @@ def model_lines(state: dict) -> list[str]:
              "| model | " + " | ".join(tok_names) + " |", "|---|" + "---|" * len(tok_names)]
     for v in dict.fromkeys(_variant(r) for r in rows):
         by_tok = {r["tokenizer"]: r for r in rows if _variant(r) == v}
-        lines.append(f"| {v} | " + " | ".join(_f(by_tok[t]["test_bpb"], 4) if t in by_tok else "-" for t in tok_names) + " |")
+        lines.append(f"| {v} | " + " | ".join(_f(by_tok[t]["test_bpb"], 4) + mark(by_tok[t]) if t in by_tok else "-"
+                                             for t in tok_names) + " |")
     lines += ["", "## Tasks 2-4: every model, validation and test perplexity and bits per byte", "", COMPARABILITY_NOTE, "",
               "| tokenizer | model | order | smoothing / setting | parameters | valid ppl | test ppl | valid bpb | test bpb | seconds |",
               "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['tokenizer']} | {r['model']} | {_f(r['order'])} | {r['smoothing']} | {_f(r['parameters'])} | "
+        lines.append(f"| {r['tokenizer']} | {r['model']} | {_f(r['order'])} | {r['smoothing']}{mark(r)} | {_f(r['parameters'])} | "
                      f"{_f(r['valid_ppl'], 2)} | {_f(r['test_ppl'], 2)} | {_f(r['valid_bpb'], 4)} | {_f(r['test_bpb'], 4)} | "
                      f"{_f(r['seconds'], 1)} |")
     return lines
@@ -140,21 +149,48 @@ def bigram_lines(bigram, state: dict, curve_files: dict) -> list[str]:
         link = curve_files.get((r["tokenizer"], r["label"]))
         lines.append(f"| {r['tokenizer']} | {r['label']} | {r['lr']:g} | {r['d_embed']} | {r['weight_decay']:g} | "
                      f"{r['best_val_loss']:.4f} | {r['valid_ppl']:.2f} | {r['test_ppl']:.2f} | {r['test_bpb']:.4f} | "
-                     f"{r['steps']} | {r['stopped']} | " + (f"[png](bigram_curves/{link})" if link else "-") + " |")
-    return lines
+                     f"{r['steps']} | {r['stopped']}{mark(r)} | " + (f"[png](bigram_curves/{link})" if link else "-") + " |")
+    return lines + ["", weight_decay_note(bigram, state["bigram_runs"])]
 
 
-def gpt_lines(state: dict) -> list[str]:
+def weight_decay_note(bigram, runs: list[dict]) -> str:
+    """Why the weight-decay axis of the grid does (or does not) move the numbers, from its settings."""
+    decays = [r["weight_decay"] for r in runs if r["weight_decay"] > 0]
+    if not decays:
+        return "No run used weight decay."
+    lr, wd, steps = max(r["lr"] for r in runs), max(decays), max(r["steps"] for r in runs)
+    if bigram.optimizer == "adamw":
+        shrink = 1 - (1 - lr * wd) ** steps
+        effect = ("so decays this small cannot change the scores at the precision shown" if shrink < 0.01 else
+                  "enough to matter")
+        return (f"Weight decay here is AdamW's (decoupled): each step multiplies a weight by (1 - lr x decay). At lr "
+                f"{lr:g} and decay {wd:g} that is {lr * wd:.1e} per step, at most {shrink:.3%} over {steps:,} steps, "
+                f"{effect}. The report trained with Adam "
+                "and the decay added to the gradient as an L2 term, where its effect is scaled by Adam's step size "
+                "instead; `bigram.optimizer=adam_l2` trains that way for a like-for-like comparison.")
+    return (f"Weight decay here is an L2 term added to the gradient before Adam's normalisation "
+            f"(`bigram.optimizer=adam_l2`, as in the report): decay {wd:g} x weight is compared with the loss's own "
+            "gradient, so its effect depends on how small those gradients become near the optimum.")
+
+
+def gpt_lines(gpt, state: dict) -> list[str]:
     if not state["gpt_runs"]:
         return []
+    cap = f"{gpt.minutes:g} minutes of wall time" if gpt.minutes else "no wall-clock cap"
+    recipe = ", ".join(f"`{o}`" for o in gpt.run_overrides) or "none"
     lines = ["", "## Task 4: GPTs", "",
+             f"Batch {gpt.batch_size}, lr {gpt.lr:g} (cosine over at most {gpt.max_steps:,} steps), dropout "
+             f"{gpt.dropout:g}; validation every {gpt.eval_interval} steps on {gpt.eval_batches} batches, training "
+             f"stops after {gpt.patience} evaluations without improvement and the best checkpoint is scored. "
+             f"Safety caps: {gpt.max_steps:,} steps and {cap}; a GPT stopped by a cap is marked \"not converged\" "
+             f"in every table. Options beyond the size: {recipe}.", "",
              "| tokenizer | size | layers x d_model x heads | context | parameters | train tokens | tokens per parameter | "
              "data fraction | steps | stopped by | train tokens/s | train seconds | valid ppl | test ppl |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for g in state["gpt_runs"]:
         lines.append(f"| {g['tokenizer']} | {g['size']} | {g['layers']} x {g['d_model']} x {g['heads']} | "
                      f"{g['context_length']} | {g['parameters']:,} | {g['train_tokens']:,} | {g['tokens_per_parameter']:.3f} | "
-                     f"{g['data_fraction']:g} | {g['steps']} | {g['stopped']} | {g['tokens_per_s']:,.0f} | "
+                     f"{g['data_fraction']:g} | {g['steps']} | {g['stopped']}{mark(g)} | {g['tokens_per_s']:,.0f} | "
                      f"{g['train_seconds']:.0f} | {g['valid_ppl']:.2f} | {g['test_ppl']:.2f} |")
     return lines
 
@@ -170,7 +206,7 @@ def write_markdown(cfg, state: dict, out: Path, curve_files: dict) -> None:
              + f"; total {sum(state['stage_seconds'].values()):.0f} s (this invocation: {state['seconds']:.0f} s, "
              "stages computed earlier are reused).", ""]
     lines += summary_lines(cfg, state)
-    lines += tokenizer_lines(state) + [""] + model_lines(state) + bigram_lines(cfg.bigram, state, curve_files) + gpt_lines(state)
+    lines += tokenizer_lines(state) + [""] + model_lines(state) + bigram_lines(cfg.bigram, state, curve_files) + gpt_lines(cfg.gpt, state)
     lines += ["", "Smoothings: laplace = add-1; add_0.1 = add-k with k = 0.1; interpolated = Jelinek-Mercer with EM "
               "weights fitted on the validation split; interpolated_fixed = Jelinek-Mercer with the fixed weights "
               f"{cfg.ngram.fixed_weights} (uniform, unigram, bigram, ...; the first order + 1 of them, scaled to sum to 1); "
@@ -216,6 +252,52 @@ def plot_bigram_runs(runs: list[dict], folder: Path) -> dict:
     return files
 
 
+def tokens_per_byte(row: dict) -> float:
+    """Scored tokens per byte of a split, read back from one model's row (bpb = ln(ppl) x tokens / (ln 2 x bytes))."""
+    return row["valid_bpb"] * math.log(2) / math.log(row["valid_ppl"])
+
+
+def reference_lines(rows: list[dict], tokenizer: str) -> list[tuple[str, float]]:
+    """(label, test bits per byte) of the highest-order Kneser-Ney n-gram, the best n-gram and the neural bigram."""
+    mine = [r for r in rows if r["tokenizer"] == tokenizer]
+    kn = [r for r in mine if r["model"] == "ngram" and r["smoothing"] == "kneser_ney"]
+    ngrams = [r for r in mine if r["model"] == "ngram"]
+    refs = []
+    if kn:
+        top = max(kn, key=lambda r: r["order"])
+        refs.append((f"Kneser-Ney {top['order']}-gram", top["test_bpb"]))
+    if ngrams:
+        best = min(ngrams, key=lambda r: r["test_bpb"])
+        if not kn or best is not top:
+            refs.append((f"best n-gram ({best['order']}-gram {best['smoothing']})", best["test_bpb"]))
+    refs += [("neural bigram", r["test_bpb"]) for r in mine if r["model"] == "neural_bigram"]
+    return refs
+
+
+def gpt_panels(state: dict) -> list[tuple[str, list, list]]:
+    """One panel per tokenizer with GPTs: each GPT's validation curve in bits per byte over its whole
+    run, the n-gram and bigram test values as horizontal lines."""
+    panels: dict[str, tuple[list, list]] = {}
+    for run, (label, curve) in zip(state["gpt_runs"], state["gpt_curves"]):
+        tok = run["tokenizer"]
+        row = next(r for r in state["rows"] if r["tokenizer"] == tok and r["model"] == "gpt" and r["smoothing"] == run["size"])
+        scale = tokens_per_byte(row) / math.log(2)
+        points = [(h["step"], h["val_loss"] * scale, h["train_loss"] * scale) for h in curve]
+        panels.setdefault(tok, ([], reference_lines(state["rows"], tok)))[0].append((run["size"] + mark(run), points))
+    return [(tok, curves, refs) for tok, (curves, refs) in panels.items()]
+
+
+def _draw_gpt_panel(ax, tok: str, curves: list, refs: list) -> None:
+    for label, points in curves:
+        steps = [p[0] for p in points]
+        line, = ax.plot(steps, [p[1] for p in points], marker=".", ms=3, label=f"GPT {label}: valid")
+        ax.plot(steps, [p[2] for p in points], ls="--", lw=1, color=line.get_color(), label=f"GPT {label}: train")
+    for (label, value), color in zip(refs, ("black", "tab:gray", "tab:brown", "tab:olive")):
+        ax.axhline(value, color=color, ls=":", lw=1.5, label=f"{label}: test {value:.3f}")
+    ax.set_title(f"{tok}: GPT learning curves against the n-grams and the bigram", fontsize=10)
+    ax.set(xlabel="optimizer step", ylabel="bits per byte (GPT: loss x tokens per byte)")
+
+
 def plot_curves(state: dict, path: Path) -> None:
     plt = pyplot()
     sweep_tok = state["bigram_runs"][0]["tokenizer"] if state["bigram_runs"] else None
@@ -223,26 +305,31 @@ def plot_curves(state: dict, path: Path) -> None:
     for r in state["bigram_runs"]:
         if r["tokenizer"] not in best or r["best_val_loss"] < best[r["tokenizer"]]["best_val_loss"]:
             best[r["tokenizer"]] = r
-    panels = [("GPT: train (dashed) and validation loss", state["gpt_curves"], True),
-              ("neural bigram, best run per tokenizer: validation loss",
-               [[tok, r["history"]] for tok, r in best.items()], False),
-              (f"neural bigram runs on {sweep_tok}: validation loss",
-               [[r["label"], r["history"]] for r in state["bigram_runs"] if r["tokenizer"] == sweep_tok], False)]
-    panels = [p for p in panels if p[1]]
-    if not panels:
+    gpt = gpt_panels(state) if state["gpt_runs"] else []
+    bigram = [(title, curves) for title, curves in (
+        ("neural bigram, best run per tokenizer: validation loss", [[tok, r["history"]] for tok, r in best.items()]),
+        (f"neural bigram runs on {sweep_tok}: validation loss",
+         [[r["label"], r["history"]] for r in state["bigram_runs"] if r["tokenizer"] == sweep_tok])) if curves]
+    if not gpt and not bigram:
         return
-    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4), squeeze=False)
-    for ax, (title, curves, with_train) in zip(axes[0], panels):
+    cols = max(len(gpt), len(bigram), 1)
+    n_rows = (1 if gpt else 0) + (1 if bigram else 0)
+    fig, axes = plt.subplots(n_rows, cols, figsize=(6.0 * cols, 4.3 * n_rows), squeeze=False)
+    for ax in axes.flat:
+        ax.set_visible(False)
+    for ax, (tok, curves, refs) in zip(axes[0], gpt):
+        _draw_gpt_panel(ax, tok, curves, refs)
+    for ax, (title, curves) in zip(axes[n_rows - 1] if bigram else [], bigram):
         for label, hist in curves:
-            if not hist:
-                continue
-            line, = ax.plot([h["step"] for h in hist], [h["val_loss"] for h in hist], marker=".", label=label)
-            if with_train:
-                ax.plot([h["step"] for h in hist], [h["train_loss"] for h in hist], ls="--", color=line.get_color())
+            if hist:
+                ax.plot([h["step"] for h in hist], [h["val_loss"] for h in hist], marker=".", ms=3, label=label)
         ax.set_title(title, fontsize=10)
         ax.set(xlabel="step", ylabel="nats per token (not comparable across tokenizers)")
-        ax.legend(fontsize=7)
-        ax.grid(alpha=0.3)
+    for ax in axes.flat:
+        if ax.lines:
+            ax.set_visible(True)
+            ax.legend(fontsize=7)
+            ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    fig.savefig(path, dpi=90)
     plt.close(fig)

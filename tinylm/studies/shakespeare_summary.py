@@ -61,19 +61,25 @@ def _one(run: dict | None, part: str, **match) -> dict | None:
     return next(iter(_matching(run, part, **match)), None)
 
 
+def _mark(entry: dict | None) -> str:
+    return " (not converged)" if entry is not None and entry.get("converged") is False else ""
+
+
 def _best_cells(best, model: str, merges: int, **match) -> str:
-    """tinylm's best run of this kind on byte-level BPE with as many merges: by validation bits per byte."""
+    """tinylm's best model of this kind on byte-level BPE with as many merges: the lowest test bits per byte."""
     rows = _matching(best, "rows", tokenizer=f"bpe-{merges}", model=model, **match)
     if not rows:
         return "- | - | -"
-    r = min(rows, key=lambda r: r["valid_bpb"])
+    r = min(rows, key=lambda r: r["test_bpb"])
     label = f"{r['order']}-gram {r['smoothing']}" if model == "ngram" else r["smoothing"]
-    return f"bpe-{merges} {label} | {_pair(r['valid_ppl'], r['test_ppl'])} | {_pair(r['valid_bpb'], r['test_bpb'], 3)}"
+    return (f"bpe-{merges} {label}{_mark(r)} | {_pair(r['valid_ppl'], r['test_ppl'])} | "
+            f"{_pair(r['valid_bpb'], r['test_bpb'], 3)}")
 
 
 def _line(stage: str, setting: str, report_cell: str, our_row: dict | None, best_cell: str) -> str:
     ours = "- | -" if our_row is None else \
-        f"{_pair(our_row['valid_ppl'], our_row['test_ppl'])} | {_pair(our_row['valid_bpb'], our_row['test_bpb'], 3)}"
+        f"{_pair(our_row['valid_ppl'], our_row['test_ppl'])}{_mark(our_row)} | " \
+        f"{_pair(our_row['valid_bpb'], our_row['test_bpb'], 3)}"
     return f"| {stage} | {setting} | {report_cell} | {ours} | {best_cell} |"
 
 
@@ -140,6 +146,45 @@ def _gpt_lines(rep: dict, ours, best) -> list[str]:
                   _best_cells(best, "gpt", g["merges"])) for g in rep["gpt"]]
 
 
+def _verdict(run: dict, what: str) -> list[str]:
+    """For each tokenizer with a GPT: does its best GPT beat the Kneser-Ney 4-gram (or the highest
+    order fitted), the best n-gram and the neural bigram on test bits per byte, and by how much."""
+    lines = []
+    for tok in dict.fromkeys(r["tokenizer"] for r in run["rows"] if r["model"] == "gpt"):
+        rows = _matching(run, "rows", tokenizer=tok)
+        gpt = min((r for r in rows if r["model"] == "gpt"), key=lambda r: r["test_bpb"])
+        kn = [r for r in rows if r["model"] == "ngram" and r["smoothing"] == "kneser_ney"]
+        others = ([max(kn, key=lambda r: r["order"])] if kn else []) + \
+            [min((r for r in rows if r["model"] == "ngram"), key=lambda r: r["test_bpb"], default=None)] + \
+            [next((r for r in rows if r["model"] == "neural_bigram"), None)]
+        parts, seen = [], set()
+        for r in others:
+            if r is None or id(r) in seen:
+                continue
+            seen.add(id(r))
+            name = "the neural bigram" if r["model"] == "neural_bigram" else f"the {r['order']}-gram {r['smoothing']}"
+            gap = r["test_bpb"] - gpt["test_bpb"]
+            verb = "beats" if gap > 0 else "does not beat"
+            value = f"{r['test_bpb']:.3f}" + (", not converged" if _mark(r) else "")
+            parts.append(f"{verb} {name} ({value}) by {gap:.3f} bits per byte ({gap / r['test_bpb']:.1%})" if gap > 0
+                         else f"{verb} {name} ({value}): it is {-gap:.3f} bits per byte worse")
+        lines.append(f"- {what}, {tok}: the best GPT, {gpt['smoothing']}{_mark(gpt)} at {gpt['test_bpb']:.3f} test bits "
+                     "per byte, " + "; ".join(parts) + ".")
+    return lines
+
+
+def answer_lines(ours, best) -> list[str]:
+    """The report's question answered from this study's numbers."""
+    lines = [f for what, run in (("tinylm best settings", best), ("report settings", ours)) if run
+             for f in _verdict(run, what)]
+    if not lines:
+        return []
+    return (["### Does the GPT beat the n-grams and the neural bigram?", "",
+             "Test bits per byte on the same test text with the same tokenizer (lower is better); a model marked "
+             "\"not converged\" was stopped by a cap while its validation loss may still have been falling.", ""]
+            + lines + [""])
+
+
 def summary_lines(cfg, state: dict) -> list[str]:
     """The summary's heading, its table (a row per number the report published) and its notes."""
     ours, best = _runs(cfg, state)
@@ -149,6 +194,8 @@ def summary_lines(cfg, state: dict) -> list[str]:
     lines = _head_lines(rep, ours, best)
     for stage_lines in (_tokenizer_lines, _ngram_lines, _bigram_lines, _gpt_lines):
         lines += stage_lines(rep, ours, best)
+    lines += ["", "The \"tinylm best\" columns hold, for each kind of model, the one with the lowest test bits per byte.", ""]
+    lines += answer_lines(ours, best)
     return lines + ["", "A report value of inf is its failed GPT stage (the context was longer than the validation "
                     "stream); tinylm refuses such a split with an error instead. A `-` is a number the report does "
                     "not give or a run that is missing.", ""]

@@ -65,8 +65,11 @@ class StudyBigram:
     batch_size: int = option(2048, ge=1)
     mode: Literal["auto", "counts", "pairs"] = "auto"  # counts: full-batch pair counts; pairs: minibatches
     schedule: Literal["cosine", "constant"] = "cosine"  # cosine: warmup, decay to lr/10
+    # adamw: decoupled decay (weights shrink by lr x weight_decay per step, tiny at the report's 1e-5 and
+    # 1e-4); adam_l2: the report's Adam with weight_decay x w added to the gradient
+    optimizer: Literal["adamw", "adam_l2"] = "adamw"
     max_steps: int = option(3000, ge=1)
-    max_seconds: float = option(60.0, gt=0)
+    max_seconds: float = option(60.0, "safety cap per run: a run stopped by it is marked not converged", gt=0)
     eval_interval: int | None = option(None, "None: max_steps / 30", ge=1)
     patience: int = option(4, "evaluations without improvement (0: no early stopping)", ge=0)
     sweep_on: Literal["first", "all"] = "first"  # first: its best setting for the other tokenizers
@@ -99,15 +102,24 @@ class StudyGPT:
     context_length: int = option(128, ge=1)
     dropout: float = option(0.1, ge=0, lt=1)
     batch_size: int = option(32, ge=1)
-    max_steps: int = option(3000, ge=1)
-    minutes: float = option(6.0, "wall-clock budget per GPT", ge=0)
+    max_steps: int = option(3000, "the cosine schedule's length and a cap", ge=1)
+    patience: int = option(4, "evaluations without improvement before stopping (0: none); the best checkpoint "
+                              "is scored", ge=0)
+    minutes: float = option(30.0, "wall-clock safety cap per GPT (0: none): a GPT stopped by it is marked "
+                                  "not converged", ge=0)
     lr: float = option(2e-3, gt=0)
     eval_interval: int = option(50, ge=1)
     eval_batches: int = option(20, ge=1)
+    # each GPT's run config <- these (e.g. "model.positions=rope", "train.optimizer=muon"): the training
+    # recipe's options, checked like the command line's
+    run_overrides: list[str] = option([])
 
     def validate(self) -> None:
         for size in self.sizes:
             parse_size(size)
+        for item in self.run_overrides:
+            if not item.startswith(("model.", "train.")) or "=" not in item:
+                raise TinyLMError(f"gpt.run_overrides: {item!r} is not model.KEY=VALUE or train.KEY=VALUE")
 
 
 @dataclass

@@ -1,7 +1,8 @@
 """Training the neural bigram (tinylm.models.bigram) on the (previous, next) pairs of a token stream.
 
 AdamW with weight decay on the two matrices and none on the bias (``param_groups``, as for the
-GPT), the GPT's warmup + cosine schedule (``scheduled_lr``) and early stopping on the validation
+GPT), or (``optimizer="adam_l2"``) Adam with the decay added to the gradient as an L2 term, as
+the four-stage report trained it; the GPT's warmup + cosine schedule (``scheduled_lr``) and early stopping on the validation
 loss. The GPT trainer draws context windows; a bigram needs only pairs, so the loop here is small.
 Two ways to form a step's loss: random minibatches of pairs (``mode="pairs"``), or all pairs at
 once through their count matrix (``mode="counts"``: exact full-data gradient at the cost of one
@@ -31,6 +32,9 @@ log = logging.getLogger(__name__)
 class BigramConfig:
     d_embed: int = 64
     weight_decay: float = 0.1
+    # adamw: decoupled decay, weights shrink by lr x weight_decay per step; adam_l2: weight_decay x w is
+    # added to the gradient before Adam's normalisation (torch.optim.Adam's weight_decay)
+    optimizer: str = "adamw"
     lr: float = 1e-2
     min_lr: float = 1e-3
     warmup_steps: int = 50
@@ -72,7 +76,10 @@ def train_bigram(train_ids, valid_ids, vocab_size: int, cfg: BigramConfig | None
     if prev.size == 0 or vprev.size == 0:
         raise TinyLMError("the training or validation split holds no (previous, next) pair")
     model = NeuralBigramLM(vocab_size, cfg.d_embed)
-    optimizer = torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(0.9, 0.99))
+    if cfg.optimizer not in ("adamw", "adam_l2"):
+        raise TinyLMError(f"bigram optimizer {cfg.optimizer!r} is not one of adamw, adam_l2")
+    adam = torch.optim.AdamW if cfg.optimizer == "adamw" else torch.optim.Adam
+    optimizer = adam(param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(0.9, 0.99))
     if cfg.mode not in ("pairs", "counts", "auto"):
         raise TinyLMError(f"bigram mode {cfg.mode!r} is not one of pairs, counts, auto")
     use_counts = cfg.mode == "counts" or (cfg.mode == "auto" and vocab_size <= cfg.counts_max_vocab)

@@ -9,6 +9,7 @@ import torch
 
 from tinylm.config import TrainConfig
 from tinylm.errors import TinyLMError
+from tinylm.models.gpt import split_sizes_by_parameter
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
@@ -44,12 +45,18 @@ class Muon(torch.optim.Optimizer):
     """Muon: SGD momentum (Nesterov) whose update is orthogonalised per weight matrix, scaled by
     sqrt(max(1, rows / cols)), with decoupled weight decay. The same arithmetic as torch.optim.Muon
     (tests compare the two), with the Newton-Schulz precision as a choice: torch's runs it in
-    bfloat16, which is fast only where the CPU has bf16 matrix units (AMX) or on a GPU."""
+    bfloat16, which is fast only where the CPU has bf16 matrix units (AMX) or on a GPU.
+
+    ``split_sizes`` maps id(parameter) to row counts for a parameter that stacks several matrices
+    (a fused q/k/v weight): each block of rows is orthogonalised and scaled as its own matrix, so
+    the update is the one the separate matrices would get."""
 
     def __init__(self, params, lr: float = 0.02, weight_decay: float = 0.0, momentum: float = 0.95,
-                 nesterov: bool = True, ns_steps: int = 5, ns_dtype: str = "float32"):
+                 nesterov: bool = True, ns_steps: int = 5, ns_dtype: str = "float32",
+                 split_sizes: dict[int, tuple[int, ...]] | None = None):
         super().__init__(params, dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
                                       ns_steps=ns_steps, ns_dtype=ns_dtype))
+        self.split_sizes = dict(split_sizes or {})
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -69,9 +76,11 @@ class Muon(torch.optim.Optimizer):
                 buf = state["momentum_buffer"]
                 buf.lerp_(p.grad, 1 - group["momentum"])
                 update = p.grad.lerp(buf, group["momentum"]) if group["nesterov"] else buf
-                update = orthogonalize(update, group["ns_steps"], group["ns_dtype"])
                 p.mul_(1 - group["lr"] * group["weight_decay"])
-                p.add_(update, alpha=-group["lr"] * math.sqrt(max(1.0, p.shape[0] / p.shape[1])))
+                sizes = self.split_sizes.get(id(p), p.shape[0])
+                for rows, part in zip(p.split(sizes), update.split(sizes)):
+                    part = orthogonalize(part, group["ns_steps"], group["ns_dtype"])
+                    rows.add_(part, alpha=-group["lr"] * math.sqrt(max(1.0, rows.shape[0] / rows.shape[1])))
         return loss
 
 
@@ -141,7 +150,8 @@ def make_optimizer(model: torch.nn.Module, cfg: TrainConfig):
     hidden = [p for p in model.parameters() if id(p) in matrices and p.requires_grad]
     ns_dtype = "bfloat16" if hidden[0].is_cuda else "float32"
     muon = Muon([{"params": hidden, "lr_scale": cfg.muon_lr / cfg.lr}], lr=cfg.muon_lr,
-                weight_decay=cfg.weight_decay * cfg.lr / cfg.muon_lr, momentum=cfg.muon_momentum, ns_dtype=ns_dtype)
+                weight_decay=cfg.weight_decay * cfg.lr / cfg.muon_lr, momentum=cfg.muon_momentum, ns_dtype=ns_dtype,
+                split_sizes=split_sizes_by_parameter(model))  # fused q/k/v (gate/up): each its own matrix
     rest = param_groups(model, cfg.weight_decay)
     for g in rest:
         g["params"] = [p for p in g["params"] if id(p) not in matrices]

@@ -228,6 +228,13 @@ def restore_optimizer(optimizer: torch.optim.Optimizer, state: ResumeState) -> N
     a later optimizer step."""
     where = f"resume: the optimizer state in {state.path}"
     params = [p for g in optimizer.param_groups for p in g["params"]]
+    saved_count = sum(len(g.get("params", ())) for g in state.optimizer_state["param_groups"])
+    if saved_count > len(params):
+        # the q, k, v (and SwiGLU's gate, up) matrices became one parameter each: an optimizer state
+        # from before holds their moments per part, numbered in the old parameter order
+        raise TinyLMError(f"{where} is for {saved_count} parameters, the model has {len(params)}: a run saved "
+                          "before tinylm fused attention's q, k, v (and SwiGLU's gate, up) into one matrix each "
+                          "cannot resume its optimizer; its checkpoints still load (evaluate, generate, export)")
     for idx, entry in state.optimizer_state["state"].items():
         if not 0 <= idx < len(params):
             raise TinyLMError(f"{where} is for parameter {idx}; the model has {len(params)}")

@@ -1,0 +1,149 @@
+"""The scheduler's bucketed cache (`tinylm serve --compile`): rows joining and leaving a batch whose
+shapes come from a few buckets still get, token for token, what `tinylm generate` gives them alone,
+eagerly and compiled; and the batched per-row draw is `select_next`'s."""
+import dataclasses
+import threading
+
+import pytest
+import torch
+
+from tinylm.config import ModelConfig
+from tinylm.generation.core import fit_prompts
+from tinylm.generation.generate import generate_many
+from tinylm.generation.processors import GenerationConfig
+from tinylm.generation.sampling import select_next
+from tinylm.models.gpt import GPT
+from tinylm.serving.scheduler import DoneEvent, Row, Scheduler, batch_buckets, draw_per_row, slot_bucket
+
+PROMPTS = [[2, 5, 6, 7], [2, 9], list(range(2, 40)), [2, 11, 12, 13, 14, 15, 16]]
+CFGS = [GenerationConfig(max_new_tokens=40, temperature=0),
+        GenerationConfig(max_new_tokens=30, temperature=1.0, seed=5),
+        GenerationConfig(max_new_tokens=25, temperature=0.7, top_k=10, repetition_penalty=1.3,
+                         no_repeat_ngram_size=2, seed=9),
+        GenerationConfig(max_new_tokens=7, temperature=1.0, top_p=0.9, seed=3, stop_ids=(3,))]
+
+
+def small_model(positions: str = "learned") -> GPT:
+    torch.manual_seed(1)
+    return GPT(ModelConfig(vocab_size=48, context_length=32, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
+                           positions=positions)).eval()
+
+
+def alone(model, prompts, cfgs) -> dict:
+    return {(i, j): generate_many(model, [p], dataclasses.replace(c, seed_per_row=True))[0].tokens
+            for i, p in enumerate(prompts) for j, c in enumerate(cfgs)}
+
+
+def served(scheduler: Scheduler, prompts, cfgs) -> dict:
+    """Every (prompt, knobs) pair through the scheduler, later rows joining a running batch."""
+    got, done = {}, threading.Event()
+    keys = [(i, j) for i in range(len(prompts)) for j in range(len(cfgs))]
+
+    def emitter(key):
+        def emit(event):
+            if isinstance(event, DoneEvent):
+                got[key] = event.tokens
+                if len(got) == len(keys):
+                    done.set()
+        return emit
+
+    for n, (i, j) in enumerate(keys):
+        scheduler.add(Row(prompts[i], cfgs[j], emitter((i, j))))
+        if n % 3 == 2:
+            done.wait(0.01)
+    assert done.wait(120)
+    return got
+
+
+def test_buckets():
+    assert batch_buckets(32) == [1, 2, 4, 8, 16, 32]
+    assert batch_buckets(6) == [1, 2, 4, 6]
+    assert batch_buckets(1) == [1]
+    assert [slot_bucket(n, 128) for n in (1, 70, 128)] == [128, 128, 128]  # a short context: one bucket
+    assert [slot_bucket(n, 1024) for n in (1, 64, 65, 200, 600, 1024)] == [64, 64, 128, 256, 1024, 1024]
+    assert slot_bucket(300, 512) == 512
+
+
+def test_draw_per_row_is_select_next_with_a_generator_per_row():
+    torch.manual_seed(0)
+    for step in range(20):
+        logits = torch.randn(7, 300) * 3
+        seeds = [100 * step + r for r in range(7)]
+        first = [torch.Generator().manual_seed(s) for s in seeds]
+        second = [torch.Generator().manual_seed(s) for s in seeds]
+        cfg = GenerationConfig(temperature=1.0)
+        for _ in range(3):  # the generators' streams stay in step too
+            drawn = draw_per_row(torch.softmax(logits, dim=-1), second)
+            assert drawn.tolist() == select_next(logits, cfg, first).tolist()
+
+
+@pytest.mark.parametrize("positions", ["learned", "rope"])
+def test_bucketed_rows_joining_and_leaving_get_their_tokens_alone(positions):
+    """Eagerly with the compiled shapes: padding rows, buckets growing and shrinking, rows written
+    into the cache in place, sliding past the context, more rows than batch slots."""
+    model = small_model(positions)
+    with pytest.warns(UserWarning, match="longer than the context"):
+        prompts = fit_prompts(PROMPTS, model.config.context_length)
+    want = alone(model, prompts, CFGS)
+    scheduler = Scheduler(model, max_batch=6, bucketed=True)
+    try:
+        assert served(scheduler, prompts, CFGS) == want
+        assert scheduler.max_rows_seen == 6
+    finally:
+        scheduler.close()
+
+
+def test_bucketed_long_context_moves_between_slot_buckets():
+    """A context over 256 slots: a short row alone gets 64 slots, a row joining it that needs more
+    than 256 gets the context's 320 (and slides past it); both still get their tokens alone."""
+    torch.manual_seed(2)
+    model = GPT(ModelConfig(vocab_size=48, context_length=320, d_model=16, n_layers=1, n_heads=2)).eval()
+    short = ([2, 5, 6, 7], GenerationConfig(max_new_tokens=40, temperature=0))
+    long = (list(range(2, 30)), GenerationConfig(max_new_tokens=330, temperature=0.9, top_k=5, seed=8))
+    want = [alone(model, [p], [c])[0, 0] for p, c in (short, long)]
+    scheduler = Scheduler(model, max_batch=4, bucketed=True)
+    sizes, merge = [], scheduler._merge
+
+    def watched(rows, new):
+        merge(rows, new)
+        sizes.append(scheduler.cache.max_len)
+    scheduler._merge = watched
+    got, first_token, done = {}, threading.Event(), threading.Semaphore(0)
+
+    def emitter(key):
+        def emit(event):
+            first_token.set()
+            if isinstance(event, DoneEvent):
+                got[key] = event.tokens
+                done.release()
+        return emit
+    try:
+        scheduler.add(Row(*short, emitter(0)))
+        assert first_token.wait(30)
+        scheduler.add(Row(*long, emitter(1)))
+        assert done.acquire(timeout=60) and done.acquire(timeout=60)
+    finally:
+        scheduler.close()
+    assert [got[0], got[1]] == want
+    assert sizes[0] == 64 and 320 in sizes and set(sizes) <= {64, 128, 256, 320}
+
+
+@pytest.mark.slow  # compiles the step for batch buckets 1, 2 and 4 (~10 s each on 2 cores, cold)
+def test_compiled_scheduler_equals_eager_and_generate(capfd):
+    model = small_model("rope")
+    with pytest.warns(UserWarning, match="longer than the context"):
+        prompts = fit_prompts(PROMPTS, model.config.context_length)
+    cfgs = [dataclasses.replace(c, max_new_tokens=min(c.max_new_tokens, 36)) for c in CFGS]
+    want = alone(model, prompts, cfgs)
+    eager = Scheduler(model, max_batch=4)
+    try:
+        assert served(eager, prompts, cfgs) == want
+    finally:
+        eager.close()
+    compiled = Scheduler(model, max_batch=4, compile=True)
+    try:
+        assert sorted(compiled.compile_seconds) == [(1, 32), (2, 32), (4, 32)]
+        assert "compiled the decoding step for 3 batch buckets (1, 2, 4 rows x 32 cache slots)" in capfd.readouterr().err
+        assert served(compiled, prompts, cfgs) == want
+    finally:
+        compiled.close()
