@@ -140,3 +140,19 @@ def test_generate_seed_reproducible_and_stop_controls():
     assert r.finish_reason == "stop_string" and target in decode(r.tokens) and len(r.tokens) <= 5
     with pytest.raises(ValueError, match="decode"):
         generate_many(model, [[1]], GenerationConfig(stop_strings=("x",)))
+
+
+def test_a_generator_per_row_draws_what_multinomial_draws_row_by_row():
+    """select_next's batched per-row draw (``draw_per_row``) keeps each row's generator stream."""
+    torch.manual_seed(0)
+    for step in range(20):
+        logits = torch.randn(7, 300) * 3
+        seeds = [100 * step + r for r in range(7)]
+        first = [torch.Generator().manual_seed(s) for s in seeds]
+        second = [torch.Generator().manual_seed(s) for s in seeds]
+        cfg = GenerationConfig(temperature=1.0)
+        probs = torch.softmax(logits, dim=-1)
+        for _ in range(3):  # the generators' streams stay in step too
+            drawn = select_next(logits, cfg, second)
+            one_by_one = [int(torch.multinomial(probs[r : r + 1], 1, generator=g)) for r, g in enumerate(first)]
+            assert drawn.tolist() == one_by_one

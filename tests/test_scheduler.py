@@ -11,9 +11,8 @@ from tinylm.config import ModelConfig
 from tinylm.generation.core import fit_prompts
 from tinylm.generation.generate import generate_many
 from tinylm.generation.processors import GenerationConfig
-from tinylm.generation.sampling import select_next
 from tinylm.models.gpt import GPT
-from tinylm.serving.scheduler import DoneEvent, Row, Scheduler, batch_buckets, draw_per_row, slot_bucket
+from tinylm.serving.scheduler import DoneEvent, Row, Scheduler, batch_buckets, slot_bucket
 
 PROMPTS = [[2, 5, 6, 7], [2, 9], list(range(2, 40)), [2, 11, 12, 13, 14, 15, 16]]
 CFGS = [GenerationConfig(max_new_tokens=40, temperature=0),
@@ -62,19 +61,6 @@ def test_buckets():
     assert [slot_bucket(n, 128) for n in (1, 70, 128)] == [128, 128, 128]  # a short context: one bucket
     assert [slot_bucket(n, 1024) for n in (1, 64, 65, 200, 600, 1024)] == [64, 64, 128, 256, 1024, 1024]
     assert slot_bucket(300, 512) == 512
-
-
-def test_draw_per_row_is_select_next_with_a_generator_per_row():
-    torch.manual_seed(0)
-    for step in range(20):
-        logits = torch.randn(7, 300) * 3
-        seeds = [100 * step + r for r in range(7)]
-        first = [torch.Generator().manual_seed(s) for s in seeds]
-        second = [torch.Generator().manual_seed(s) for s in seeds]
-        cfg = GenerationConfig(temperature=1.0)
-        for _ in range(3):  # the generators' streams stay in step too
-            drawn = draw_per_row(torch.softmax(logits, dim=-1), second)
-            assert drawn.tolist() == select_next(logits, cfg, first).tolist()
 
 
 @pytest.mark.parametrize("positions", ["learned", "rope"])

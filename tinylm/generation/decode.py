@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -205,13 +206,20 @@ _compiled_shapes: dict[tuple, float] = {}  # (B, S, dtype, ...) -> seconds its f
 COMPILE_OPTIONS = {"cpu": dict(options={"cpp_wrapper": True}), "cuda": dict(mode="reduce-overhead")}
 
 
+_limit_raised = threading.local()
+
+
 def compiled_step_logits(device_type: str) -> Callable:
     """``step_logits`` under ``torch.compile`` (one compiled function per process and device type;
     each new shape compiles on its first call)."""
-    if device_type not in _compiled:
+    if not getattr(_limit_raised, "done", False):
         import torch._dynamo  # deferred: eager decoding never loads the compiler stack
 
+        # each (batch, cache slots) shape is one more compile; dynamo's settings are per thread,
+        # so every thread that decodes (a server's scheduler thread too) raises the limit once
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+        _limit_raised.done = True
+    if device_type not in _compiled:
         _compiled[device_type] = torch.compile(step_logits, dynamic=False, fullgraph=True,
                                                **COMPILE_OPTIONS.get(device_type, {}))
     return _compiled[device_type]

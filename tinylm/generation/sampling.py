@@ -19,8 +19,21 @@ def select_next(logits: torch.Tensor, cfg: GenerationConfig,
         return logits.argmax(dim=-1)
     probs = torch.softmax(shape_distribution(logits.float(), cfg), dim=-1)
     if isinstance(generator, list):
-        return torch.cat([torch.multinomial(probs[r : r + 1], 1, generator=g)[0] for r, g in enumerate(generator)])
+        return draw_per_row(probs, generator)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def draw_per_row(probs: torch.Tensor, generators: list) -> torch.Tensor:
+    """``torch.multinomial(probs[r:r+1], 1, generator=generators[r])`` for every row r, batched.
+
+    One draw is torch's own algorithm for a single sample: the argmax of p / q with q ~ Exp(1)
+    drawn from the row's generator. Drawing q row by row keeps each generator's stream (the
+    tests check it against torch.multinomial row by row), and the division and argmax run once for the
+    batch instead of once per row."""
+    q = torch.empty_like(probs)
+    for row, generator in zip(q, generators):
+        row.exponential_(generator=generator)
+    return (probs / q).argmax(dim=-1)
 
 
 def sample_from_context(next_logits: Callable[[list[int]], torch.Tensor], prompt_ids: Iterable[int],

@@ -46,7 +46,7 @@ from tinylm.config import GenerationConfig
 from tinylm.generation.core import prefill
 from tinylm.generation.decode import decode_step, prepare_for_inference
 from tinylm.generation.generate import hits_stop_string
-from tinylm.generation.processors import HistoryProcessor, shape_distribution
+from tinylm.generation.processors import HistoryProcessor
 from tinylm.generation.sampling import select_next
 from tinylm.models.gpt import KVCache
 
@@ -113,19 +113,6 @@ def slot_bucket(needed: int, context_length: int) -> int:
     while slots < needed:
         slots *= 2
     return min(context_length, slots)
-
-
-def draw_per_row(probs: torch.Tensor, generators: list) -> torch.Tensor:
-    """``torch.multinomial(probs[r:r+1], 1, generator=generators[r])`` for every row r, batched.
-
-    One draw is torch's own algorithm for a single sample: the argmax of p / q with q ~ Exp(1)
-    drawn from the row's generator. Drawing q row by row keeps each generator's stream (the
-    tests check the tokens against ``select_next``), and the division and argmax run once for the
-    batch instead of once per row."""
-    q = torch.empty_like(probs)
-    for row, generator in zip(q, generators):
-        row.exponential_(generator=generator)
-    return (probs / q).argmax(dim=-1)
 
 
 class Scheduler:
@@ -202,12 +189,6 @@ class Scheduler:
 
     # ------------------------------------------------------------------------------ the loop
     def _loop(self) -> None:
-        if self.compile:
-            import torch._dynamo  # deferred: an eager server never loads the compiler stack
-
-            # dynamo's settings are per thread: decode.py raises the recompile limit only for the
-            # thread that compiled first, and every (batch, slots) bucket is one more compile
-            torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
         waiting: list[Row] = []
         while not self._stop.is_set():
             for item in self._drain(block=not self.rows and not waiting):
@@ -303,7 +284,7 @@ class Scheduler:
     def _select(self, logits: torch.Tensor) -> None:
         """Each row's next token from its logits row, with its own knobs and generator. Rows whose
         knobs shape the distribution alike are shaped together (row-wise ops: the same numbers as
-        one at a time); each sampled row draws from its own generator (``draw_per_row``)."""
+        one at a time); each sampled row draws from its own generator (``select_next``'s batched per-row draw)."""
         scores = logits
         for i, r in enumerate(self.rows):
             if r.history is None:
@@ -326,11 +307,7 @@ class Scheduler:
         for members in groups.values():
             cfg = self.rows[members[0]].cfg
             group = scores if len(members) == len(self.rows) else scores.index_select(0, torch.tensor(members))
-            if cfg.greedy:
-                picked = select_next(group, cfg)
-            else:  # select_next with one generator per row, its draws batched
-                probs = torch.softmax(shape_distribution(group.float(), cfg), dim=-1)
-                picked = draw_per_row(probs, [self.rows[i].generator for i in members])
+            picked = select_next(group, cfg, None if cfg.greedy else [self.rows[i].generator for i in members])
             if len(members) == len(self.rows):
                 tokens = picked
             else:
