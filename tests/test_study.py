@@ -162,8 +162,15 @@ def test_the_verdict_names_each_reference_and_the_gap():
     assert "the best GPT, small at 1.620 test bits per byte" in text
     assert "beats the 4-gram kneser_ney (1.800) by 0.180 bits per byte (10.0%)" in text
     assert "beats the neural bigram (2.400, not converged) by 0.780" in text
+    assert "It was stopped by a cap" not in text  # the best GPT, small, converged
     run["rows"][-2]["test_bpb"] = 1.85
-    assert "does not beat the 4-gram kneser_ney (1.800): it is 0.050 bits per byte worse" in "\n".join(answer_lines(None, run))
+    text = "\n".join(answer_lines(None, run))
+    assert "does not beat the 4-gram kneser_ney (1.800): it is 0.050 bits per byte worse" in text
+    assert "It was stopped by a cap" not in text
+    run["rows"][-2]["converged"] = False  # a capped GPT that loses: the cap may be why
+    assert "where it loses the cap may be the reason" in "\n".join(answer_lines(None, run))
+    run["rows"][-2]["test_bpb"] = 1.62  # a capped GPT that wins: the margin is a lower bound
+    assert "these margins are what the cap allowed" in "\n".join(answer_lines(None, run))
 
 
 def test_old_flat_keys_load_into_their_sections():

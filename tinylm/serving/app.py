@@ -340,6 +340,7 @@ def sse(body: dict) -> str:
 async def stream(state: ServerState, served: ServedModel, plan: Plan, prompt_parts):
     """Server-sent events: a chunk per token per choice, a last one with the finish reason, usage if asked, [DONE]."""
     r, tok, left = plan.request, served.tokenizer, len(plan.choices)
+    pending: list[str] = []  # chunks of the events taken from the queue, not yet written
     with start_rows(state, served, plan) as events:  # left when the client disconnects too
         try:
             first = {"warnings": plan.warnings} if plan.warnings else None
@@ -348,23 +349,32 @@ async def stream(state: ServerState, served: ServedModel, plan: Plan, prompt_par
                 lp = logprobs_json(c, tok, prompt_part=part) if part is not None else None
                 yield sse(chunk_json(plan, served.name, c.index, c.prompt if r.echo else "", lp, extra=first))
             while left:
-                index, event = await events.get()
-                record(plan, index, event)
-                c = plan.choices[index]
-                if isinstance(event, TokenEvent):
-                    lp = (logprobs_json(c, tok, start=len(c.tokens) - 1, offset=len(c.prompt) if r.echo else 0)
-                          if r.logprobs is not None else None)
-                    yield sse(chunk_json(plan, served.name, index, new_text(c, tok, plan.stops, False), lp))
-                else:
-                    left -= 1
-                    yield sse(chunk_json(plan, served.name, index, new_text(c, tok, plan.stops, True), None,
-                                         finish_reason(c.finish_reason), {"tinylm": tinylm_part(c)}))
+                # every event already waiting goes out in one write: when the loop falls behind the
+                # decoding thread (16 streams), a write per token would cost more than the token
+                ready = [await events.get()]
+                while not events.empty():
+                    ready.append(events.get_nowait())
+                for index, event in ready:
+                    record(plan, index, event)
+                    c = plan.choices[index]
+                    if isinstance(event, TokenEvent):
+                        lp = (logprobs_json(c, tok, start=len(c.tokens) - 1, offset=len(c.prompt) if r.echo else 0)
+                              if r.logprobs is not None else None)
+                        text = new_text(c, tok, plan.stops, False)
+                        pending.append(sse(chunk_json(plan, served.name, index, text, lp)))
+                    else:
+                        left -= 1
+                        text = new_text(c, tok, plan.stops, True)
+                        pending.append(sse(chunk_json(plan, served.name, index, text, None,
+                                                      finish_reason(c.finish_reason), {"tinylm": tinylm_part(c)})))
+                yield "".join(pending)
+                pending.clear()
             if r.stream_options is not None and r.stream_options.include_usage:
                 yield sse({"id": plan.id, "object": "text_completion", "created": plan.created,
                            "model": served.name, "choices": [], "usage": usage(plan)})
             yield "data: [DONE]\n\n"
-        except APIError as exc:
-            yield sse(exc.body())
+        except APIError as exc:  # the chunks before the failed event still go out, then the error
+            yield "".join(pending) + sse(exc.body())
 
 
 @router.post("/v1/tokenize")

@@ -169,8 +169,18 @@ def _verdict(run: dict, what: str) -> list[str]:
             parts.append(f"{verb} {name} ({value}) by {gap:.3f} bits per byte ({gap / r['test_bpb']:.1%})" if gap > 0
                          else f"{verb} {name} ({value}): it is {-gap:.3f} bits per byte worse")
         lines.append(f"- {what}, {tok}: the best GPT, {gpt['smoothing']}{_mark(gpt)} at {gpt['test_bpb']:.3f} test bits "
-                     "per byte, " + "; ".join(parts) + ".")
+                     "per byte, " + "; ".join(parts) + "." + _cap_caveat(gpt, all(p.startswith("beats") for p in parts)))
     return lines
+
+
+def _cap_caveat(gpt: dict, wins: bool) -> str:
+    """What a cap on the GPT means for the answer: training on could only lower its best
+    validation loss, so a win is a lower bound on the margin and a loss may be the cap's doing."""
+    if not _mark(gpt):
+        return ""
+    return (" It was stopped by a cap while still improving, so these margins are what the cap allowed, not the "
+            "most it could reach." if wins else
+            " It was stopped by a cap while still improving, so where it loses the cap may be the reason.")
 
 
 def answer_lines(ours, best) -> list[str]:
