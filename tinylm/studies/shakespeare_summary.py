@@ -157,19 +157,20 @@ def _verdict(run: dict, what: str) -> list[str]:
         others = ([max(kn, key=lambda r: r["order"])] if kn else []) + \
             [min((r for r in rows if r["model"] == "ngram"), key=lambda r: r["test_bpb"], default=None)] + \
             [next((r for r in rows if r["model"] == "neural_bigram"), None)]
-        parts, seen = [], set()
+        parts, seen, wins = [], set(), True
         for r in others:
             if r is None or id(r) in seen:
                 continue
             seen.add(id(r))
             name = "the neural bigram" if r["model"] == "neural_bigram" else f"the {r['order']}-gram {r['smoothing']}"
             gap = r["test_bpb"] - gpt["test_bpb"]
+            wins = wins and gap > 0
             verb = "beats" if gap > 0 else "does not beat"
             value = f"{r['test_bpb']:.3f}" + (", not converged" if _mark(r) else "")
             parts.append(f"{verb} {name} ({value}) by {gap:.3f} bits per byte ({gap / r['test_bpb']:.1%})" if gap > 0
                          else f"{verb} {name} ({value}): it is {-gap:.3f} bits per byte worse")
         lines.append(f"- {what}, {tok}: the best GPT, {gpt['smoothing']}{_mark(gpt)} at {gpt['test_bpb']:.3f} test bits "
-                     "per byte, " + "; ".join(parts) + "." + _cap_caveat(gpt, all(p.startswith("beats") for p in parts)))
+                     "per byte, " + "; ".join(parts) + "." + _cap_caveat(gpt, wins))
     return lines
 
 
