@@ -220,7 +220,7 @@ def test_the_shipped_assignment_config_loads():
     path = "tinystories-assignment"
     cfg, exp = load_experiment_config(path, ["data.train=a.txt", "data.valid=b.txt"])
     assert (cfg.model.n_layers, cfg.model.n_heads, cfg.model.d_model, cfg.model.context_length) == (3, 8, 300, 224)
-    assert (cfg.train.epochs, cfg.train.batch_size, exp.accum_micro_batch, exp.tradeoff_stories) == (2, 32, 16, 768)
+    assert (cfg.train.epochs, cfg.train.batch_size, exp.accum_micro_batch, exp.tradeoff_stories) == (2, 32, 16, 384)
     assert 9 + max(exp.kv_new_tokens) == 512 and len(exp.attention_texts) == 4  # <sos> + 8 prompt tokens
     assert cfg.model.d_attn == 304 and cfg.tokenizer.type == "word" and cfg.data.train == "a.txt"
     assert (exp.bleu_samples, exp.prompt_tokens, exp.temperatures, exp.beam_widths) == (50, 5, [0.7, 1.0, 1.2], [5, 10])
