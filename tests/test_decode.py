@@ -23,6 +23,7 @@ ARCHS = {
     "llama_gqa": dict(positions="rope", norm="rmsnorm", ffn="swiglu", bias=False, n_kv_heads=2, tie_weights=False),
     "round2": dict(positions="rope", norm="rmsnorm", ffn="relu2", bias=False, qk_norm=True, logit_softcap=15.0),
     "narrow_embeddings": dict(d_embed=24, tie_weights=False, positions="none"),
+    "value_embeddings": dict(positions="rope", n_kv_heads=2, value_embeddings="all"),
 }
 
 
@@ -155,8 +156,9 @@ def test_cli_compile_prints_its_compile_time_and_the_same_tokens(saved_model, ca
 
 @pytest.mark.slow
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_cuda_step_matches_the_forward_and_compiled_equals_eager():
-    model = tiny(ctx=128, **ARCHS["llama_gqa"]).cuda()
+@pytest.mark.parametrize("arch", ["llama_gqa", "value_embeddings"])  # value tables: marked static like the weights
+def test_cuda_step_matches_the_forward_and_compiled_equals_eager(arch):
+    model = tiny(ctx=128, **ARCHS[arch]).cuda()
     prompts = [[2, 7, 11, 5, 9, 4, 8], [3, 4]]
     with torch.inference_mode():
         cache, last, positions = prefill(model, prompts, 16)

@@ -132,7 +132,8 @@ def test_options_without_a_gguf_equivalent_are_refused_by_name(tmp_path):
     bpe = BPETokenizer().train(make_stories(), 300)
     cases = {"model.ffn=relu2": dict(ffn="relu2", d_ff=64), "model.qk_norm=true": dict(qk_norm=True),
              "model.logit_softcap=30.0": dict(logit_softcap=30.0), "model.norm=layernorm": dict(norm="layernorm"),
-             "model.positions=learned": dict(positions="learned"), "model.bias=true": dict(bias=True)}
+             "model.positions=learned": dict(positions="learned"), "model.bias=true": dict(bias=True),
+             "model.value_embeddings=alternate": dict(value_embeddings="alternate")}
     for name, overrides in cases.items():
         with pytest.raises(TinyLMError, match=name.replace(".", r"\.")):
             export_gguf(llama_gpt(**overrides), tmp_path / "m.gguf", bpe)

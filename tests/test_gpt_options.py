@@ -1,13 +1,13 @@
 """The speedrun-era block options (QK-norm, ReLU^2, logit soft-capping, zero-initialised output
-projections): each changes what it should and nothing else, on the training, inference and
-KV-cache paths alike."""
+projections, value embeddings): each changes what it should and nothing else, on the training,
+inference and KV-cache paths alike."""
 import dataclasses
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from tinylm.config import ModelConfig
+from tinylm.config import ModelConfig, build_config
 from tinylm.errors import TinyLMError
 from tinylm.models.gpt import GPT
 
@@ -101,3 +101,55 @@ def test_zero_init_out_zeroes_only_the_residual_output_projections():
 def test_bad_softcap_is_named():
     with pytest.raises(TinyLMError, match="logit_softcap"):
         GPT(dataclasses.replace(BASE, logit_softcap=0.0))
+
+
+# ---------------------------------------------------------------------------------- value embeddings
+def _tables(model) -> dict[int, torch.Tensor]:
+    return {i: b.attn.value_embed.weight for i, b in enumerate(model.blocks) if b.attn.value_embed is not None}
+
+
+@pytest.mark.parametrize("mode, n_layers, layers", [("alternate", 3, [0, 2]), ("alternate", 4, [1, 3]),
+                                                     ("alternate", 1, [0]), ("all", 3, [0, 1, 2])])
+def test_value_embedding_tables_sit_on_the_right_layers_and_add_their_parameters(mode, n_layers, layers):
+    cfg = dataclasses.replace(BASE, n_layers=n_layers, n_kv_heads=2)  # kv width 2 heads x 8 = 16
+    torch.manual_seed(0)
+    plain, model = GPT(cfg), GPT(dataclasses.replace(cfg, value_embeddings=mode))
+    tables = _tables(model)
+    assert sorted(tables) == layers and all(t.shape == (61, 16) for t in tables.values())
+    assert model.num_parameters() - plain.num_parameters() == len(layers) * 61 * 16
+    # initialised like the other matrices: N(0, 0.02)
+    values = torch.cat([t.detach().flatten() for t in tables.values()])
+    assert abs(values.std().item() - 0.02) < 0.002 and abs(values.mean().item()) < 0.002
+
+
+@pytest.mark.parametrize("mode", ["alternate", "all"])
+def test_value_embeddings_change_the_logits_only_through_their_tables(mode):
+    torch.manual_seed(0)
+    base = GPT(dataclasses.replace(BASE, n_layers=3, n_kv_heads=2)).eval()
+    model = GPT(dataclasses.replace(base.config, value_embeddings=mode)).eval()
+    missing, unexpected = model.load_state_dict(base.state_dict(), strict=False)
+    assert sorted(missing) == [f"blocks.{i}.attn.value_embed.weight" for i in sorted(_tables(model))] and not unexpected
+    x = torch.randint(0, 61, (2, 20))
+    assert not torch.allclose(_logits(model, x), _logits(base, x), atol=1e-3)
+    with torch.no_grad():
+        for table in _tables(model).values():
+            table.zero_()
+    torch.testing.assert_close(_logits(model, x), _logits(base, x), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "manual"])
+def test_value_embeddings_same_logits_with_and_without_the_kv_cache(attention):
+    torch.manual_seed(0)
+    model = GPT(dataclasses.replace(BASE, n_layers=3, n_kv_heads=2, value_embeddings="alternate",
+                                    attention=attention)).eval()
+    x = torch.randint(0, 61, (2, 20))
+    full = _logits(model, x)
+    cache = model.new_kv_cache(2)
+    with torch.no_grad():
+        steps = [model(x[:, :12], kv_cache=cache)[0]] + [model(x[:, t : t + 1], kv_cache=cache)[0] for t in range(12, 20)]
+    torch.testing.assert_close(torch.cat(steps, 1), full, rtol=1e-5, atol=1e-5)
+
+
+def test_value_embeddings_outside_the_choices_are_refused_by_name():
+    with pytest.raises(TinyLMError, match=r"^model\.value_embeddings='odd' is not one of none, alternate, all$"):
+        build_config(None, ["model.value_embeddings=odd"])

@@ -33,7 +33,8 @@ def _batch(vocab=61, B=3, T=24):
 
 
 @pytest.mark.parametrize("kw", [dict(), dict(attention="manual"),
-                                 dict(positions="rope", norm="rmsnorm", ffn="swiglu", n_kv_heads=2, bias=False)])
+                                 dict(positions="rope", norm="rmsnorm", ffn="swiglu", n_kv_heads=2, bias=False),
+                                 dict(value_embeddings="alternate", n_kv_heads=2)])
 @pytest.mark.parametrize("impl", ["tinylm", "torch"])
 def test_checkpointed_gradients_equal_plain_with_dropout(kw, impl):
     model = _model(**kw)
@@ -44,6 +45,8 @@ def test_checkpointed_gradients_equal_plain_with_dropout(kw, impl):
     assert loss_ckpt == loss_plain
     for name in plain:
         torch.testing.assert_close(ckpt[name], plain[name], rtol=0, atol=1e-12, msg=name)
+    if kw.get("value_embeddings"):  # the tables' gradients came through the checkpointed blocks
+        assert ckpt["blocks.2.attn.value_embed.weight"].abs().sum() > 0
     # recomputation in backward does not advance the run's random stream
     assert torch.equal(rng_ckpt, rng_plain)
 
@@ -69,7 +72,8 @@ def test_recompute_without_restoring_rng_would_differ():
             ctx.cpu_rng = torch.get_rng_state()  # pretend: take whatever state the generator has now
             return CheckpointedBlock.backward(ctx, grad_out)
 
-    model.checkpoint_fn = lambda block, x, rope, mask: NoRestore.apply(block, rope, mask, x, *block.parameters())
+    model.checkpoint_fn = lambda block, x, rope, mask, idx: NoRestore.apply(block, rope, mask, idx, x,
+                                                                            *block.parameters())
     broken, _, _ = _grads(model, x, y)
     assert (broken["blocks.0.ffn.up.weight"] - plain["blocks.0.ffn.up.weight"]).abs().max() > 1e-6
 
@@ -88,9 +92,10 @@ def test_autograd_grad_reaches_block_parameters():
     torch.testing.assert_close(g, ref, rtol=0, atol=1e-12)
 
 
-def test_checkpointing_under_bf16_autocast_matches_plain():
+@pytest.mark.parametrize("kw", [dict(), dict(value_embeddings="all")])
+def test_checkpointing_under_bf16_autocast_matches_plain(kw):
     """The recomputation re-enters autocast, so bf16 checkpointed gradients equal bf16 plain ones."""
-    model = _model(dtype=torch.float32, dropout=0.1)
+    model = _model(dtype=torch.float32, dropout=0.1, **kw)
     x, y = _batch()
 
     def grads():

@@ -105,6 +105,16 @@ def test_export_llama_shape_loads_in_transformers_with_identical_logits(tmp_path
         assert torch.allclose(back(x)[0], hf(x).logits, atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("shape", [dict(), dict(positions="rope", norm="rmsnorm", ffn="swiglu", bias=False)])
+def test_export_refuses_value_embeddings_by_name(tmp_path, shape):
+    model = GPT(ModelConfig(vocab_size=V, context_length=32, d_model=32, n_layers=2, n_heads=4,
+                            value_embeddings="alternate", **shape))
+    with pytest.raises(TinyLMError, match=r"^this model cannot be written as a Hugging Face (GPT-2|Llama) model: "
+                                          r"model\.value_embeddings=alternate \(no other format has value embeddings\)$"):
+        export_hf(model, tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()
+
+
 def test_hf_directory_as_checkpoint(tmp_path):
     from tinylm.tokenizers import CharTokenizer
 

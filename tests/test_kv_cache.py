@@ -16,6 +16,7 @@ ARCHS = {
     "sinusoidal": dict(positions="sinusoidal"),
     "rope": dict(positions="rope"),
     "llama_gqa": dict(positions="rope", norm="rmsnorm", ffn="swiglu", bias=False, n_kv_heads=2, tie_weights=False),
+    "value_embeddings": dict(positions="rope", n_kv_heads=2, value_embeddings="all"),
 }
 
 
@@ -58,7 +59,7 @@ def test_greedy_outputs_identical_with_and_without_cache(arch):
     assert all(len(r.tokens) == 60 for r in cached)
 
 
-@pytest.mark.parametrize("arch", ["learned", "rope"])
+@pytest.mark.parametrize("arch", ["learned", "rope", "value_embeddings"])
 def test_left_padded_prefill_matches_each_row_alone(arch):
     model = tiny(**ARCHS[arch])
     rows = [[2, 5, 6, 7, 8, 9, 10], [2, 3], [2, 40, 41, 42]]

@@ -94,7 +94,7 @@ def test_refusals_name_what_llama2c_lacks(tmp_path):
     bpe = BPETokenizer().train(make_stories(), 300)
     cases = {"qk_norm": dict(qk_norm=True), "logit_softcap": dict(logit_softcap=30.0),
              "rope_theta": dict(rope_theta=500000.0), "norm_eps": dict(norm_eps=1e-6), "d_attn": dict(d_attn=64),
-             "model.ffn=relu2": dict(ffn="relu2")}
+             "model.ffn=relu2": dict(ffn="relu2"), "model.value_embeddings=all": dict(value_embeddings="all")}
     for name, overrides in cases.items():
         with pytest.raises(TinyLMError, match=name):
             export_llama2c(llama_gpt(**overrides), bpe, tmp_path / "m.bin", tmp_path / "t.bin")

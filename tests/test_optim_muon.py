@@ -91,6 +91,25 @@ def test_muon_takes_only_the_blocks_weight_matrices():
     assert muon.param_groups[0]["lr_scale"] == pytest.approx(20.0)
 
 
+def test_value_embedding_tables_go_to_adamw_with_weight_decay_like_tok_emb():
+    torch.manual_seed(0)
+    model = GPT(ModelConfig(vocab_size=50, context_length=16, d_model=16, n_layers=3, n_heads=2,
+                            value_embeddings="alternate"))
+    opt = make_optimizer(model, TrainConfig(optimizer="muon", lr=1e-3, muon_lr=0.02, weight_decay=0.1))
+    muon, adamw = opt.parts
+    tables = [model.blocks[i].attn.value_embed.weight for i in (0, 2)]
+    assert model.blocks[1].attn.value_embed is None
+    muon_ids = {id(p) for g in muon.param_groups for p in g["params"]}
+    assert len(muon_ids) == 3 * 4 and not any(id(t) in muon_ids for t in tables)  # qkv, out, up, down per block
+    decayed = next(g for g in adamw.param_groups if g["weight_decay"] == 0.1)
+    assert {id(t) for t in tables} | {id(model.tok_emb.weight)} <= {id(p) for p in decayed["params"]}
+    _, loss = model(torch.randint(0, 50, (2, 16)), torch.randint(0, 50, (2, 16)))
+    loss.backward()
+    before = tables[0].detach().clone()
+    opt.step()
+    assert (tables[0] - before).abs().max() > 0
+
+
 def test_muon_with_adamw_state_round_trip():
     torch.manual_seed(0)
     cfg = TrainConfig(optimizer="muon", lr=1e-3)

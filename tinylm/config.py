@@ -213,6 +213,16 @@ class ModelConfig:
     qk_norm: bool = False  # RMS-normalise each head's queries and keys (no gain) before the rotary positions
     logit_softcap: float | None = option(None, gt=0)  # logits -> cap * tanh(logits / cap); None: off
     zero_init_out: bool = False  # residual output projections (attention out, FFN down) start at zero
+    # a per-layer token table added to the attention's values (nanochat, modded-nanogpt): on every
+    # other layer counting back from the last ("alternate") or on every layer ("all")
+    value_embeddings: Literal["none", "alternate", "all"] = "none"
+
+    def has_value_embedding(self, layer: int) -> bool:
+        """Whether block ``layer`` (0-based) adds a value-embedding table to its values; with
+        "alternate" the last layer always has one."""
+        if self.value_embeddings == "alternate":
+            return (self.n_layers - 1 - layer) % 2 == 0
+        return self.value_embeddings == "all"
 
     def validate(self) -> None:
         """The shapes fit together (the vocabulary may still come from the tokenizer)."""

@@ -48,6 +48,7 @@ class PreparedLayer:
     norm2: nn.Module
     ffn_in: tuple[torch.Tensor, torch.Tensor | None]  # up, or gate and up side by side (SwiGLU)
     ffn_down: tuple[torch.Tensor, torch.Tensor | None]
+    value_embed: torch.Tensor | None  # (V, Hkv D): added to the new token's values (model.value_embeddings)
 
 
 @dataclass
@@ -106,7 +107,8 @@ def prepare_for_inference(model: GPT) -> Prepared:
         layers.append(PreparedLayer(
             norm1=block.norm1, qkv=_qkv(attn, scale_queries), out=_transposed(attn.out_proj),
             norm2=block.norm2, ffn_down=_transposed(ffn.down),
-            ffn_in=_transposed(ffn.gate_up) if ffn.swiglu else _transposed(ffn.up)))
+            ffn_in=_transposed(ffn.gate_up) if ffn.swiglu else _transposed(ffn.up),
+            value_embed=attn.value_embed.weight if attn.value_embed is not None else None))
     pos_table = {"learned": lambda: model.pos_emb.weight, "sinusoidal": lambda: model.pos_table}.get(cfg.positions)
     rope = cfg.positions == "rope"
     prepared = Prepared(
@@ -173,6 +175,8 @@ def step_logits(p: Prepared, keys: list[torch.Tensor], values: list[torch.Tensor
             qk = apply_rope(qk, *rope)
         k = qk[:, H:, None]  # (B, Hkv, 1, D)
         v = qkv[:, (H + Hkv) * D :].view(B, Hkv, 1, D)
+        if layer.value_embed is not None:
+            v = v + layer.value_embed[tokens].view(B, Hkv, 1, D).to(v.dtype)
         k_cache.index_copy_(2, slot, k if k.dtype == k_cache.dtype else k.to(k_cache.dtype))
         v_cache.index_copy_(2, slot, v if v.dtype == v_cache.dtype else v.to(v_cache.dtype))
         # the query heads sharing a kv head are rows of one product: no copy of the cached keys
@@ -237,7 +241,7 @@ def _mark_static(prepared: Prepared, cache: KVCache) -> None:
     weights = [prepared.tok_emb, prepared.head, prepared.embed_proj, prepared.pos_table, prepared.rope_cos,
                prepared.rope_sin]
     for layer in prepared.layers:
-        weights += [*layer.qkv, *layer.out, *layer.ffn_in, *layer.ffn_down]
+        weights += [*layer.qkv, *layer.out, *layer.ffn_in, *layer.ffn_down, layer.value_embed]
     for t in (*weights, *cache.k, *cache.v):
         if t is not None:
             torch._dynamo.mark_static_address(t)

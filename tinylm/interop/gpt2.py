@@ -12,6 +12,7 @@ import torch
 
 from tinylm.config import ModelConfig
 from tinylm.errors import TinyLMError
+from tinylm.interop.llama import refuse_options_no_format_has
 from tinylm.models.gpt import GPT
 
 
@@ -84,6 +85,7 @@ def to_hf_gpt2(model: GPT):
     if not is_gpt2_shape(cfg):
         raise TinyLMError("only a GPT-2-shaped tinylm model (learned positions, LayerNorm, GELU, biases, "
                           "no GQA, d_attn == d_model) exports to GPT-2; Llama-shaped models export to Llama")
+    refuse_options_no_format_has(cfg, "a Hugging Face GPT-2 model")
     hf_cfg = GPT2Config(vocab_size=cfg.vocab_size, n_positions=cfg.context_length, n_embd=cfg.d_model,
                         n_layer=cfg.n_layers, n_head=cfg.n_heads, n_inner=cfg.d_ff, activation_function="gelu_new",
                         layer_norm_epsilon=cfg.norm_eps, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,

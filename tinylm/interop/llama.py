@@ -57,6 +57,20 @@ def is_llama_shape(cfg: ModelConfig) -> bool:
     return cfg.positions == "rope" and cfg.norm == "rmsnorm" and cfg.ffn == "swiglu" and not cfg.bias
 
 
+def options_no_format_has(cfg: ModelConfig) -> list[str]:
+    """The options of ``cfg`` that none of the formats tinylm writes (Hugging Face GPT-2 and Llama,
+    llama.cpp's GGUF, llama2.c) has a place for, each named as the config writes it."""
+    bad = cfg.value_embeddings != "none"
+    return [f"model.value_embeddings={cfg.value_embeddings} (no other format has value embeddings)"] if bad else []
+
+
+def refuse_options_no_format_has(cfg: ModelConfig, target: str) -> None:
+    """Raise, naming them, when ``cfg`` has options that ``target`` (a format's name) cannot hold."""
+    bad = options_no_format_has(cfg)
+    if bad:
+        raise TinyLMError(f"this model cannot be written as {target}: " + "; ".join(bad))
+
+
 def non_llama_options(cfg: ModelConfig) -> list[str]:
     """The options of ``cfg`` a Llama-shaped file (llama.cpp's llama graph, llama2.c) has no place
     for, each named as the config writes it."""
@@ -70,7 +84,7 @@ def non_llama_options(cfg: ModelConfig) -> list[str]:
         f"model.logit_softcap={cfg.logit_softcap}": cfg.logit_softcap is not None,
         f"model.d_embed={cfg.d_embed} (an embedding projection)": cfg.d_embed != cfg.d_model,
     }
-    return [name for name, bad in reasons.items() if bad]
+    return options_no_format_has(cfg) + [name for name, bad in reasons.items() if bad]
 
 
 def config_from_llama(c) -> ModelConfig:
@@ -113,6 +127,7 @@ def to_hf_llama(model: GPT, bos_id: int = 2, eos_id: int = 3):
     cfg = model.config
     if not is_llama_shape(cfg):
         raise TinyLMError("only a Llama-shaped tinylm model (rope, RMSNorm, SwiGLU, no biases) exports to Llama")
+    refuse_options_no_format_has(cfg, "a Hugging Face Llama model")
     hf_cfg = LlamaConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.d_ff,
                          num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads,
                          num_key_value_heads=cfg.n_kv_heads, head_dim=cfg.d_attn // cfg.n_heads, hidden_act="silu",

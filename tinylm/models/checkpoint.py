@@ -182,7 +182,9 @@ def _approx_size(cfg: ModelConfig) -> int:
     head = cfg.d_attn // cfg.n_heads
     per_layer = 2 * cfg.d_model * cfg.d_attn + 2 * cfg.d_model * head * cfg.n_kv_heads + 3 * cfg.d_model * cfg.d_ff
     positions = {"learned": cfg.d_model, "sinusoidal": cfg.d_model, "rope": head}.get(cfg.positions, 0)
-    return 2 * cfg.vocab_size * max(cfg.d_embed, cfg.d_model) + cfg.context_length * positions + cfg.n_layers * per_layer
+    value_tables = sum(map(cfg.has_value_embedding, range(cfg.n_layers))) * cfg.vocab_size * head * cfg.n_kv_heads
+    return (2 * cfg.vocab_size * max(cfg.d_embed, cfg.d_model) + cfg.context_length * positions + cfg.n_layers * per_layer
+            + value_tables)
 
 
 def read_model_state(ckpt: Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:

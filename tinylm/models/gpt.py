@@ -222,7 +222,10 @@ def state_dict_by_parts(model: nn.Module, state: dict[str, torch.Tensor] | None 
 
 # ------------------------------------------------------------------------------------ attention
 class CausalSelfAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    """Multi-head causal self-attention; ``layer`` (its block's index) decides whether it owns a
+    value-embedding table (``ModelConfig.value_embeddings``), read with the token ids ``idx``."""
+
+    def __init__(self, cfg: ModelConfig, layer: int = 0):
         super().__init__()
         self.n_heads, self.n_kv_heads = cfg.n_heads, cfg.n_kv_heads
         self.head_dim = cfg.d_attn // cfg.n_heads
@@ -235,13 +238,16 @@ class CausalSelfAttention(nn.Module):
         self._register_load_state_dict_pre_hook(join_parts, with_module=True)
         self.out_proj = nn.Linear(cfg.n_heads * self.head_dim, cfg.d_model, bias=cfg.bias)
         self.resid_dropout = nn.Dropout(cfg.dropout)
+        self.value_embed = nn.Embedding(cfg.vocab_size, kv_width) if cfg.has_value_embedding(layer) else None
 
-    def forward(self, x, rope=None, mask=None, kv_cache=None, layer=0, attention_out=None):
+    def forward(self, x, rope=None, mask=None, kv_cache=None, layer=0, attention_out=None, idx=None):
         B, T, _ = x.shape
         H, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
         # one matrix product for q, k and v, then views of its heads: (B, H + 2 Hkv, T, D)
         qkv = self.qkv(x).view(B, T, H + 2 * Hkv, D).transpose(1, 2)
         q, k, v = qkv.split((H, Hkv, Hkv), dim=1)  # (B, H, T, D), (B, Hkv, T, D), (B, Hkv, T, D)
+        if self.value_embed is not None:  # before the cache: decoding reads the values with it added
+            v = v + self.value_embed(idx).view(B, T, Hkv, D).transpose(1, 2).to(v.dtype)
         if self.qk_norm:  # unit RMS per head: bounded attention logits whatever the weights' scale
             q, k = rms_normalize(q), rms_normalize(k)
         if rope is not None:
@@ -318,17 +324,18 @@ class FeedForward(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-LN residual block: x + attn(norm(x)), then x + ffn(norm(x))."""
+    """Pre-LN residual block: x + attn(norm(x)), then x + ffn(norm(x)). ``idx``, the token ids, is
+    read only by a block with a value-embedding table."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer: int = 0):
         super().__init__()
         self.norm1 = make_norm(cfg)
-        self.attn = CausalSelfAttention(cfg)
+        self.attn = CausalSelfAttention(cfg, layer)
         self.norm2 = make_norm(cfg)
         self.ffn = FeedForward(cfg)
 
-    def forward(self, x, rope=None, mask=None, kv_cache=None, layer=0, attention_out=None):
-        x = x + self.attn(self.norm1(x), rope, mask, kv_cache, layer, attention_out)
+    def forward(self, x, rope=None, mask=None, kv_cache=None, layer=0, attention_out=None, idx=None):
+        x = x + self.attn(self.norm1(x), rope, mask, kv_cache, layer, attention_out, idx)
         return x + self.ffn(self.norm2(x))
 
 
@@ -350,12 +357,12 @@ class GPT(nn.Module):
             self.register_buffer("rope_cos", cos, persistent=False)
             self.register_buffer("rope_sin", sin, persistent=False)
         self.drop = nn.Dropout(cfg.dropout)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.blocks = nn.ModuleList(Block(cfg, layer) for layer in range(cfg.n_layers))
         self.norm_f = make_norm(cfg)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_weights:
             self.lm_head.weight = self.tok_emb.weight
-        # Set by the trainer: a function (block, x, rope) -> x that recomputes activations in backward.
+        # Set by the trainer: a function (block, x, rope, mask, idx) -> x that recomputes activations in backward.
         self.checkpoint_fn = None
         self.reset_parameters()
 
@@ -427,9 +434,9 @@ class GPT(nn.Module):
         mask = self._attention_mask(T, start, kv_cache, idx.device)
         for layer, block in enumerate(self.blocks):
             if self.checkpoint_fn is not None and self.training and kv_cache is None:
-                x = self.checkpoint_fn(block, x, rope, mask)
+                x = self.checkpoint_fn(block, x, rope, mask, idx)
             else:
-                x = block(x, rope, mask, kv_cache, layer, attention_out)
+                x = block(x, rope, mask, kv_cache, layer, attention_out, idx)
         if kv_cache is not None:
             kv_cache.length = start + T
         if last_logits_only and targets is None:  # generation needs the next-token logits only

@@ -30,11 +30,12 @@ def _autocast_state(device_type: str) -> tuple[bool, torch.dtype]:
 
 
 class CheckpointedBlock(torch.autograd.Function):
-    """out = block(x, rope, mask), storing only ``x`` (plus RNG and autocast state) for backward."""
+    """out = block(x, rope, mask, idx=idx), storing only ``x`` (plus RNG and autocast state) for
+    backward. ``idx`` (token ids, for value embeddings) is integers: it gets no gradient."""
 
     @staticmethod
-    def forward(ctx, block: nn.Module, rope, mask, x: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
-        ctx.block, ctx.rope, ctx.mask = block, rope, mask
+    def forward(ctx, block: nn.Module, rope, mask, idx, x: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
+        ctx.block, ctx.rope, ctx.mask, ctx.idx = block, rope, mask, idx
         ctx.device_type = x.device.type
         ctx.autocast = _autocast_state(ctx.device_type)
         ctx.cpu_rng = torch.get_rng_state()
@@ -42,7 +43,7 @@ class CheckpointedBlock(torch.autograd.Function):
         ctx.cuda_rng = [torch.cuda.get_rng_state(d) for d in ctx.cuda_devices]
         ctx.save_for_backward(x)
         with torch.no_grad():
-            return block(x, rope, mask)
+            return block(x, rope, mask, idx=idx)
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
@@ -56,24 +57,24 @@ class CheckpointedBlock(torch.autograd.Function):
                 torch.cuda.set_rng_state(state, device)
             enabled, dtype = ctx.autocast
             with torch.enable_grad(), torch.autocast(ctx.device_type, dtype=dtype, enabled=enabled):
-                out = ctx.block(x, ctx.rope, ctx.mask)
+                out = ctx.block(x, ctx.rope, ctx.mask, idx=ctx.idx)
         wanted = [x] + [p for p in params if p.requires_grad]
         grads = torch.autograd.grad(out, wanted, grad_out, allow_unused=True)
         grad_x, grad_params = grads[0], iter(grads[1:])
         param_grads = tuple(next(grad_params) if p.requires_grad else None for p in params)
-        return (None, None, None, grad_x, *param_grads)
+        return (None, None, None, None, grad_x, *param_grads)
 
 
-def tinylm_checkpoint(block: nn.Module, x: torch.Tensor, rope=None, mask=None) -> torch.Tensor:
+def tinylm_checkpoint(block: nn.Module, x: torch.Tensor, rope=None, mask=None, idx=None) -> torch.Tensor:
     """The ``GPT.checkpoint_fn`` hook with our autograd Function."""
-    return CheckpointedBlock.apply(block, rope, mask, x, *block.parameters())
+    return CheckpointedBlock.apply(block, rope, mask, idx, x, *block.parameters())
 
 
-def torch_checkpoint(block: nn.Module, x: torch.Tensor, rope=None, mask=None) -> torch.Tensor:
+def torch_checkpoint(block: nn.Module, x: torch.Tensor, rope=None, mask=None, idx=None) -> torch.Tensor:
     """The reference: PyTorch's non-reentrant checkpoint (also restores RNG state)."""
     from torch.utils.checkpoint import checkpoint  # deferred: only the reference implementation uses it
 
-    return checkpoint(block, x, rope, mask, use_reentrant=False, preserve_rng_state=True)
+    return checkpoint(block, x, rope, mask, idx=idx, use_reentrant=False, preserve_rng_state=True)
 
 
 def enable_grad_checkpointing(model: nn.Module, impl: str = "tinylm") -> None:
@@ -91,11 +92,11 @@ def compiled_tinylm_checkpoint(compile_options: dict | None = None) -> Callable:
     same shape. Parameters are the block's own, so gradients flow as with the plain Function."""
     compiled: dict[int, nn.Module] = {}
 
-    def checkpoint_fn(block: nn.Module, x: torch.Tensor, rope=None, mask=None) -> torch.Tensor:
+    def checkpoint_fn(block: nn.Module, x: torch.Tensor, rope=None, mask=None, idx=None) -> torch.Tensor:
         fast = compiled.get(id(block))
         if fast is None:
             fast = compiled[id(block)] = torch.compile(block, options=compile_options)
-        return CheckpointedBlock.apply(fast, rope, mask, x, *block.parameters())
+        return CheckpointedBlock.apply(fast, rope, mask, idx, x, *block.parameters())
 
     return checkpoint_fn
 
