@@ -2,6 +2,7 @@
 
     python benchmarks/bench_quality.py [MODEL ...] [--data FILE] [--quick] [--json PATH]
     python benchmarks/bench_quality.py --recipe v1 --recipe current --minutes M [--train FILE]
+    python benchmarks/bench_quality.py --recipe v1 --recipe r2 --recipe current --tokens N [--train FILE]
 
 MODEL is a tinylm checkpoint (or run) directory, or a llama2.c ``.bin`` with its tokenizer
 written ``model.bin::tokenizer.bin``. Every model, and the reference stories260K, is scored with
@@ -17,12 +18,14 @@ stories260K. ``--quick`` scores only the first 40 stories (the number it prints 
 full-file figure). llama2.c's documentation gives stories260K 0.993 bits per byte on the shared
 valid file; on that full file the script checks its own measurement against it (+-0.005).
 
-``--recipe NAME`` (repeatable) first trains that recipe for ``--minutes`` of wall time in this run,
-one after the other on the same machine, then scores the run's result (its ``checkpoints/ema``
-when the recipe averages weights, else ``checkpoints/best``) in the same table. NAME is ``v1`` (the
-first CPU-hour recipe, preset ``tinystories-cpu-1h-v1``), ``current`` (preset
-``tinystories-cpu-1h``) or any preset / config file; the recipe's cosine follows the shortened
-clock. ``--set KEY=VALUE`` overrides every recipe alike (e.g. ``train.threads=1``).
+``--recipe NAME`` (repeatable) first trains that recipe for ``--minutes`` of wall time, or for
+``--tokens`` training tokens (the same amount of training on any machine), in this run, one after
+the other on the same machine, then scores the run's result (its ``checkpoints/ema`` when the recipe
+averages weights, else ``checkpoints/best``) in the same table. NAME is ``v1`` (the first CPU-hour
+recipe, preset ``tinystories-cpu-1h-v1``), ``r2`` (round 2, ``tinystories-cpu-1h-r2``), ``current``
+(preset ``tinystories-cpu-1h``) or any preset / config file; the recipe's cosine follows the
+shortened clock or the token budget's steps. ``--set KEY=VALUE`` overrides every recipe alike
+(e.g. ``train.threads=1``).
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ SHARED = Path(__file__).resolve().parents[2] / "shared"
 DEFAULT_ANCHORS = SHARED / "anchors" / "llama2c"
 DEFAULT_DATA = SHARED / "data" / "tinystories" / "valid.txt"
 DEFAULT_TRAIN = SHARED / "data" / "tinystories" / "train.txt"
-RECIPES = {"v1": "tinystories-cpu-1h-v1", "current": "tinystories-cpu-1h"}
+RECIPES = {"v1": "tinystories-cpu-1h-v1", "r2": "tinystories-cpu-1h-r2", "current": "tinystories-cpu-1h"}
 REFERENCE_NAME = "stories260K (llama2.c)"
 REFERENCE_BPB, REFERENCE_TOLERANCE = 0.993, 0.005  # documented for the full shared valid.txt
 QUICK_STORIES = 40
@@ -85,16 +88,24 @@ def evaluate_model(name: str, checkpoint: str, tokenizer: str | None, texts: lis
             "eval_seconds": time.perf_counter() - t0}
 
 
-def train_recipe(name: str, minutes: float, train: Path, valid: Path, runs: Path, overrides: list[str]) -> Path:
-    """Train one recipe for ``minutes`` of wall time; returns the checkpoint its run reports."""
+def budget_overrides(minutes: float, tokens: int | None) -> list[str]:
+    """The overrides that make a recipe train for ``tokens`` training tokens (the cosine over the
+    steps they make, no wall clock) when given, else for ``minutes`` of wall time."""
+    if tokens is not None:
+        return [f"train.max_tokens={tokens}", "train.max_minutes=null", "train.epochs=null",
+                "train.schedule_clock=steps"]
+    return [f"train.max_minutes={minutes}", "train.max_tokens=null"]
+
+
+def train_recipe(name: str, budget: list[str], train: Path, valid: Path, runs: Path, overrides: list[str]) -> Path:
+    """Train one recipe under ``budget`` (``budget_overrides``); returns the checkpoint its run reports."""
     from tinylm.config import build_config
     from tinylm.pipeline import run_pipeline
 
     out = runs / name.replace("/", "_")
-    cfg = build_config(RECIPES.get(name, name), [f"data.train={train}", f"data.valid={valid}",
-                                                  f"train.max_minutes={minutes}", "train.progress=false",
-                                                  f"out_dir={out}", *overrides])
-    print(f"bench_quality: training recipe {name} ({RECIPES.get(name, name)}) for {minutes:g} minutes -> {out}")
+    cfg = build_config(RECIPES.get(name, name), [f"data.train={train}", f"data.valid={valid}", *budget,
+                                                  "train.progress=false", f"out_dir={out}", *overrides])
+    print(f"bench_quality: training recipe {name} ({RECIPES.get(name, name)}) for {' '.join(budget)} -> {out}")
     summary = run_pipeline(cfg, out)
     print(f"bench_quality: recipe {name}: {summary['steps']:,} steps, {summary['tokens_per_s']:,.0f} tokens/s")
     return out / summary["checkpoint"]
@@ -130,6 +141,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--recipe", action="append", default=[],
                     help="train this recipe first (v1, current, or a preset / config file); repeatable")
     ap.add_argument("--minutes", type=float, default=10.0, help="wall minutes of training per recipe (default 10)")
+    ap.add_argument("--tokens", type=int, default=None,
+                    help="train each recipe for this many tokens instead of --minutes (equal training on any machine)")
     ap.add_argument("--train", default=None, help=f"training file for --recipe (default: {DEFAULT_TRAIN})")
     ap.add_argument("--runs", default="runs/bench_quality", help="where the recipe runs are written")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
@@ -155,6 +168,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.recipe and args.minutes <= 0:
         print(f"bench_quality: error: --minutes must be positive (got {args.minutes})", file=sys.stderr)
         return 2
+    if args.tokens is not None and args.tokens <= 0:
+        print(f"bench_quality: error: --tokens must be positive (got {args.tokens})", file=sys.stderr)
+        return 2
     texts = load_text_file(str(data))
     limit = QUICK_STORIES if args.quick else args.max_stories
     full_file = limit is None or limit >= len(texts)
@@ -169,7 +185,8 @@ def main(argv: list[str] | None = None) -> int:
               "the table has no reference row and no ratios")
     try:
         # train first, so that every evaluation below runs after the last training has ended
-        recipe_models = [str(train_recipe(name, args.minutes, train, data, Path(args.runs), args.overrides))
+        budget = budget_overrides(args.minutes, args.tokens)
+        recipe_models = [str(train_recipe(name, budget, train, data, Path(args.runs), args.overrides))
                          for name in args.recipe]
         if ref_files is not None:
             reference = evaluate_model(REFERENCE_NAME, str(ref_files[0]), str(ref_files[1]), texts, args.batch_size)

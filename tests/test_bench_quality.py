@@ -2,6 +2,7 @@
 tokenizer.bin (as the model and as a stand-in stories260K reference), a TinyStories-format file."""
 from __future__ import annotations
 
+import csv
 import importlib.util
 import json
 import struct
@@ -139,22 +140,29 @@ def test_cli_evaluate_llama2c_bin_with_tokenizer(files, capsys):
     assert "--tokenizer" in capsys.readouterr().err
 
 
+# the recipes shrunk to seconds of training; compiling (tens of seconds) would outlast the budgets
+SHRINK = ["model.d_model=32", "model.n_heads=4", "model.n_layers=1", "model.d_ff=64", "model.context_length=32",
+          "tokenizer.vocab_size=300", "train.eval_interval=5", "train.eval_batches=1", "train.threads=1",
+          "train.warmup_steps=2", "sample.max_new_tokens=2", "train.compile=false"]
+
+
+def recipe_args(files, tmp_path, shrink: list[str]) -> tuple[Path, list[str]]:
+    """A training file of 80 stories, and the arguments every --recipe run here shares."""
+    from conftest import make_stories
+
+    train = tmp_path / "train.txt"
+    train.write_text("".join(f"{s}\n<|endoftext|>\n" for s in make_stories(80)), encoding="utf-8")
+    return train, ["--train", str(train), "--data", str(files["data"]), "--anchors", str(files["anchors"]),
+                   "--runs", str(tmp_path / "runs"), "--threads", "1", *[a for kv in shrink for a in ("--set", kv)]]
+
+
 @pytest.mark.slow
 def test_recipes_are_trained_for_the_same_minutes_and_scored(files, tmp_path, capsys):
     """--recipe v1 --recipe current: both presets trained in this run (shrunk by --set), then scored."""
-    from conftest import make_stories
-
     bench = load_bench()
-    train = tmp_path / "train.txt"
-    train.write_text("".join(f"{s}\n<|endoftext|>\n" for s in make_stories(80)), encoding="utf-8")
-    shrink = ["model.d_model=32", "model.n_heads=4", "model.n_layers=1", "model.d_ff=64", "model.context_length=32",
-              "tokenizer.vocab_size=300", "train.batch_size=4", "train.eval_interval=5", "train.eval_batches=1",
-              "train.threads=1", "train.warmup_steps=2", "sample.max_new_tokens=2",
-              "train.compile=false"]  # compiling (tens of seconds) would outlast the 2.4-second budget
+    train, args = recipe_args(files, tmp_path, [*SHRINK, "train.batch_size=4"])
     out_json = tmp_path / "rows.json"
-    rc = bench.main(["--recipe", "v1", "--recipe", "current", "--minutes", "0.04", "--train", str(train),
-                     "--data", str(files["data"]), "--anchors", str(files["anchors"]), "--runs", str(tmp_path / "runs"),
-                     "--threads", "1", "--json", str(out_json), *[a for kv in shrink for a in ("--set", kv)]])
+    rc = bench.main(["--recipe", "v1", "--recipe", "current", "--minutes", "0.04", "--json", str(out_json), *args])
     assert rc == 0
     rows = json.loads(out_json.read_text())
     names = [r["model"] for r in rows]
@@ -165,3 +173,26 @@ def test_recipes_are_trained_for_the_same_minutes_and_scored(files, tmp_path, ca
         assert r["bytes"] == sum(len(s.encode("utf-8")) for s in STORIES)
     assert bench.main(["--recipe", "v1", "--minutes", "0", "--train", str(train), "--data", str(files["data"])]) == 2
     assert "--minutes" in capsys.readouterr().err
+
+
+def test_token_budget_overrides_replace_the_wall_clock():
+    bench = load_bench()
+    assert bench.budget_overrides(10.0, None) == ["train.max_minutes=10.0", "train.max_tokens=null"]
+    assert bench.budget_overrides(10.0, 4096) == ["train.max_tokens=4096", "train.max_minutes=null",
+                                                  "train.epochs=null", "train.schedule_clock=steps"]
+
+
+@pytest.mark.slow
+def test_recipes_trained_for_equal_tokens_see_the_same_tokens(files, tmp_path, capsys):
+    """--tokens: v1 and r2 (different batch sizes) both stop after the budget's steps, whatever their speed."""
+    bench = load_bench()
+    train, args = recipe_args(files, tmp_path, SHRINK)
+    rc = bench.main(["--recipe", "v1", "--recipe", "r2", "--tokens", "3000", *args])
+    assert rc == 0
+    for name, rows_per_step in (("v1", 32), ("r2", 16)):  # the presets' batch sizes; 32 tokens a row
+        steps = -(-3000 // (rows_per_step * 32))
+        with open(tmp_path / "runs" / name / "metrics.csv", newline="") as f:
+            last = [r for r in csv.DictReader(f) if r["step"].isdigit()][-1]
+        assert (int(last["step"]), int(last["tokens"])) == (steps, steps * rows_per_step * 32)
+    assert bench.main(["--recipe", "v1", "--tokens", "0", "--train", str(train), "--data", str(files["data"])]) == 2
+    assert "--tokens" in capsys.readouterr().err

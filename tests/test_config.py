@@ -64,6 +64,13 @@ def test_the_token_budget_preset_is_the_hour_recipe_without_its_clock():
     assert changed == {"out_dir", "train.max_tokens", "train.max_minutes", "train.schedule_clock"}
 
 
+
+def test_round_two_is_kept_and_round_three_changes_only_the_vocabulary_and_value_embeddings():
+    r2, current = build_config("tinystories-cpu-1h-r2"), build_config("tinystories-cpu-1h")
+    assert (r2.tokenizer.vocab_size, r2.model.value_embeddings) == (2048, "none")
+    changed = set(diff_configs(r2.to_dict(), current.to_dict()))
+    assert changed == {"out_dir", "tokenizer.vocab_size", "model.value_embeddings"}
+
 def test_extends_merges_a_file_over_its_parent_and_refuses_itself(tmp_path):
     child = tmp_path / "child.yaml"
     child.write_text("extends: demo\nmodel:\n  d_model: 96\n")

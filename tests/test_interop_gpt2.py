@@ -115,6 +115,18 @@ def test_export_refuses_value_embeddings_by_name(tmp_path, shape):
     assert not (tmp_path / "hf").exists()
 
 
+
+@pytest.mark.parametrize("shape", [dict(), dict(positions="rope", norm="rmsnorm", ffn="swiglu", bias=False)])
+@pytest.mark.parametrize("option, named", [(dict(qk_norm=True), r"model\.qk_norm=true \(normalised queries and keys\)"),
+                                           (dict(logit_softcap=15.0), r"model\.logit_softcap=15\.0")])
+def test_export_refuses_options_the_hf_configs_cannot_hold(tmp_path, shape, option, named):
+    """Neither Hugging Face config has QK-norm or a logit soft-cap: writing the file without them
+    would give a different model, so the export refuses and names the option."""
+    model = GPT(ModelConfig(vocab_size=V, context_length=32, d_model=32, n_layers=2, n_heads=4, **shape, **option))
+    with pytest.raises(TinyLMError, match=r"^this model cannot be written as a Hugging Face (GPT-2|Llama) model: " + named + "$"):
+        export_hf(model, tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()
+
 def test_hf_directory_as_checkpoint(tmp_path):
     from tinylm.tokenizers import CharTokenizer
 

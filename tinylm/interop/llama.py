@@ -59,9 +59,15 @@ def is_llama_shape(cfg: ModelConfig) -> bool:
 
 def options_no_format_has(cfg: ModelConfig) -> list[str]:
     """The options of ``cfg`` that none of the formats tinylm writes (Hugging Face GPT-2 and Llama,
-    llama.cpp's GGUF, llama2.c) has a place for, each named as the config writes it."""
-    bad = cfg.value_embeddings != "none"
-    return [f"model.value_embeddings={cfg.value_embeddings} (no other format has value embeddings)"] if bad else []
+    llama.cpp's GGUF, llama2.c) has a place for, each named as the config writes it: a file
+    written without them would load as a different model."""
+    reasons = {
+        f"model.value_embeddings={cfg.value_embeddings} (no other format has value embeddings)":
+            cfg.value_embeddings != "none",
+        "model.qk_norm=true (normalised queries and keys)": cfg.qk_norm,
+        f"model.logit_softcap={cfg.logit_softcap}": cfg.logit_softcap is not None,
+    }
+    return [name for name, bad in reasons.items() if bad]
 
 
 def refuse_options_no_format_has(cfg: ModelConfig, target: str) -> None:
@@ -80,8 +86,6 @@ def non_llama_options(cfg: ModelConfig) -> list[str]:
         f"model.norm={cfg.norm} (Llama uses RMSNorm)": cfg.norm != "rmsnorm",
         f"model.ffn={cfg.ffn} (Llama's feed-forward is SwiGLU)": cfg.ffn != "swiglu",
         "model.bias=true (Llama has no biases)": cfg.bias,
-        "model.qk_norm=true": cfg.qk_norm,
-        f"model.logit_softcap={cfg.logit_softcap}": cfg.logit_softcap is not None,
         f"model.d_embed={cfg.d_embed} (an embedding projection)": cfg.d_embed != cfg.d_model,
     }
     return options_no_format_has(cfg) + [name for name, bad in reasons.items() if bad]
