@@ -153,3 +153,31 @@ def test_value_embeddings_same_logits_with_and_without_the_kv_cache(attention):
 def test_value_embeddings_outside_the_choices_are_refused_by_name():
     with pytest.raises(TinyLMError, match=r"^model\.value_embeddings='odd' is not one of none, alternate, all$"):
         build_config(None, ["model.value_embeddings=odd"])
+
+
+# ------------------------------------------------------------------------------ document attention
+SOS = 2
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "manual"])
+def test_document_attention_scores_each_packed_story_as_if_it_stood_alone(attention):
+    torch.manual_seed(0)
+    model = GPT(dataclasses.replace(BASE, attention=attention)).eval()
+    tail, first, second = (torch.randint(4, 61, (1, n)) for n in (3, 8, 9))
+    sos = torch.tensor([[SOS]])
+    window = torch.cat([tail, sos, first, sos, second], 1)  # a story's end, then two whole stories
+    with torch.no_grad():
+        packed = model(window, document_start=SOS)[0]
+        plain = model(window)[0]
+        alone = [model(part)[0] for part in (tail, torch.cat([sos, first], 1), torch.cat([sos, second], 1))]
+    # rotary positions are relative: a story's logits do not depend on where the window put it
+    torch.testing.assert_close(packed, torch.cat(alone, 1), rtol=1e-5, atol=1e-5)
+    # without the option the second story sees the first, so its logits change (the tail's cannot)
+    torch.testing.assert_close(plain[:, :3], packed[:, :3], rtol=1e-5, atol=1e-5)
+    assert (plain[:, 3:] - packed[:, 3:]).abs().amax() > 1e-3
+
+
+def test_document_attention_refuses_a_kv_cache_by_name():
+    model = GPT(BASE).eval()
+    with pytest.raises(ValueError, match="document_start .* not a KV cache"):
+        model(torch.tensor([[SOS, 5, 6]]), kv_cache=model.new_kv_cache(1), document_start=SOS)

@@ -253,3 +253,24 @@ def test_on_evaluate_sees_each_evaluation_and_changes_nothing(tmp_path):
     assert seen == [(2, 2 * step_tokens, False), (4, 4 * step_tokens, False), (6, 6 * step_tokens, False)]
     losses = [[r["train_loss"] for r in read_metrics(tmp_path / run / "metrics.csv")] for run in ("with", "without")]
     assert losses[0] == losses[1]
+
+
+def test_document_attention_reaches_the_training_and_validation_losses(prepared_run, tmp_path):
+    base, prepared = prepared_run
+    runs = {on: train(_cfg(base, max_steps=2, log_interval=1, eval_interval=2, document_attention=on), prepared,
+                      tmp_path / str(on)) for on in (False, True)}
+    logs = {on: read_metrics(tmp_path / str(on) / "metrics.csv") for on in runs}
+    # the same seed, batches and weights: only the attention mask tells the two runs apart
+    first = {on: float(logs[on][0]["train_loss"]) for on in runs}
+    assert math.isfinite(first[True]) and first[True] != pytest.approx(first[False], rel=1e-6)
+    assert float(logs[True][-1]["val_loss"]) != pytest.approx(float(logs[False][-1]["val_loss"]), rel=1e-6)
+    saved = yaml.safe_load((tmp_path / "True" / "config.yaml").read_text())
+    assert saved["train"]["document_attention"] is True
+
+
+def test_document_attention_with_stories_batching_is_refused(prepared_run):
+    base, _ = prepared_run
+    cfg = _cfg(base, document_attention=True)
+    cfg.data.batching = "stories"
+    with pytest.raises(TinyLMError, match="document_attention=true is for data.batching=packed"):
+        cfg.validate()

@@ -291,6 +291,9 @@ class TrainConfig:
     # training targets mixed with the uniform distribution (F.cross_entropy's label_smoothing);
     # validation losses and perplexities are always the plain NLL
     label_smoothing: float = option(0.0, ge=0, lt=1)
+    # packed windows: each token attends only to the earlier tokens of its own story, never across
+    # an <eos> <sos> boundary (training and validation losses; scoring and decoding see one story)
+    document_attention: bool = False
     eval_interval: int = option(100, ge=1)
     eval_batches: int = option(20, ge=0)  # 0: the whole validation split
     log_interval: int = option(10, ge=1)
@@ -452,6 +455,9 @@ class RunConfig:
         if self.embeddings.freeze and self.model.tie_weights and self.embeddings.kind != "none":
             raise TinyLMError("embeddings.freeze=true with model.tie_weights=true would freeze the output layer too; "
                               "set model.tie_weights=false")
+        if self.train.document_attention and self.data.batching != "packed":
+            raise TinyLMError("train.document_attention=true is for data.batching=packed: with stories batching each "
+                              "row already holds one story")
 
     def to_dict(self) -> dict[str, Any]:
         return json.loads(json.dumps(dataclasses.asdict(self)))  # tuples as lists, as YAML and JSON read back

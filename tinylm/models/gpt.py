@@ -397,7 +397,8 @@ class GPT(nn.Module):
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, *, kv_cache: KVCache | None = None,
                 position_ids: torch.Tensor | None = None, loss_reduction: str = "mean", label_smoothing: float = 0.0,
-                attention_out: list | None = None, last_logits_only: bool = False):
+                attention_out: list | None = None, last_logits_only: bool = False,
+                document_start: int | None = None):
         """idx (B, T) token ids -> (logits (B, T, V), loss or None).
 
         targets: (B, T) next-token ids, IGNORE_INDEX where nothing is predicted (padding).
@@ -407,6 +408,8 @@ class GPT(nn.Module):
             the output head is a large share of a prompt's compute).
         attention_out: a list to receive each layer's attention weights (B, H, T, S) (forces the
             hand-written attention path, since SDPA does not return weights).
+        document_start: the token id that opens a document (``<sos>``): each token attends only to
+            the earlier tokens of its own document in the window, not across a packed boundary.
         """
         cfg = self.config
         B, T = idx.shape
@@ -431,7 +434,12 @@ class GPT(nn.Module):
         if cfg.positions == "rope":
             rope = rope_factors(positions_of(self.rope_cos)[:, None], positions_of(self.rope_sin)[:, None])
 
-        mask = self._attention_mask(T, start, kv_cache, idx.device)
+        if document_start is not None:
+            if kv_cache is not None:
+                raise ValueError("document_start (attention within documents) is for whole windows, not a KV cache")
+            mask = document_mask(idx, document_start)
+        else:
+            mask = self._attention_mask(T, start, kv_cache, idx.device)
         for layer, block in enumerate(self.blocks):
             if self.checkpoint_fn is not None and self.training and kv_cache is None:
                 x = self.checkpoint_fn(block, x, rope, mask, idx)
@@ -469,6 +477,17 @@ class GPT(nn.Module):
         own = torch.zeros(T, S, dtype=torch.bool, device=device)
         own[torch.arange(T), torch.arange(start, S)] = True
         return (causal & keys) | own
+
+
+def document_mask(idx: torch.Tensor, document_start: int) -> torch.Tensor:
+    """Boolean (B, 1, T, T) mask, True = may attend: causal, and only within the query's document.
+
+    A document runs from a ``document_start`` token to the token before the next one; the tokens
+    before a window's first ``document_start`` (the tail of a story cut by packing) are one more."""
+    T = idx.shape[1]
+    doc = (idx == document_start).cumsum(1)  # (B, T): which document of the window each token is in
+    causal = torch.ones(T, T, dtype=torch.bool, device=idx.device).tril()
+    return (causal & (doc[:, :, None] == doc[:, None, :]))[:, None]
 
 
 @contextlib.contextmanager

@@ -19,6 +19,7 @@ import math
 import random
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Callable
 
@@ -142,12 +143,14 @@ def accumulate_gradients(run_model, micro: list, device, precision: str = "fp32"
 
 @torch.no_grad()
 def validation_loss(model, batches: Batches, cfg: RunConfig, device, precision: str = "fp32",
-                    dist: DistContext | None = None, batch_size: int | None = None) -> float:
+                    dist: DistContext | None = None, batch_size: int | None = None,
+                    document_start: int | None = None) -> float:
     """Mean token NLL over ``eval_batches`` fixed batches (the same every time), or the whole split.
 
     An evaluation batch holds ``batch_size * world_size`` rows; under DDP each rank scores its own
     rows (or whole batches of the sequential pass) and the sums are all-reduced, so N ranks report
-    the loss one process with N times the batch would."""
+    the loss one process with N times the batch would. ``document_start``: attention within stories
+    (``train.document_attention``)."""
     dist = dist or DistContext()
     batch_size = batch_size or cfg.train.batch_size
     with eval_mode(model):
@@ -160,7 +163,8 @@ def validation_loss(model, batches: Batches, cfg: RunConfig, device, precision: 
                       if i % dist.world_size == dist.rank)
         for x, y in source:
             with autocast(device, precision):
-                _, loss = model(x.to(device), y.to(device), loss_reduction="sum")
+                within = {"document_start": document_start} if document_start is not None else {}
+                _, loss = model(x.to(device), y.to(device), loss_reduction="sum", **within)
             total += float(loss)
             count += int((y != IGNORE_INDEX).sum())
         total, count = all_reduce_sum([total, count], dist, device)
@@ -327,6 +331,11 @@ def _resume(state: TrainState, resume: str | Path, force: bool) -> None:
     state.say(f"train: resuming from {saved.path} at step {state.step}")
 
 
+def _document_start(state: TrainState) -> int | None:
+    """The token that opens a story when attention stays within stories (train.document_attention)."""
+    return state.tokenizer.sos_id if state.cfg.train.document_attention else None
+
+
 def _start_session(state: TrainState) -> None:
     """The saved config; DDP and compilation around the model; the header line, TensorBoard, the
     clock and the progress display."""
@@ -337,6 +346,8 @@ def _start_session(state: TrainState) -> None:
     state.run_model = state.ddp_model if state.ddp_model is not None else state.model
     if tc.compile:
         state.run_model = compile_for_training(state.model, state.run_model, tc)
+    if tc.document_attention:
+        state.run_model = partial(state.run_model, document_start=_document_start(state))
     state.say(f"train: {state.model.num_parameters():,} parameters on {state.device}, context "
               f"{state.model.config.context_length}, batch {state.batch_size} x {tc.grad_accum_steps} accumulation "
               f"x {dist.world_size} process(es), {tc.precision}" + (", torch.compile" if tc.compile else "")
@@ -434,7 +445,7 @@ def _evaluate(state: TrainState, row: dict, tok_s: float) -> None:
     line; early stopping after ``early_stopping_patience`` evaluations without improvement."""
     tc = state.cfg.train
     val = validation_loss(state.model, state.valid_batches, state.cfg, state.device, tc.precision, state.dist,
-                          state.batch_size)
+                          state.batch_size, _document_start(state))
     row.update(val_loss=repr(val), val_ppl=f"{math.exp(min(val, 50)):.3f}")
     improved = val < state.best_val
     state.best_val, state.bad_evals = (val, 0) if improved else (state.best_val, state.bad_evals + 1)
@@ -464,7 +475,8 @@ def _end_epoch(state: TrainState, row: dict, elapsed: float) -> None:
     """The epoch's mean training loss and its validation loss into epochs.csv; the sum restarts."""
     tc, epoch = state.cfg.train, state.step // state.train_batches.steps_per_epoch
     val = float(row["val_loss"]) if "val_loss" in row else validation_loss(
-        state.model, state.valid_batches, state.cfg, state.device, tc.precision, state.dist, state.batch_size)
+        state.model, state.valid_batches, state.cfg, state.device, tc.precision, state.dist, state.batch_size,
+        _document_start(state))
     train_mean = state.epoch_loss_sum / max(state.epoch_targets, 1)
     if state.epoch_log is not None:
         state.epoch_log.write({"step": state.step, "epoch": epoch, "train_loss": f"{train_mean:.6f}",
