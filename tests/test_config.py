@@ -65,11 +65,14 @@ def test_the_token_budget_preset_is_the_hour_recipe_without_its_clock():
 
 
 
-def test_round_two_is_kept_and_round_three_changes_only_the_vocabulary_and_value_embeddings():
-    r2, current = build_config("tinystories-cpu-1h-r2"), build_config("tinystories-cpu-1h")
-    assert (r2.tokenizer.vocab_size, r2.model.value_embeddings) == (2048, "none")
-    changed = set(diff_configs(r2.to_dict(), current.to_dict()))
-    assert changed == {"out_dir", "tokenizer.vocab_size", "model.value_embeddings"}
+def test_earlier_rounds_are_kept_and_each_round_changes_only_what_its_ablation_chose():
+    r2, r3, current = (build_config(f"tinystories-cpu-1h{s}") for s in ("-r2", "-r3", ""))
+    assert (r2.tokenizer.vocab_size, r2.model.value_embeddings, r2.model.n_layers) == (2048, "none", 6)
+    assert set(diff_configs(r2.to_dict(), r3.to_dict())) == {"out_dir", "tokenizer.vocab_size",
+                                                             "model.value_embeddings"}
+    assert set(diff_configs(r2.to_dict(), current.to_dict())) == {"out_dir", "tokenizer.vocab_size", "model.n_layers"}
+    assert (current.tokenizer.vocab_size, current.model.n_layers) == (4096, 8)
+
 
 def test_extends_merges_a_file_over_its_parent_and_refuses_itself(tmp_path):
     child = tmp_path / "child.yaml"
