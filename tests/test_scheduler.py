@@ -3,6 +3,7 @@ shapes come from a few buckets still get, token for token, what `tinylm generate
 eagerly and compiled; and the batched per-row draw is `select_next`'s."""
 import dataclasses
 import threading
+import time
 
 import pytest
 import torch
@@ -133,3 +134,27 @@ def test_compiled_scheduler_equals_eager_and_generate(capfd):
         assert served(compiled, prompts, cfgs) == want
     finally:
         compiled.close()
+
+
+def test_a_sliding_row_stays_counted_as_active():
+    """A row past the context leaves the cache and comes back within one step; `active` (the health
+    endpoint's count) must not show the gap. Polled from another thread through 20 slides."""
+    model = small_model()
+    scheduler = Scheduler(model, max_batch=4)
+    counts, first, done = [], threading.Event(), threading.Event()
+
+    def emit(event):
+        first.set()
+        if isinstance(event, DoneEvent):
+            done.set()
+
+    try:
+        scheduler.add(Row([2, 5, 6], GenerationConfig(max_new_tokens=320, temperature=0), emit))
+        assert first.wait(30)
+        while not done.is_set():
+            counts.append(scheduler.active)
+            time.sleep(0.0001)  # a read every ~0.1 ms, leaving the decoding thread the interpreter
+        counts = counts[:-5]  # the last reads may follow the row's DoneEvent
+        assert len(counts) > 200 and set(counts) == {1}
+    finally:
+        scheduler.close()

@@ -131,6 +131,7 @@ class Scheduler:
         self.prepared = None  # the model's decoding weights, checked again whenever rows join
         self.steps = 0  # decoding steps run (for tests and the health endpoint)
         self.max_rows_seen = 0
+        self._active = 0  # rows decoding, published between steps (mid-step, sliding rows are briefly out)
         self._stop = threading.Event()
         self.compile_seconds: dict[tuple[int, int], float] = {}  # (rows, slots) -> seconds, compiled at start
         if compile and self.context_length <= SHORT_CONTEXT:
@@ -180,7 +181,7 @@ class Scheduler:
 
     @property
     def active(self) -> int:
-        return len(self.rows)
+        return self._active
 
     def close(self) -> None:
         self._stop.set()
@@ -208,6 +209,7 @@ class Scheduler:
                     for r in self.rows + joining:
                         r.emit(ErrorEvent(f"generation failed: {type(exc).__name__}: {exc}"))
                     self.rows, self.cache, self.pending = [], None, None
+            self._active = len(self.rows)
 
     def _drain(self, block: bool) -> list:
         items = []
@@ -262,6 +264,7 @@ class Scheduler:
             logits = logits_old
         self.steps += 1
         self.max_rows_seen = max(self.max_rows_seen, len(self.rows))
+        self._active = len(self.rows)  # before the first tokens go out: a client that sees one sees its row
         self._select(logits)
 
     def _decode(self) -> torch.Tensor:
