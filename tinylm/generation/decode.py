@@ -187,7 +187,10 @@ def step_logits(p: Prepared, keys: list[torch.Tensor], values: list[torch.Tensor
         weights = torch.softmax(scores, dim=-1, dtype=softmax_dtype)
         if softmax_dtype is not None:
             weights = weights.to(v_cache.dtype)
-        y = torch.bmm(weights, v_cache.view(B * Hkv, S, D)).view(B, H * D)
+        # baddbmm with beta=0, not bmm: on CPU inductor turns a bmm with one query row into a
+        # generated loop slower than the BLAS call (0.92x eager at batch 32, bench_decode_step.py)
+        values_out = weights.new_empty(B * Hkv, group, D)
+        y = torch.baddbmm(values_out, weights, v_cache.view(B * Hkv, S, D), beta=0).view(B, H * D)
         x = x + _linear(y, layer.out)
         h = _linear(layer.norm2(x), layer.ffn_in)
         if p.swiglu:
