@@ -39,7 +39,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from tinylm.generation.decode import Prepared, decode_step, prepare_for_inference  # noqa: E402
+from tinylm.generation.decode import Prepared, _linear, decode_step, prepare_for_inference  # noqa: E402
 from tinylm.interop.loading import load_any_checkpoint  # noqa: E402
 
 
@@ -63,12 +63,12 @@ def products_runner(prepared: Prepared, batch: int):
     inputs = [torch.randn(batch, w.shape[0]) for w, _ in weights]
 
     def run():
-        for x, (w, b) in zip(inputs, weights):
-            torch.addmm(b, x, w) if b is not None else x @ w
+        for x, weight in zip(inputs, weights):
+            _linear(x, weight)  # the step's own product call
     return run
 
 
-def attention_runner(model, prepared: Prepared, batch: int, slots: int):
+def attention_runner(prepared: Prepared, batch: int, slots: int):
     """The step's attention ops alone, at its shapes: one query per head against every cached slot."""
     H, Hkv, D = prepared.n_heads, prepared.n_kv_heads, prepared.head_dim
     caches = [(torch.randn(batch * Hkv, slots, D), torch.randn(batch * Hkv, slots, D)) for _ in prepared.layers]
@@ -99,7 +99,7 @@ def measure(model, batches: list[int], slots: int, steps: int, repeats: int) -> 
         runners = {"eager": step_runner(model, prepared, batch, slots, False),
                    "compiled": step_runner(model, prepared, batch, slots, True),
                    "products": products_runner(prepared, batch),
-                   "attention": attention_runner(model, prepared, batch, slots)}
+                   "attention": attention_runner(prepared, batch, slots)}
         t0 = time.perf_counter()
         runners["compiled"]()  # compiles this batch size
         compile_s = time.perf_counter() - t0
