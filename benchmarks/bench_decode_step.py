@@ -53,6 +53,7 @@ def step_runner(model, prepared: Prepared, batch: int, slots: int, compile: bool
     def run():
         cache.length = slots // 2
         decode_step(prepared, cache, tokens, positions, compile)
+
     return run
 
 
@@ -65,6 +66,7 @@ def products_runner(prepared: Prepared, batch: int):
     def run():
         for x, weight in zip(inputs, weights):
             _linear(x, weight)  # the step's own product call
+
     return run
 
 
@@ -77,6 +79,7 @@ def attention_runner(prepared: Prepared, batch: int, slots: int):
     def run():
         for k, v in caches:
             torch.bmm(torch.softmax(torch.baddbmm(bias, q, k.transpose(1, 2)), dim=-1), v)
+
     return run
 
 
@@ -96,10 +99,12 @@ def measure(model, batches: list[int], slots: int, steps: int, repeats: int) -> 
     prepared = prepare_for_inference(model)
     rows = []
     for batch in batches:
-        runners = {"eager": step_runner(model, prepared, batch, slots, False),
-                   "compiled": step_runner(model, prepared, batch, slots, True),
-                   "products": products_runner(prepared, batch),
-                   "attention": attention_runner(prepared, batch, slots)}
+        runners = {
+            "eager": step_runner(model, prepared, batch, slots, False),
+            "compiled": step_runner(model, prepared, batch, slots, True),
+            "products": products_runner(prepared, batch),
+            "attention": attention_runner(prepared, batch, slots),
+        }
         t0 = time.perf_counter()
         runners["compiled"]()  # compiles this batch size
         compile_s = time.perf_counter() - t0
@@ -108,23 +113,35 @@ def measure(model, batches: list[int], slots: int, steps: int, repeats: int) -> 
                 run()
         us = time_alternately(runners, steps, repeats)
         floor = us["products"] + us["attention"]
-        rows.append({"batch": batch, "slots": slots, "eager_us": round(us["eager"], 1),
-                     "compiled_us": round(us["compiled"], 1), "products_us": round(us["products"], 1),
-                     "attention_us": round(us["attention"], 1),
-                     "compiled_vs_eager": round(us["eager"] / us["compiled"], 3),
-                     "floor_share": round(floor / us["eager"], 3),
-                     "bound": round(us["eager"] / floor, 3), "compile_s": round(compile_s, 1)})
+        rows.append(
+            {
+                "batch": batch,
+                "slots": slots,
+                "eager_us": round(us["eager"], 1),
+                "compiled_us": round(us["compiled"], 1),
+                "products_us": round(us["products"], 1),
+                "attention_us": round(us["attention"], 1),
+                "compiled_vs_eager": round(us["eager"] / us["compiled"], 3),
+                "floor_share": round(floor / us["eager"], 3),
+                "bound": round(us["eager"] / floor, 3),
+                "compile_s": round(compile_s, 1),
+            }
+        )
     return rows
 
 
 def print_table(rows: list[dict]) -> None:
-    print("| batch | slots | eager us | compiled us | compiled vs eager | products us | attention us "
-          "| (products + attention) / eager | bound |")
+    print(
+        "| batch | slots | eager us | compiled us | compiled vs eager | products us | attention us "
+        "| (products + attention) / eager | bound |"
+    )
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
-        print(f"| {r['batch']} | {r['slots']} | {r['eager_us']:,.0f} | {r['compiled_us']:,.0f} | "
-              f"{r['compiled_vs_eager']:.2f}x | {r['products_us']:,.0f} | {r['attention_us']:,.0f} | "
-              f"{r['floor_share']:.2f} | {r['bound']:.2f}x |")
+        print(
+            f"| {r['batch']} | {r['slots']} | {r['eager_us']:,.0f} | {r['compiled_us']:,.0f} | "
+            f"{r['compiled_vs_eager']:.2f}x | {r['products_us']:,.0f} | {r['attention_us']:,.0f} | "
+            f"{r['floor_share']:.2f} | {r['bound']:.2f}x |"
+        )
 
 
 def main(argv=None) -> int:
@@ -148,10 +165,19 @@ def main(argv=None) -> int:
     slots = a.slots or model.config.context_length
     with torch.inference_mode():
         rows = measure(model, batches, slots, steps, repeats)
-    setup = {"checkpoint": Path(a.checkpoint).name, "parameters": model.num_parameters(), "threads": a.threads,
-             "steps": steps, "repeats": repeats, "torch": torch.__version__, "cpu": platform.processor()}
-    print(f"decoding step of {setup['checkpoint']} ({setup['parameters']:,} parameters), {a.threads} torch "
-          f"thread(s), median of {repeats} alternating runs of {steps} calls")
+    setup = {
+        "checkpoint": Path(a.checkpoint).name,
+        "parameters": model.num_parameters(),
+        "threads": a.threads,
+        "steps": steps,
+        "repeats": repeats,
+        "torch": torch.__version__,
+        "cpu": platform.processor(),
+    }
+    print(
+        f"decoding step of {setup['checkpoint']} ({setup['parameters']:,} parameters), {a.threads} torch "
+        f"thread(s), median of {repeats} alternating runs of {steps} calls"
+    )
     print_table(rows)
     if a.json:
         Path(a.json).write_text(json.dumps({"rows": rows, "setup": setup}, indent=1))

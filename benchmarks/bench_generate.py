@@ -67,8 +67,16 @@ def build_models(vocab: int, ctx: int, d_model: int, layers: int, heads: int, de
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
-    cfg = GPT2Config(vocab_size=vocab, n_positions=ctx, n_embd=d_model, n_layer=layers, n_head=heads,
-                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    cfg = GPT2Config(
+        vocab_size=vocab,
+        n_positions=ctx,
+        n_embd=d_model,
+        n_layer=layers,
+        n_head=heads,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
     hf = GPT2LMHeadModel(cfg).eval()
     hf.generation_config.eos_token_id = None  # never stop early: every row makes exactly new_tokens
     hf.generation_config.pad_token_id = 0
@@ -85,8 +93,15 @@ def run_tinylm(model, prompts, mode, new_tokens, compile=False):
 def run_hf(hf, prompts, mode, new_tokens, compile=False):
     m = MODES[mode]
     x = torch.tensor(prompts, device=hf.device)
-    kw = dict(attention_mask=torch.ones_like(x), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-              use_cache=m["use_cache"], num_beams=m.get("beam_width", 1), eos_token_id=None, pad_token_id=0)
+    kw = dict(
+        attention_mask=torch.ones_like(x),
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        use_cache=m["use_cache"],
+        num_beams=m.get("beam_width", 1),
+        eos_token_id=None,
+        pad_token_id=0,
+    )
     if compile:  # HF compiles its forward itself for a static cache; on CPU it has to be told to
         from transformers import CompileConfig
 
@@ -102,12 +117,15 @@ def run_hf(hf, prompts, mode, new_tokens, compile=False):
     with torch.inference_mode():
         out = hf.generate(x, **kw)
     out = out.cpu()  # waits for the device
-    return time.perf_counter() - t0, [row[x.shape[1]:].tolist() for row in out]
+    return time.perf_counter() - t0, [row[x.shape[1] :].tolist() for row in out]
 
 
 def systems_for(mode: str, args) -> dict:
     """system name -> function(prompts, new_tokens) -> (seconds, tokens per row)."""
-    out = {"tinylm": lambda m, p, n: run_tinylm(m, p, mode, n), "hf_transformers": lambda h, p, n: run_hf(h, p, mode, n)}
+    out = {
+        "tinylm": lambda m, p, n: run_tinylm(m, p, mode, n),
+        "hf_transformers": lambda h, p, n: run_hf(h, p, mode, n),
+    }
     if args.compiled and mode in COMPILED_MODES:
         out["tinylm_compiled"] = lambda m, p, n: run_tinylm(m, p, mode, n, compile=True)
     if args.compiled and mode in HF_COMPILED_MODES:
@@ -138,33 +156,58 @@ def generation_table(hf, model, args) -> list[dict]:
             reference = outputs["hf_transformers"]
             for name in systems:
                 produced = sum(len(t) for t in outputs[name])
-                rows.append({"table": "generate", "system": name, "mode": mode, "batch": batch,
-                             "new_tokens": args.new_tokens, "tokens_per_s": round(produced / statistics.median(times[name]), 1),
-                             "same_tokens_as_reference": outputs[name] == reference if name != "hf_transformers" else None,
-                             "repeats": repeats, "compile_s": compile_s[name]})
-            cell = rows[-len(systems):]
-            print(f"  {mode:15s} batch {batch:3d}: " + ", ".join(
-                f"{r['system']} {r['tokens_per_s']:.1f} tok/s" + ("" if r["same_tokens_as_reference"] in (None, True)
-                                                                  else " (DIFFERENT TOKENS)") for r in cell), flush=True)
+                rows.append(
+                    {
+                        "table": "generate",
+                        "system": name,
+                        "mode": mode,
+                        "batch": batch,
+                        "new_tokens": args.new_tokens,
+                        "tokens_per_s": round(produced / statistics.median(times[name]), 1),
+                        "same_tokens_as_reference": outputs[name] == reference if name != "hf_transformers" else None,
+                        "repeats": repeats,
+                        "compile_s": compile_s[name],
+                    }
+                )
+            cell = rows[-len(systems) :]
+            print(
+                f"  {mode:15s} batch {batch:3d}: "
+                + ", ".join(
+                    f"{r['system']} {r['tokens_per_s']:.1f} tok/s"
+                    + ("" if r["same_tokens_as_reference"] in (None, True) else " (DIFFERENT TOKENS)")
+                    for r in cell
+                ),
+                flush=True,
+            )
     return rows
 
 
 def cache_speedup_table(model, args) -> list[dict]:
     rows = []
-    prompt = torch.randint(4, model.config.vocab_size, (1, args.prompt_len), generator=torch.Generator().manual_seed(3)).tolist()
+    prompt = torch.randint(
+        4, model.config.vocab_size, (1, args.prompt_len), generator=torch.Generator().manual_seed(3)
+    ).tolist()
     for total in args.totals:
         new = total - args.prompt_len
         speeds = {}
         for mode in ("greedy_cache", "greedy_nocache"):
             reps = args.repeats if mode == "greedy_cache" else 1
             speeds[mode] = new / statistics.median(run_tinylm(model, prompt, mode, new)[0] for _ in range(reps))
-        row = {"table": "kv_cache_speedup", "system": "tinylm", "total_length": total, "new_tokens": new,
-               "cache_tokens_per_s": round(speeds["greedy_cache"], 1),
-               "nocache_tokens_per_s": round(speeds["greedy_nocache"], 1),
-               "speedup": round(speeds["greedy_cache"] / speeds["greedy_nocache"], 2)}
+        row = {
+            "table": "kv_cache_speedup",
+            "system": "tinylm",
+            "total_length": total,
+            "new_tokens": new,
+            "cache_tokens_per_s": round(speeds["greedy_cache"], 1),
+            "nocache_tokens_per_s": round(speeds["greedy_nocache"], 1),
+            "speedup": round(speeds["greedy_cache"] / speeds["greedy_nocache"], 2),
+        }
         rows.append(row)
-        print(f"  total {total:4d}: cache {row['cache_tokens_per_s']:8.1f} tok/s, no cache "
-              f"{row['nocache_tokens_per_s']:8.1f} tok/s, speed-up {row['speedup']:.2f}x", flush=True)
+        print(
+            f"  total {total:4d}: cache {row['cache_tokens_per_s']:8.1f} tok/s, no cache "
+            f"{row['nocache_tokens_per_s']:8.1f} tok/s, speed-up {row['speedup']:.2f}x",
+            flush=True,
+        )
     return rows
 
 
@@ -197,16 +240,29 @@ def llama2c_rows(args) -> list[dict]:
     for system, compile in variants.items():
         speed, tokens = time_greedy(model, ids, new, tok.stop_ids, args.repeats, compile)
         texts[system] = tok.decode(ids + tokens)
-        rows.append({"table": "llama2c", "system": system, "mode": "greedy_cache", "batch": 1,
-                     "new_tokens": len(tokens), "tokens_per_s": round(speed, 1), "same_tokens_as_reference": None})
+        rows.append(
+            {
+                "table": "llama2c",
+                "system": system,
+                "mode": "greedy_cache",
+                "batch": 1,
+                "new_tokens": len(tokens),
+                "tokens_per_s": round(speed, 1),
+                "same_tokens_as_reference": None,
+            }
+        )
         print(f"  {system} on stories260K: {speed:.1f} tok/s")
     expected_start = "Once upon a time, there was a little girl named Lily. She loved to play outside in the park."
     print(f"  the text starts as llama2.c's README says: {texts['tinylm'].startswith(expected_start)}")
     if args.llama2c:
         speeds, ref_text = [], None
         for _ in range(args.repeats):
-            proc = subprocess.run([str(args.llama2c), str(ckpt), "-z", str(tok_path), "-t", "0", "-n", str(steps),
-                                   "-i", prompt], capture_output=True, text=True, check=True)
+            proc = subprocess.run(
+                [str(args.llama2c), str(ckpt), "-z", str(tok_path), "-t", "0", "-n", str(steps), "-i", prompt],
+                capture_output=True,
+                text=True,
+                check=True,
+            )
             ref_text = proc.stdout.rstrip("\n")
             m = re.search(r"achieved tok/s:\s*([0-9.]+)", proc.stderr)
             if m:
@@ -215,9 +271,20 @@ def llama2c_rows(args) -> list[dict]:
         for r in rows:
             r["same_tokens_as_reference"] = texts[r["system"]] == ref_text
             r["vs_llama2c_run"] = round(r["tokens_per_s"] / run_c, 3)
-            print(f"  {r['system']} / run.c = {r['vs_llama2c_run']:.2f}x; identical text: {r['same_tokens_as_reference']}")
-        rows.append({"table": "llama2c", "system": "llama2c_run", "mode": "greedy_cache", "batch": 1,
-                     "new_tokens": rows[0]["new_tokens"], "tokens_per_s": round(run_c, 1), "same_tokens_as_reference": None})
+            print(
+                f"  {r['system']} / run.c = {r['vs_llama2c_run']:.2f}x; identical text: {r['same_tokens_as_reference']}"
+            )
+        rows.append(
+            {
+                "table": "llama2c",
+                "system": "llama2c_run",
+                "mode": "greedy_cache",
+                "batch": 1,
+                "new_tokens": rows[0]["new_tokens"],
+                "tokens_per_s": round(run_c, 1),
+                "same_tokens_as_reference": None,
+            }
+        )
         print(f"  llama2.c run: {run_c:.1f} tok/s")
     else:
         print("  (no --llama2c binary given: run.c not timed)")
@@ -245,15 +312,26 @@ def bfloat16_rows(args) -> list[dict]:
         eval_s = time.perf_counter() - t0
         speed, tokens = time_greedy(m, ids, 200, tok.stop_ids, args.repeats)
         first_tokens = first_tokens or tokens
-        rows.append({"table": "bfloat16", "system": "tinylm", "dtype": str(dtype).replace("torch.", ""),
-                     "stories": len(texts), "bpb": round(scores["bpb"], 5), "bpb_change": round(scores["bpb"], 5),
-                     "tokens_per_s": round(speed, 1), "eval_seconds": round(eval_s, 1),
-                     "same_tokens_as_float32": tokens == first_tokens})
+        rows.append(
+            {
+                "table": "bfloat16",
+                "system": "tinylm",
+                "dtype": str(dtype).replace("torch.", ""),
+                "stories": len(texts),
+                "bpb": round(scores["bpb"], 5),
+                "bpb_change": round(scores["bpb"], 5),
+                "tokens_per_s": round(speed, 1),
+                "eval_seconds": round(eval_s, 1),
+                "same_tokens_as_float32": tokens == first_tokens,
+            }
+        )
     for r in rows:
         r["bpb_change"] = round(r["bpb"] - rows[0]["bpb"], 5)
     for r in rows:
-        print(f"  {r['dtype']}: {r['bpb']:.5f} bpb on {r['stories']} stories (change {r['bpb_change']:+.5f}), "
-              f"greedy {r['tokens_per_s']:.1f} tok/s")
+        print(
+            f"  {r['dtype']}: {r['bpb']:.5f} bpb on {r['stories']} stories (change {r['bpb_change']:+.5f}), "
+            f"greedy {r['tokens_per_s']:.1f} tok/s"
+        )
     return rows
 
 
@@ -265,13 +343,15 @@ def int8_speed_rows(model, args) -> list[dict]:
     and weight-only int8; greedy tokens/s at each batch size, eager and (with --compiled) compiled,
     the three run alternately. The bench model is untrained (nearly flat logits), so its greedy
     tokens part from float32's early; int8's accuracy is the bits-per-byte table's."""
-    systems = {"float32": model, **{name: quantize_gpt(copy.deepcopy(model), kernel)
-                                    for name, kernel in INT8_KERNELS.items()}}
+    systems = {
+        "float32": model,
+        **{name: quantize_gpt(copy.deepcopy(model), kernel) for name, kernel in INT8_KERNELS.items()},
+    }
     g = torch.Generator().manual_seed(11)
     rows = []
     for batch in args.batches:
         prompts = torch.randint(4, model.config.vocab_size, (batch, args.prompt_len), generator=g).tolist()
-        for compile in ([False, True] if args.compiled else [False]):
+        for compile in [False, True] if args.compiled else [False]:
             for m in systems.values():  # warm-up (compiles at full length)
                 run_tinylm(m, prompts, "greedy_cache", args.new_tokens if compile else 4, compile)
             times, outputs = {name: [] for name in systems}, {}
@@ -282,15 +362,26 @@ def int8_speed_rows(model, args) -> list[dict]:
             speed = {name: batch * args.new_tokens / statistics.median(t) for name, t in times.items()}
             for name in INT8_KERNELS:
                 pairs = [(a, b) for ra, rb in zip(outputs["float32"], outputs[name]) for a, b in zip(ra, rb)]
-                rows.append({"table": "int8_speed", "system": "tinylm_compiled" if compile else "tinylm",
-                             "weights": name, "batch": batch, "new_tokens": args.new_tokens,
-                             "float32_tokens_per_s": round(speed["float32"], 1),
-                             "tokens_per_s": round(speed[name], 1), "speedup": round(speed[name] / speed["float32"], 2),
-                             "same_greedy_tokens": round(sum(a == b for a, b in pairs) / len(pairs), 3),
-                             "repeats": args.repeats})
+                rows.append(
+                    {
+                        "table": "int8_speed",
+                        "system": "tinylm_compiled" if compile else "tinylm",
+                        "weights": name,
+                        "batch": batch,
+                        "new_tokens": args.new_tokens,
+                        "float32_tokens_per_s": round(speed["float32"], 1),
+                        "tokens_per_s": round(speed[name], 1),
+                        "speedup": round(speed[name] / speed["float32"], 2),
+                        "same_greedy_tokens": round(sum(a == b for a, b in pairs) / len(pairs), 3),
+                        "repeats": args.repeats,
+                    }
+                )
                 r = rows[-1]
-                print(f"  {r['system']:15s} batch {batch:3d}: float32 {r['float32_tokens_per_s']:.1f} tok/s, {name} "
-                      f"{r['tokens_per_s']:.1f} tok/s, {r['speedup']:.2f}x", flush=True)
+                print(
+                    f"  {r['system']:15s} batch {batch:3d}: float32 {r['float32_tokens_per_s']:.1f} tok/s, {name} "
+                    f"{r['tokens_per_s']:.1f} tok/s, {r['speedup']:.2f}x",
+                    flush=True,
+                )
     return rows
 
 
@@ -302,8 +393,11 @@ def int8_bpb_rows(args) -> list[dict]:
     from tinylm.evaluation.perplexity import evaluate_texts
     from tinylm.interop import load_any_checkpoint
 
-    models = [] if args.skip_llama2c else [("stories260K", args.llama2c_dir / "stories260K.bin",
-                                             args.llama2c_dir / "tok512.bin")]
+    models = (
+        []
+        if args.skip_llama2c
+        else [("stories260K", args.llama2c_dir / "stories260K.bin", args.llama2c_dir / "tok512.bin")]
+    )
     if args.int8_checkpoint:
         models.append((args.int8_checkpoint.name, args.int8_checkpoint, None))
     if not models:
@@ -326,24 +420,43 @@ def int8_bpb_rows(args) -> list[dict]:
             int8 = quantize_gpt(copy.deepcopy(model), kernel)
             bpb = evaluate_texts(int8, tok, texts, batch_size=32)["bpb"]
             speed, tokens = time_greedy(int8, ids, 200, tok.stop_ids, args.repeats)
-            rows.append({"table": "int8_bpb", "model": label, "weights": name, "parameters": model.num_parameters(),
-                         "stories": len(texts), "float32_bpb": round(fp_bpb, 5), "bpb": round(bpb, 5),
-                         "bpb_change": round(bpb - fp_bpb, 5), "float32_tokens_per_s": round(fp_speed, 1),
-                         "tokens_per_s": round(speed, 1), "same_greedy_tokens": tokens == fp_tokens})
+            rows.append(
+                {
+                    "table": "int8_bpb",
+                    "model": label,
+                    "weights": name,
+                    "parameters": model.num_parameters(),
+                    "stories": len(texts),
+                    "float32_bpb": round(fp_bpb, 5),
+                    "bpb": round(bpb, 5),
+                    "bpb_change": round(bpb - fp_bpb, 5),
+                    "float32_tokens_per_s": round(fp_speed, 1),
+                    "tokens_per_s": round(speed, 1),
+                    "same_greedy_tokens": tokens == fp_tokens,
+                }
+            )
             r = rows[-1]
-            print(f"  {label} {name}: {r['float32_bpb']:.5f} -> {r['bpb']:.5f} bpb ({r['bpb_change']:+.5f}) on "
-                  f"{len(texts)} stories; greedy {r['float32_tokens_per_s']:.1f} -> {r['tokens_per_s']:.1f} tok/s",
-                  flush=True)
+            print(
+                f"  {label} {name}: {r['float32_bpb']:.5f} -> {r['bpb']:.5f} bpb ({r['bpb_change']:+.5f}) on "
+                f"{len(texts)} stories; greedy {r['float32_tokens_per_s']:.1f} -> {r['tokens_per_s']:.1f} tok/s",
+                flush=True,
+            )
     return rows
 
 
 def print_table(rows: list[dict]) -> None:
     gen = [r for r in rows if r["table"] == "generate"]
     if gen:
-        names = [n for n in ("tinylm", "tinylm_compiled", "hf_transformers", "hf_static_compiled")
-                 if any(r["system"] == n for r in gen)]
-        print("\n| mode | batch | " + " | ".join(f"{n} tok/s" for n in names) +
-              " | tinylm / HF | best tinylm / HF | best tinylm / best HF | same tokens |")
+        names = [
+            n
+            for n in ("tinylm", "tinylm_compiled", "hf_transformers", "hf_static_compiled")
+            if any(r["system"] == n for r in gen)
+        ]
+        print(
+            "\n| mode | batch | "
+            + " | ".join(f"{n} tok/s" for n in names)
+            + " | tinylm / HF | best tinylm / HF | best tinylm / best HF | same tokens |"
+        )
         print("|---|---:|" + "---:|" * (len(names) + 3) + "---|")
         cells = {}
         for r in gen:
@@ -353,28 +466,101 @@ def print_table(rows: list[dict]) -> None:
             best_ours = max(v for n, v in speed.items() if n.startswith("tinylm"))
             best_hf = max(v for n, v in speed.items() if n.startswith("hf"))
             same = all(c["same_tokens_as_reference"] for n, c in cell.items() if n != "hf_transformers")
-            print(f"| {mode} | {batch} | " + " | ".join(f"{speed[n]:.1f}" if n in speed else "-" for n in names) +
-                  f" | {speed['tinylm'] / speed['hf_transformers']:.2f}x | {best_ours / speed['hf_transformers']:.2f}x"
-                  f" | {best_ours / best_hf:.2f}x | {same} |")
-    markdown_table(rows, "kv_cache_speedup", ["total length", "cache tok/s", "no cache tok/s", "speed-up"], "rrrr",
-                   lambda r: [r["total_length"], f"{r['cache_tokens_per_s']:.1f}", f"{r['nocache_tokens_per_s']:.1f}",
-                              f"{r['speedup']:.2f}x"])
-    markdown_table(rows, "llama2c", ["system (stories260K)", "new tokens", "tok/s", "/ run.c", "same text as run.c"],
-                   "lrrrl", lambda r: [r["system"], r["new_tokens"], f"{r['tokens_per_s']:.1f}",
-                                       r.get("vs_llama2c_run", "-"), r["same_tokens_as_reference"]])
-    markdown_table(rows, "bfloat16", ["stories260K weights", "stories (valid.txt)", "bpb", "change", "greedy tok/s",
-                                      "same greedy tokens"], "lrrrrl",
-                   lambda r: [r["dtype"], r["stories"], f"{r['bpb']:.5f}", f"{r['bpb_change']:+.5f}",
-                              f"{r['tokens_per_s']:.1f}", r["same_tokens_as_float32"]])
-    markdown_table(rows, "int8_speed", ["system (bench model, greedy)", "weights", "batch", "float32 tok/s",
-                                        "int8 tok/s", "/ float32", "same greedy tokens"], "llrrrrr",
-                   lambda r: [r["system"], r["weights"], r["batch"], f"{r['float32_tokens_per_s']:.1f}",
-                              f"{r['tokens_per_s']:.1f}", f"{r['speedup']:.2f}x", r["same_greedy_tokens"]])
-    markdown_table(rows, "int8_bpb", ["model", "weights", "stories (valid.txt)", "float32 bpb", "int8 bpb", "change",
-                                      "float32 tok/s", "int8 tok/s", "same greedy tokens"], "llrrrrrrl",
-                   lambda r: [r["model"], r["weights"], r["stories"], f"{r['float32_bpb']:.5f}", f"{r['bpb']:.5f}",
-                              f"{r['bpb_change']:+.5f}", f"{r['float32_tokens_per_s']:.1f}",
-                              f"{r['tokens_per_s']:.1f}", r["same_greedy_tokens"]])
+            print(
+                f"| {mode} | {batch} | "
+                + " | ".join(f"{speed[n]:.1f}" if n in speed else "-" for n in names)
+                + f" | {speed['tinylm'] / speed['hf_transformers']:.2f}x | {best_ours / speed['hf_transformers']:.2f}x"
+                f" | {best_ours / best_hf:.2f}x | {same} |"
+            )
+    markdown_table(
+        rows,
+        "kv_cache_speedup",
+        ["total length", "cache tok/s", "no cache tok/s", "speed-up"],
+        "rrrr",
+        lambda r: [
+            r["total_length"],
+            f"{r['cache_tokens_per_s']:.1f}",
+            f"{r['nocache_tokens_per_s']:.1f}",
+            f"{r['speedup']:.2f}x",
+        ],
+    )
+    markdown_table(
+        rows,
+        "llama2c",
+        ["system (stories260K)", "new tokens", "tok/s", "/ run.c", "same text as run.c"],
+        "lrrrl",
+        lambda r: [
+            r["system"],
+            r["new_tokens"],
+            f"{r['tokens_per_s']:.1f}",
+            r.get("vs_llama2c_run", "-"),
+            r["same_tokens_as_reference"],
+        ],
+    )
+    markdown_table(
+        rows,
+        "bfloat16",
+        ["stories260K weights", "stories (valid.txt)", "bpb", "change", "greedy tok/s", "same greedy tokens"],
+        "lrrrrl",
+        lambda r: [
+            r["dtype"],
+            r["stories"],
+            f"{r['bpb']:.5f}",
+            f"{r['bpb_change']:+.5f}",
+            f"{r['tokens_per_s']:.1f}",
+            r["same_tokens_as_float32"],
+        ],
+    )
+    markdown_table(
+        rows,
+        "int8_speed",
+        [
+            "system (bench model, greedy)",
+            "weights",
+            "batch",
+            "float32 tok/s",
+            "int8 tok/s",
+            "/ float32",
+            "same greedy tokens",
+        ],
+        "llrrrrr",
+        lambda r: [
+            r["system"],
+            r["weights"],
+            r["batch"],
+            f"{r['float32_tokens_per_s']:.1f}",
+            f"{r['tokens_per_s']:.1f}",
+            f"{r['speedup']:.2f}x",
+            r["same_greedy_tokens"],
+        ],
+    )
+    markdown_table(
+        rows,
+        "int8_bpb",
+        [
+            "model",
+            "weights",
+            "stories (valid.txt)",
+            "float32 bpb",
+            "int8 bpb",
+            "change",
+            "float32 tok/s",
+            "int8 tok/s",
+            "same greedy tokens",
+        ],
+        "llrrrrrrl",
+        lambda r: [
+            r["model"],
+            r["weights"],
+            r["stories"],
+            f"{r['float32_bpb']:.5f}",
+            f"{r['bpb']:.5f}",
+            f"{r['bpb_change']:+.5f}",
+            f"{r['float32_tokens_per_s']:.1f}",
+            f"{r['tokens_per_s']:.1f}",
+            r["same_greedy_tokens"],
+        ],
+    )
 
 
 def markdown_table(rows: list[dict], table: str, header: list[str], align: str, cells) -> None:
@@ -396,16 +582,29 @@ def main(argv=None) -> int:
     p.add_argument("--json", type=Path, help="write all rows as a JSON list")
     p.add_argument("--repeats", type=int, default=None, help="alternating runs per cell (median reported)")
     p.add_argument("--llama2c", type=Path, help="a compiled llama2.c `run` binary to time beside tinylm")
-    p.add_argument("--llama2c-dir", type=Path, default=SHARED_LLAMA2C, help="folder with stories260K.bin and tok512.bin")
+    p.add_argument(
+        "--llama2c-dir", type=Path, default=SHARED_LLAMA2C, help="folder with stories260K.bin and tok512.bin"
+    )
     p.add_argument("--skip-llama2c", action="store_true")
-    p.add_argument("--skip-bfloat16", action="store_true", help="leave out the bfloat16 table (it scores valid.txt twice)")
-    p.add_argument("--compiled", action=argparse.BooleanOptionalAction, default=None,
-                   help="time the compiled systems too (default: on, off with --quick: compiling takes minutes)")
+    p.add_argument(
+        "--skip-bfloat16", action="store_true", help="leave out the bfloat16 table (it scores valid.txt twice)"
+    )
+    p.add_argument(
+        "--compiled",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="time the compiled systems too (default: on, off with --quick: compiling takes minutes)",
+    )
     p.add_argument("--skip-int8", action="store_true", help="leave out the int8 tables")
-    p.add_argument("--int8-checkpoint", type=Path,
-                   help="a trained tinylm checkpoint or run directory for the int8 bits-per-byte table "
-                        "(e.g. ../runs/tinystories-cpu-25m); stories260K is always scored")
-    p.add_argument("--valid", type=Path, default=SHARED_VALID, help="TinyStories valid.txt for the bfloat16 and int8 tables")
+    p.add_argument(
+        "--int8-checkpoint",
+        type=Path,
+        help="a trained tinylm checkpoint or run directory for the int8 bits-per-byte table "
+        "(e.g. ../runs/tinystories-cpu-25m); stories260K is always scored",
+    )
+    p.add_argument(
+        "--valid", type=Path, default=SHARED_VALID, help="TinyStories valid.txt for the bfloat16 and int8 tables"
+    )
     p.add_argument("--modes", dest="modes_arg", help=f"comma-separated subset of {','.join(MODES)}")
     p.add_argument("--batches", dest="batches_arg", help="comma-separated batch sizes (default: 1,16; --quick: 1,4)")
     args = p.parse_args(argv)
@@ -435,9 +634,12 @@ def main(argv=None) -> int:
     import transformers
 
     transformers.logging.set_verbosity_error()
-    print(f"torch {torch.__version__}, transformers {transformers.__version__}, threads {torch.get_num_threads()}, "
-          f"device {args.device}" + (f" ({torch.cuda.get_device_name()})" if args.device == "cuda" else "") + ", "
-          f"model {dims}, repeats {args.repeats}", flush=True)
+    print(
+        f"torch {torch.__version__}, transformers {transformers.__version__}, threads {torch.get_num_threads()}, "
+        f"device {args.device}" + (f" ({torch.cuda.get_device_name()})" if args.device == "cuda" else "") + ", "
+        f"model {dims}, repeats {args.repeats}",
+        flush=True,
+    )
     t0 = time.perf_counter()
     hf, model = build_models(**dims, device=args.device)
     print(f"parameters: {model.num_parameters():,}")

@@ -108,8 +108,10 @@ def write_tasks(stories: list[str], work: Path, seed: int) -> list[dict]:
     tasks = work / "tasks"
     tasks.mkdir(parents=True, exist_ok=True)
     rows = cloze_rows(stories, seed)
-    for name, items, yaml in (("story_cloze", rows, CLOZE_YAML),
-                              ("stories_bpb", [{"text": s} for s in stories], BPB_YAML)):
+    for name, items, yaml in (
+        ("story_cloze", rows, CLOZE_YAML),
+        ("stories_bpb", [{"text": s} for s in stories], BPB_YAML),
+    ):
         data = tasks / f"{name}.jsonl"
         data.write_text("".join(json.dumps(x, ensure_ascii=False) + "\n" for x in items), encoding="utf-8")
         (tasks / f"{name}.yaml").write_text(yaml.format(data=json.dumps(str(data))), encoding="utf-8")
@@ -124,7 +126,7 @@ def continuation_logprob(model, tokenizer, context: str, continuation: str) -> f
     ids those after the context's, the last ``context_length`` ids kept."""
     context_ids = tokenizer.encode(context)
     whole = tokenizer.encode(context + continuation)
-    kept = whole[-model.config.context_length:]
+    kept = whole[-model.config.context_length :]
     first = len(context_ids) - (len(whole) - len(kept))  # the continuation's first position in kept
     logp = torch.log_softmax(model(torch.tensor([kept]))[0][0].float(), dim=-1)
     return sum(float(logp[t - 1, kept[t]]) for t in range(max(first, 1), len(kept)))
@@ -157,8 +159,20 @@ def run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
 
 
 def serve(checkpoint: str, threads: int, port: int) -> tuple[subprocess.Popen, str]:
-    cmd = [sys.executable, "-m", "tinylm.cli", "serve", "--checkpoint", checkpoint, "--threads", str(threads),
-           "--port", str(port), "--max-choices", "16"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "tinylm.cli",
+        "serve",
+        "--checkpoint",
+        checkpoint,
+        "--threads",
+        str(threads),
+        "--port",
+        str(port),
+        "--max-choices",
+        "16",
+    ]
     print("$", shown(cmd), "&", flush=True)
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
@@ -176,13 +190,34 @@ def serve(checkpoint: str, threads: int, port: int) -> tuple[subprocess.Popen, s
 
 
 def harness(work: Path, name: str, port: int, tokenizer_dir: Path, max_length: int, batch: int) -> tuple[dict, float]:
-    args = (f"model={name},base_url=http://127.0.0.1:{port}/v1/completions,tokenizer={tokenizer_dir},"
-            f"tokenizer_backend=huggingface,max_length={max_length}")
-    cmd = [sys.executable, "-m", "lm_eval", "--model", "local-completions", "--model_args", args,
-           "--tasks", "story_cloze,stories_bpb", "--include_path", str(work / "tasks"), "--batch_size", str(batch),
-           "--output_path", str(work / "lm_eval")]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-           "HF_DATASETS_CACHE": str(work / "datasets-cache")}
+    args = (
+        f"model={name},base_url=http://127.0.0.1:{port}/v1/completions,tokenizer={tokenizer_dir},"
+        f"tokenizer_backend=huggingface,max_length={max_length}"
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "lm_eval",
+        "--model",
+        "local-completions",
+        "--model_args",
+        args,
+        "--tasks",
+        "story_cloze,stories_bpb",
+        "--include_path",
+        str(work / "tasks"),
+        "--batch_size",
+        str(batch),
+        "--output_path",
+        str(work / "lm_eval"),
+    ]
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "HF_DATASETS_CACHE": str(work / "datasets-cache"),
+    }
     t0 = time.perf_counter()
     run(cmd, env=env)
     seconds = time.perf_counter() - t0
@@ -196,8 +231,20 @@ def measure(args, work: Path) -> dict:
     print(f"{len(stories)} stories, {len(rows)} cloze questions in {work / 'tasks'}", flush=True)
     model, tokenizer, _ = load_any_checkpoint(args.checkpoint)
     tok_dir = work / "hf-tokenizer"
-    run([sys.executable, "-m", "tinylm.cli", "export-tokenizer", "--checkpoint", args.checkpoint, "--out", str(tok_dir),
-         "--hf"], cwd=REPO)
+    run(
+        [
+            sys.executable,
+            "-m",
+            "tinylm.cli",
+            "export-tokenizer",
+            "--checkpoint",
+            args.checkpoint,
+            "--out",
+            str(tok_dir),
+            "--hf",
+        ],
+        cwd=REPO,
+    )
     port = free_port()
     proc, name = serve(args.checkpoint, args.threads, port)
     try:
@@ -206,42 +253,76 @@ def measure(args, work: Path) -> dict:
         proc.terminate()
         proc.wait(timeout=30)
     t0 = time.perf_counter()
-    evaluated = json.loads(run([sys.executable, "-m", "tinylm.cli", "evaluate", "--checkpoint", args.checkpoint,
-                                "--data", str(work / "tasks" / "stories_bpb.jsonl"), "--json"], cwd=REPO).stdout)
+    evaluated = json.loads(
+        run(
+            [
+                sys.executable,
+                "-m",
+                "tinylm.cli",
+                "evaluate",
+                "--checkpoint",
+                args.checkpoint,
+                "--data",
+                str(work / "tasks" / "stories_bpb.jsonl"),
+                "--json",
+            ],
+            cwd=REPO,
+        ).stdout
+    )
     evaluate_s = time.perf_counter() - t0
     torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
     ours = tinylm_accuracy(model.eval(), tokenizer, rows)
     import cpuinfo
 
-    return {"checkpoint": args.checkpoint, "model": name, "stories": len(stories), "questions": len(rows),
-            "harness": {"acc": results["story_cloze"]["acc,none"], "acc_norm": results["story_cloze"]["acc_norm,none"],
-                        "bpb": results["stories_bpb"]["bits_per_byte,none"], "seconds": round(harness_s, 1)},
-            "tinylm": {**ours, "bpb": evaluated["bpb"], "evaluate_seconds": round(evaluate_s, 1),
-                       "scoring_seconds": round(time.perf_counter() - t0, 1)},
-            "cpu": cpuinfo.get_cpu_info().get("brand_raw"), "threads": args.threads}
+    return {
+        "checkpoint": args.checkpoint,
+        "model": name,
+        "stories": len(stories),
+        "questions": len(rows),
+        "harness": {
+            "acc": results["story_cloze"]["acc,none"],
+            "acc_norm": results["story_cloze"]["acc_norm,none"],
+            "bpb": results["stories_bpb"]["bits_per_byte,none"],
+            "seconds": round(harness_s, 1),
+        },
+        "tinylm": {
+            **ours,
+            "bpb": evaluated["bpb"],
+            "evaluate_seconds": round(evaluate_s, 1),
+            "scoring_seconds": round(time.perf_counter() - t0, 1),
+        },
+        "cpu": cpuinfo.get_cpu_info().get("brand_raw"),
+        "threads": args.threads,
+    }
 
 
 def table(r: dict) -> str:
     h, t = r["harness"], r["tinylm"]
     gap = (h["bpb"] - t["bpb"]) / t["bpb"] * 100
-    return "\n".join([
-        f"{r['model']}: {r['questions']} story-cloze questions, {r['stories']} stories; {r['cpu']}, "
-        f"{r['threads']} torch thread(s)",
-        "| | lm-evaluation-harness (local-completions) | tinylm |",
-        "|---|---|---|",
-        f"| story cloze acc | {h['acc']:.4f} | {t['acc']:.4f} |",
-        f"| story cloze acc_norm | {h['acc_norm']:.4f} | {t['acc_norm']:.4f} |",
-        f"| bits per byte | {h['bpb']:.4f} | {t['bpb']:.4f} (`tinylm evaluate`; harness {gap:+.2f}%) |",
-        f"| wall time | {h['seconds']:.0f} s (both tasks) | {t['evaluate_seconds']:.0f} s evaluate, "
-        f"{t['scoring_seconds']:.0f} s cloze |"])
+    return "\n".join(
+        [
+            f"{r['model']}: {r['questions']} story-cloze questions, {r['stories']} stories; {r['cpu']}, "
+            f"{r['threads']} torch thread(s)",
+            "| | lm-evaluation-harness (local-completions) | tinylm |",
+            "|---|---|---|",
+            f"| story cloze acc | {h['acc']:.4f} | {t['acc']:.4f} |",
+            f"| story cloze acc_norm | {h['acc_norm']:.4f} | {t['acc_norm']:.4f} |",
+            f"| bits per byte | {h['bpb']:.4f} | {t['bpb']:.4f} (`tinylm evaluate`; harness {gap:+.2f}%) |",
+            f"| wall time | {h['seconds']:.0f} s (both tasks) | {t['evaluate_seconds']:.0f} s evaluate, "
+            f"{t['scoring_seconds']:.0f} s cloze |",
+        ]
+    )
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--checkpoint", required=True, help="any checkpoint tinylm serve takes")
-    p.add_argument("--data", default=str(REPO.parent / "shared" / "data" / "tinystories" / "valid.txt"),
-                   help="TinyStories-format text or .jsonl (default: ../shared/data/tinystories/valid.txt)")
+    p.add_argument(
+        "--data",
+        default=str(REPO.parent / "shared" / "data" / "tinystories" / "valid.txt"),
+        help="TinyStories-format text or .jsonl (default: ../shared/data/tinystories/valid.txt)",
+    )
     p.add_argument("--max-docs", type=int, default=None, help="the first N stories only")
     p.add_argument("--seed", type=int, default=0, help="draws the wrong endings and their order")
     p.add_argument("--threads", type=int, default=2, help="torch threads of the server and of tinylm's scoring")

@@ -75,8 +75,21 @@ def run_kenlm(order, train_txt: Path, test_lines: list[str], V: int, workdir: Pa
     import kenlm
 
     arpa = workdir / f"o{order}.arpa"
-    cmd = [str(LMPLZ), "-o", str(order), "--text", str(train_txt), "--arpa", str(arpa), "-S", "1G",
-           "-T", str(workdir), "--vocab_pad", str(V)]
+    cmd = [
+        str(LMPLZ),
+        "-o",
+        str(order),
+        "--text",
+        str(train_txt),
+        "--arpa",
+        str(arpa),
+        "-S",
+        "1G",
+        "-T",
+        str(workdir),
+        "--vocab_pad",
+        str(V),
+    ]
     if quick:
         cmd.append("--discount_fallback")  # the quick corpus is small enough to lack some counts of counts
     t0 = time.perf_counter()
@@ -110,8 +123,10 @@ def main() -> int:
         import kenlm  # noqa: F401
     except ImportError:
         have_kenlm = False
-    print(f"Shakespeare, BPE {merges} merges (V={V}): train {n_train:,} tokens, test {test.size:,} tokens; "
-          f"tinylm numpy 1 thread; {repeats} repeat(s), alternating systems")
+    print(
+        f"Shakespeare, BPE {merges} merges (V={V}): train {n_train:,} tokens, test {test.size:,} tokens; "
+        f"tinylm numpy 1 thread; {repeats} repeat(s), alternating systems"
+    )
     if not have_kenlm:
         print("kenlm rows skipped: lmplz or the kenlm module is missing (run: bash benchmarks/setup_kenlm.sh)")
 
@@ -130,21 +145,42 @@ def main() -> int:
             for system, rs in runs.items():
                 if not rs:
                     continue
-                rows.append({"system": system, "order": order, "smoothing": "modified_kneser_ney",
-                             "ppl": round(rs[0]["ppl"], 4),
-                             "count_tokens_per_s": round(n_train / statistics.median(r["count_s"] for r in rs)),
-                             "query_tokens_per_s": round(rs[0]["scored"] / statistics.median(r["query_s"] for r in rs))})
+                rows.append(
+                    {
+                        "system": system,
+                        "order": order,
+                        "smoothing": "modified_kneser_ney",
+                        "ppl": round(rs[0]["ppl"], 4),
+                        "count_tokens_per_s": round(n_train / statistics.median(r["count_s"] for r in rs)),
+                        "query_tokens_per_s": round(rs[0]["scored"] / statistics.median(r["query_s"] for r in rs)),
+                    }
+                )
         for order in (3, 5):
             for smoothing in ("add_k", "interpolated"):
                 rs = [run_tinylm(order, smoothing, train, test, V, valid) for _ in range(repeats)]
-                rows.append({"system": "tinylm", "order": order,
-                             "smoothing": "add_k(0.1)" if smoothing == "add_k" else "interpolated(EM on valid)",
-                             "ppl": round(rs[0]["ppl"], 4),
-                             "count_tokens_per_s": round(n_train / statistics.median(r["count_s"] for r in rs)),
-                             "query_tokens_per_s": round(rs[0]["scored"] / statistics.median(r["query_s"] for r in rs))})
+                rows.append(
+                    {
+                        "system": "tinylm",
+                        "order": order,
+                        "smoothing": "add_k(0.1)" if smoothing == "add_k" else "interpolated(EM on valid)",
+                        "ppl": round(rs[0]["ppl"], 4),
+                        "count_tokens_per_s": round(n_train / statistics.median(r["count_s"] for r in rs)),
+                        "query_tokens_per_s": round(rs[0]["scored"] / statistics.median(r["query_s"] for r in rs)),
+                    }
+                )
 
     ken = {(r["order"]): r for r in rows if r["system"] == "kenlm"}
-    header = ["system", "order", "smoothing", "ppl", "ppl / kenlm", "count tok/s", "query tok/s", "count x kenlm", "query x kenlm"]
+    header = [
+        "system",
+        "order",
+        "smoothing",
+        "ppl",
+        "ppl / kenlm",
+        "count tok/s",
+        "query tok/s",
+        "count x kenlm",
+        "query x kenlm",
+    ]
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
     for r in rows:
@@ -153,10 +189,17 @@ def main() -> int:
             r["ppl_ratio_vs_kenlm"] = round(r["ppl"] / k["ppl"], 5)
             r["count_speed_ratio_vs_kenlm"] = round(r["count_tokens_per_s"] / k["count_tokens_per_s"], 3)
             r["query_speed_ratio_vs_kenlm"] = round(r["query_tokens_per_s"] / k["query_tokens_per_s"], 3)
-        cells = [r["system"], r["order"], r["smoothing"], f"{r['ppl']:.3f}",
-                 f"{r['ppl_ratio_vs_kenlm']:.5f}" if k else "-", f"{r['count_tokens_per_s']:,}",
-                 f"{r['query_tokens_per_s']:,}", f"{r['count_speed_ratio_vs_kenlm']:.2f}" if k else "-",
-                 f"{r['query_speed_ratio_vs_kenlm']:.2f}" if k else "-"]
+        cells = [
+            r["system"],
+            r["order"],
+            r["smoothing"],
+            f"{r['ppl']:.3f}",
+            f"{r['ppl_ratio_vs_kenlm']:.5f}" if k else "-",
+            f"{r['count_tokens_per_s']:,}",
+            f"{r['query_tokens_per_s']:,}",
+            f"{r['count_speed_ratio_vs_kenlm']:.2f}" if k else "-",
+            f"{r['query_speed_ratio_vs_kenlm']:.2f}" if k else "-",
+        ]
         print("| " + " | ".join(str(c) for c in cells) + " |")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))

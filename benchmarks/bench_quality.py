@@ -41,8 +41,12 @@ SHARED = Path(__file__).resolve().parents[2] / "shared"
 DEFAULT_ANCHORS = SHARED / "anchors" / "llama2c"
 DEFAULT_DATA = SHARED / "data" / "tinystories" / "valid.txt"
 DEFAULT_TRAIN = SHARED / "data" / "tinystories" / "train.txt"
-RECIPES = {"v1": "tinystories-cpu-1h-v1", "r2": "tinystories-cpu-1h-r2", "r3": "tinystories-cpu-1h-r3",
-           "current": "tinystories-cpu-1h"}
+RECIPES = {
+    "v1": "tinystories-cpu-1h-v1",
+    "r2": "tinystories-cpu-1h-r2",
+    "r3": "tinystories-cpu-1h-r3",
+    "current": "tinystories-cpu-1h",
+}
 REFERENCE_NAME = "stories260K (llama2.c)"
 REFERENCE_BPB, REFERENCE_TOLERANCE = 0.993, 0.005  # documented for the full shared valid.txt
 QUICK_STORIES = 40
@@ -83,18 +87,31 @@ def evaluate_model(name: str, checkpoint: str, tokenizer: str | None, texts: lis
     model, tok, info = load_any_checkpoint(checkpoint, tokenizer)
     m = evaluate_texts(model, tok, texts, batch_size=batch_size)
     minutes = train_minutes(Path(checkpoint), info) if info["format"] == "tinylm" else None
-    return {"model": name, "params": model.num_parameters(), "bpb": m["bpb"], "token_ppl": m["token_ppl"],
-            "word_ppl": m["word_ppl"], "train_minutes": minutes, "format": info["format"],
-            "tokens": m["tokens"], "bytes": m["bytes"], "stories": len(texts),
-            "eval_seconds": time.perf_counter() - t0}
+    return {
+        "model": name,
+        "params": model.num_parameters(),
+        "bpb": m["bpb"],
+        "token_ppl": m["token_ppl"],
+        "word_ppl": m["word_ppl"],
+        "train_minutes": minutes,
+        "format": info["format"],
+        "tokens": m["tokens"],
+        "bytes": m["bytes"],
+        "stories": len(texts),
+        "eval_seconds": time.perf_counter() - t0,
+    }
 
 
 def budget_overrides(minutes: float, tokens: int | None) -> list[str]:
     """The overrides that make a recipe train for ``tokens`` training tokens (the cosine over the
     steps they make, no wall clock) when given, else for ``minutes`` of wall time."""
     if tokens is not None:
-        return [f"train.max_tokens={tokens}", "train.max_minutes=null", "train.epochs=null",
-                "train.schedule_clock=steps"]
+        return [
+            f"train.max_tokens={tokens}",
+            "train.max_minutes=null",
+            "train.epochs=null",
+            "train.schedule_clock=steps",
+        ]
     return [f"train.max_minutes={minutes}", "train.max_tokens=null"]
 
 
@@ -104,8 +121,10 @@ def train_recipe(name: str, budget: list[str], train: Path, valid: Path, runs: P
     from tinylm.pipeline import run_pipeline
 
     out = runs / name.replace("/", "_")
-    cfg = build_config(RECIPES.get(name, name), [f"data.train={train}", f"data.valid={valid}", *budget,
-                                                  "train.progress=false", f"out_dir={out}", *overrides])
+    cfg = build_config(
+        RECIPES.get(name, name),
+        [f"data.train={train}", f"data.valid={valid}", *budget, "train.progress=false", f"out_dir={out}", *overrides],
+    )
     print(f"bench_quality: training recipe {name} ({RECIPES.get(name, name)}) for {' '.join(budget)} -> {out}")
     summary = run_pipeline(cfg, out)
     print(f"bench_quality: recipe {name}: {summary['steps']:,} steps, {summary['tokens_per_s']:,.0f} tokens/s")
@@ -125,8 +144,10 @@ def print_table(rows: list[dict], reference: dict | None) -> None:
     print(f"{'model':<34} {'params':>10} {'bpb':>7} {'token_ppl':>10} {'word_ppl':>9} {'train_min':>9} {'bpb/260K':>9}")
     for r in rows:
         ratio = fmt(r["bpb"] / reference["bpb"], 3) if reference else "-"
-        print(f"{r['model'][:34]:<34} {r['params']:>10,} {r['bpb']:>7.4f} {r['token_ppl']:>10.3f} "
-              f"{r['word_ppl']:>9.2f} {fmt(r['train_minutes'], 1):>9} {ratio:>9}")
+        print(
+            f"{r['model'][:34]:<34} {r['params']:>10,} {r['bpb']:>7.4f} {r['token_ppl']:>10.3f} "
+            f"{r['word_ppl']:>9.2f} {fmt(r['train_minutes'], 1):>9} {ratio:>9}"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -139,15 +160,29 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
     ap.add_argument("--json", metavar="PATH", help="write the table as a JSON list of row objects")
-    ap.add_argument("--recipe", action="append", default=[],
-                    help="train this recipe first (v1, current, or a preset / config file); repeatable")
+    ap.add_argument(
+        "--recipe",
+        action="append",
+        default=[],
+        help="train this recipe first (v1, current, or a preset / config file); repeatable",
+    )
     ap.add_argument("--minutes", type=float, default=10.0, help="wall minutes of training per recipe (default 10)")
-    ap.add_argument("--tokens", type=int, default=None,
-                    help="train each recipe for this many tokens instead of --minutes (equal training on any machine)")
+    ap.add_argument(
+        "--tokens",
+        type=int,
+        default=None,
+        help="train each recipe for this many tokens instead of --minutes (equal training on any machine)",
+    )
     ap.add_argument("--train", default=None, help=f"training file for --recipe (default: {DEFAULT_TRAIN})")
     ap.add_argument("--runs", default="runs/bench_quality", help="where the recipe runs are written")
-    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                    help="a config override for every recipe; repeatable")
+    ap.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a config override for every recipe; repeatable",
+    )
     args = ap.parse_args(argv)
 
     import torch
@@ -158,13 +193,19 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     data = Path(args.data) if args.data else DEFAULT_DATA
     if not data.is_file():
-        print(f"bench_quality: error: data file {data} does not exist"
-              + ("" if args.data else " (the shared TinyStories data is absent; give --data FILE)"), file=sys.stderr)
+        print(
+            f"bench_quality: error: data file {data} does not exist"
+            + ("" if args.data else " (the shared TinyStories data is absent; give --data FILE)"),
+            file=sys.stderr,
+        )
         return 2
     train = Path(args.train) if args.train else DEFAULT_TRAIN
     if args.recipe and not train.is_file():
-        print(f"bench_quality: error: training file {train} does not exist"
-              + ("" if args.train else " (the shared TinyStories data is absent; give --train FILE)"), file=sys.stderr)
+        print(
+            f"bench_quality: error: training file {train} does not exist"
+            + ("" if args.train else " (the shared TinyStories data is absent; give --train FILE)"),
+            file=sys.stderr,
+        )
         return 2
     if args.recipe and args.minutes <= 0:
         print(f"bench_quality: error: --minutes must be positive (got {args.minutes})", file=sys.stderr)
@@ -176,19 +217,24 @@ def main(argv: list[str] | None = None) -> int:
     limit = QUICK_STORIES if args.quick else args.max_stories
     full_file = limit is None or limit >= len(texts)
     texts = texts[:limit] if limit else texts
-    print(f"bench_quality: {len(texts)} stories of {data.name}{'' if full_file else ' (a subset)'}, "
-          f"torch threads {torch.get_num_threads()}; each story scored alone from its start token")
+    print(
+        f"bench_quality: {len(texts)} stories of {data.name}{'' if full_file else ' (a subset)'}, "
+        f"torch threads {torch.get_num_threads()}; each story scored alone from its start token"
+    )
 
     rows, reference = [], None
     ref_files = reference_files(Path(args.anchors))
     if ref_files is None:
-        print(f"bench_quality: stories260K reference ABSENT: {args.anchors} has no stories260K.bin + tok512.bin; "
-              "the table has no reference row and no ratios")
+        print(
+            f"bench_quality: stories260K reference ABSENT: {args.anchors} has no stories260K.bin + tok512.bin; "
+            "the table has no reference row and no ratios"
+        )
     try:
         # train first, so that every evaluation below runs after the last training has ended
         budget = budget_overrides(args.minutes, args.tokens)
-        recipe_models = [str(train_recipe(name, budget, train, data, Path(args.runs), args.overrides))
-                         for name in args.recipe]
+        recipe_models = [
+            str(train_recipe(name, budget, train, data, Path(args.runs), args.overrides)) for name in args.recipe
+        ]
         if ref_files is not None:
             reference = evaluate_model(REFERENCE_NAME, str(ref_files[0]), str(ref_files[1]), texts, args.batch_size)
             rows.append(reference)
@@ -206,11 +252,15 @@ def main(argv: list[str] | None = None) -> int:
     if reference is not None:
         if full_file and data.resolve() == DEFAULT_DATA.resolve():
             ok = abs(reference["bpb"] - REFERENCE_BPB) <= REFERENCE_TOLERANCE
-            print(f"stories260K reproduction: {reference['bpb']:.4f} bpb here vs {REFERENCE_BPB} documented "
-                  f"(+-{REFERENCE_TOLERANCE}): {'OK' if ok else 'MISMATCH'}")
+            print(
+                f"stories260K reproduction: {reference['bpb']:.4f} bpb here vs {REFERENCE_BPB} documented "
+                f"(+-{REFERENCE_TOLERANCE}): {'OK' if ok else 'MISMATCH'}"
+            )
         else:
-            print(f"stories260K: {reference['bpb']:.4f} bpb on these stories (its documented {REFERENCE_BPB} is for the "
-                  "full shared valid.txt)")
+            print(
+                f"stories260K: {reference['bpb']:.4f} bpb on these stories (its documented {REFERENCE_BPB} is for the "
+                "full shared valid.txt)"
+            )
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
         print(f"bench_quality: wrote {len(rows)} rows to {args.json}")

@@ -84,19 +84,34 @@ def machine() -> dict:
         model = found.group(1).strip() if found else model
     except (OSError, subprocess.SubprocessError):
         pass
-    return {"cpu_model": model, "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-            "platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__}
+    return {
+        "cpu_model": model,
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+    }
 
 
 # ------------------------------------------------------------------------------------ training
 def run_training(args) -> dict:
-    from bench_training import (ROOF_CONTEXT, ROOF_LAYERS, ROOF_VOCAB, RoofRow, batch_at, load_token_stream, loss_on,
-                                roof_models)
+    from bench_training import (
+        ROOF_CONTEXT,
+        ROOF_LAYERS,
+        ROOF_VOCAB,
+        RoofRow,
+        batch_at,
+        load_token_stream,
+        loss_on,
+        roof_models,
+    )
 
     widths = [64, 128] if args.quick else [64, 128, 256, 512]
     batch, steps, rounds = (2, 2, 1) if args.quick else (4, 4, 3)
-    train_tokens, valid_tokens, source = load_token_stream(ROOF_VOCAB, "auto", 200_000 if args.quick else 2_000_000,
-                                                          data_dir=args.data)
+    train_tokens, valid_tokens, source = load_token_stream(
+        ROOF_VOCAB, "auto", 200_000 if args.quick else 2_000_000, data_dir=args.data
+    )
     cpu = torch.device("cpu")
     batches = [batch_at(train_tokens, i, batch, ROOF_CONTEXT, seed=1) for i in range(steps)]
     held_out = [batch_at(valid_tokens, i, batch, ROOF_CONTEXT, seed=2) for i in range(2)]
@@ -110,18 +125,39 @@ def run_training(args) -> dict:
                 row.seconds.append(row.train(batches))
         speed = {row.system: steps * batch * ROOF_CONTEXT / statistics.median(row.seconds) for row in systems}
         loss = {row.system: loss_on(row.model, held_out) for row in systems}
-        rows.append({"d_model": d, "heads": systems[0].model.config.n_heads,
-                     "parameters": sum(p.numel() for p in systems[0].model.parameters()),
-                     "tinylm_tokens_per_s": round(speed["tinylm"], 1), "hf_tokens_per_s": round(speed["hf_gpt2"], 1),
-                     "vs_hf": round(speed["tinylm"] / speed["hf_gpt2"], 3),
-                     "tinylm_loss": round(loss["tinylm"], 5), "hf_loss": round(loss["hf_gpt2"], 5)})
-        log(f"  training d_model {d}: tinylm {speed['tinylm']:,.0f} tok/s, HF GPT-2 {speed['hf_gpt2']:,.0f} tok/s, "
-            f"losses {loss['tinylm']:.4f} / {loss['hf_gpt2']:.4f}")
+        rows.append(
+            {
+                "d_model": d,
+                "heads": systems[0].model.config.n_heads,
+                "parameters": sum(p.numel() for p in systems[0].model.parameters()),
+                "tinylm_tokens_per_s": round(speed["tinylm"], 1),
+                "hf_tokens_per_s": round(speed["hf_gpt2"], 1),
+                "vs_hf": round(speed["tinylm"] / speed["hf_gpt2"], 3),
+                "tinylm_loss": round(loss["tinylm"], 5),
+                "hf_loss": round(loss["hf_gpt2"], 5),
+            }
+        )
+        log(
+            f"  training d_model {d}: tinylm {speed['tinylm']:,.0f} tok/s, HF GPT-2 {speed['hf_gpt2']:,.0f} tok/s, "
+            f"losses {loss['tinylm']:.4f} / {loss['hf_gpt2']:.4f}"
+        )
     xs = [r["d_model"] for r in rows]
-    return {"rows": rows, "setup": {"layers": ROOF_LAYERS, "context": ROOF_CONTEXT, "vocab": ROOF_VOCAB, "batch": batch,
-                                    "steps": steps, "rounds": rounds, "data": source},
-            "slopes": {"tinylm": loglog_slope(xs, [r["tinylm_tokens_per_s"] for r in rows]),
-                       "hf": loglog_slope(xs, [r["hf_tokens_per_s"] for r in rows])}}
+    return {
+        "rows": rows,
+        "setup": {
+            "layers": ROOF_LAYERS,
+            "context": ROOF_CONTEXT,
+            "vocab": ROOF_VOCAB,
+            "batch": batch,
+            "steps": steps,
+            "rounds": rounds,
+            "data": source,
+        },
+        "slopes": {
+            "tinylm": loglog_slope(xs, [r["tinylm_tokens_per_s"] for r in rows]),
+            "hf": loglog_slope(xs, [r["hf_tokens_per_s"] for r in rows]),
+        },
+    }
 
 
 # ------------------------------------------------------------------------------------ decoding
@@ -142,10 +178,17 @@ def run_decoding(args) -> dict:
 
     transformers.logging.set_verbosity_error()
     if args.quick:
-        dims, contexts, new = dict(vocab=1024, ctx=256, d_model=128, layers=2, heads=4), [64, 128, 256], {True: 16, False: 4}
+        dims, contexts, new = (
+            dict(vocab=1024, ctx=256, d_model=128, layers=2, heads=4),
+            [64, 128, 256],
+            {True: 16, False: 4},
+        )
     else:
-        dims, contexts, new = dict(vocab=4096, ctx=2048, d_model=256, layers=4, heads=8), [64, 128, 256, 512, 1024, 2048], \
-            {True: 128, False: 16}
+        dims, contexts, new = (
+            dict(vocab=4096, ctx=2048, d_model=256, layers=4, heads=8),
+            [64, 128, 256, 512, 1024, 2048],
+            {True: 128, False: 16},
+        )
     repeats = 1 if args.quick else 5
     hf, model = build_models(**dims)
     gen = torch.Generator().manual_seed(5)
@@ -161,17 +204,29 @@ def run_decoding(args) -> dict:
             ours, ours_tokens = decode_rate(run_tinylm, model, prompt, mode, n, reps)
             hf_rate, hf_tokens = decode_rate(run_hf, hf, prompt, mode, n, reps)
             same = ours_tokens == hf_tokens
-            rows.append({"context": L, "cache": cache, "new_tokens": n, "repeats": reps,
-                         "tinylm_tokens_per_s": round(ours, 1), "hf_tokens_per_s": round(hf_rate, 1),
-                         "vs_hf": round(ours / hf_rate, 3), "same_tokens": same})
-            log(f"  decoding context {L} {'cache' if cache else 'no cache'}: tinylm {ours:,.1f} tok/s, HF {hf_rate:,.1f} "
-                f"tok/s, same tokens {same}")
+            rows.append(
+                {
+                    "context": L,
+                    "cache": cache,
+                    "new_tokens": n,
+                    "repeats": reps,
+                    "tinylm_tokens_per_s": round(ours, 1),
+                    "hf_tokens_per_s": round(hf_rate, 1),
+                    "vs_hf": round(ours / hf_rate, 3),
+                    "same_tokens": same,
+                }
+            )
+            log(
+                f"  decoding context {L} {'cache' if cache else 'no cache'}: tinylm {ours:,.1f} tok/s, HF {hf_rate:,.1f} "
+                f"tok/s, same tokens {same}"
+            )
     slopes = {}
     for cache in (True, False):
         part = [r for r in rows if r["cache"] == cache]
         for system in ("tinylm", "hf"):
             slopes[f"{system}_{'cache' if cache else 'nocache'}"] = loglog_slope(
-                [r["context"] for r in part], [r[f"{system}_tokens_per_s"] for r in part])
+                [r["context"] for r in part], [r[f"{system}_tokens_per_s"] for r in part]
+            )
     return {"rows": rows, "setup": {**dims, "batch": 1, "prompt": "L - new_tokens random tokens"}, "slopes": slopes}
 
 
@@ -183,8 +238,11 @@ def random_demo_run(folder: Path, quick: bool) -> Path:
     text = "\n".join(load_shakespeare(None).values())[: 100_000 if quick else 1_000_000]
     tok = BPETokenizer().train([text], 512 if quick else 1024)
     torch.manual_seed(0)
-    cfg = (ModelConfig(vocab_size=tok.vocab_size, context_length=64, d_model=64, n_layers=2, n_heads=4) if quick else
-           ModelConfig(vocab_size=tok.vocab_size, context_length=128, d_model=192, n_layers=4, n_heads=6))
+    cfg = (
+        ModelConfig(vocab_size=tok.vocab_size, context_length=64, d_model=64, n_layers=2, n_heads=4)
+        if quick
+        else ModelConfig(vocab_size=tok.vocab_size, context_length=128, d_model=192, n_layers=4, n_heads=6)
+    )
     model = GPT(cfg).eval()
     with torch.no_grad():  # an <eos> logit of exactly 0, below top-k 50 of the random others: streams run full length
         model.lm_head.weight[EOS_ID] = 0.0
@@ -212,9 +270,25 @@ def run_serve(args) -> dict:
             for n in clients:
                 requests = max(2 if args.quick else 4, per_level // n)
                 r = asyncio.run(level(url, model, n, requests, max_tokens, 120))
-                rows.append({k: r[k] for k in ("clients", "requests", "errors", "ttft_p50_ms", "ttft_p95_ms",
-                                                "per_token_p50_ms", "tokens_per_s", "seconds", "error_examples")})
-                log(f"  serve {n} clients: {r['tokens_per_s']:,.1f} tok/s, {r['errors']} errors, TTFT p50 {r['ttft_p50_ms']} ms")
+                rows.append(
+                    {
+                        k: r[k]
+                        for k in (
+                            "clients",
+                            "requests",
+                            "errors",
+                            "ttft_p50_ms",
+                            "ttft_p95_ms",
+                            "per_token_p50_ms",
+                            "tokens_per_s",
+                            "seconds",
+                            "error_examples",
+                        )
+                    }
+                )
+                log(
+                    f"  serve {n} clients: {r['tokens_per_s']:,.1f} tok/s, {r['errors']} errors, TTFT p50 {r['ttft_p50_ms']} ms"
+                )
                 for example in r["error_examples"]:
                     log(f"     error: {example}")
         finally:
@@ -223,11 +297,21 @@ def run_serve(args) -> dict:
         shutil.rmtree(tmp, ignore_errors=True)
     for r in rows:
         r["vs_1_client"] = round(r["tokens_per_s"] / rows[0]["tokens_per_s"], 3)
-    shape = "{n_layers} layers, d_model {d_model}, context {context_length}, vocab {vocab_size}".format(**card["config"])
-    return {"rows": rows, "setup": {"checkpoint": args.checkpoint or "random weights", "model": shape,
-                                    "parameters": card["parameters"], "max_tokens": max_tokens,
-                                    "server_threads": args.threads, "sampling": "T 0.8, top-k 50"},
-            "slopes": {"tinylm": loglog_slope([r["clients"] for r in rows], [r["tokens_per_s"] for r in rows])}}
+    shape = "{n_layers} layers, d_model {d_model}, context {context_length}, vocab {vocab_size}".format(
+        **card["config"]
+    )
+    return {
+        "rows": rows,
+        "setup": {
+            "checkpoint": args.checkpoint or "random weights",
+            "model": shape,
+            "parameters": card["parameters"],
+            "max_tokens": max_tokens,
+            "server_threads": args.threads,
+            "sampling": "T 0.8, top-k 50",
+        },
+        "slopes": {"tinylm": loglog_slope([r["clients"] for r in rows], [r["tokens_per_s"] for r in rows])},
+    }
 
 
 # ----------------------------------------------------------------------------------------- bpe
@@ -275,8 +359,14 @@ def time_bpe(docs: list[str], vocab: int, repeats: int) -> dict:
         sizes["hf"] = hf_train(docs).get_vocab_size()
         seconds["hf"].append(time.perf_counter() - t0)
     tl, hf = statistics.median(seconds["tinylm"]), statistics.median(seconds["hf"])
-    return {"tinylm_seconds": round(tl, 3), "hf_seconds": round(hf, 3), "vs_hf": round(tl / hf, 3),
-            "tinylm_vocab": sizes["tinylm"], "hf_vocab": sizes["hf"], "repeats": repeats}
+    return {
+        "tinylm_seconds": round(tl, 3),
+        "hf_seconds": round(hf, 3),
+        "vs_hf": round(tl / hf, 3),
+        "tinylm_vocab": sizes["tinylm"],
+        "hf_vocab": sizes["hf"],
+        "repeats": repeats,
+    }
 
 
 def run_bpe(args) -> dict:
@@ -288,26 +378,46 @@ def run_bpe(args) -> dict:
     for mb in sizes_mb:
         part = corpus_prefix(docs, int(mb * 1e6))
         nbytes = sum(len(d.encode()) for d in part)
-        row = {"mb": mb, "bytes": nbytes, "distinct_bytes": min(nbytes, distinct),
-               **time_bpe(part, vocab, 2 if mb <= 5 else 1)}
+        row = {
+            "mb": mb,
+            "bytes": nbytes,
+            "distinct_bytes": min(nbytes, distinct),
+            **time_bpe(part, vocab, 2 if mb <= 5 else 1),
+        }
         rows.append(row)
         log(f"  bpe {mb} MB: tinylm {row['tinylm_seconds']:.2f} s, HF {row['hf_seconds']:.2f} s")
     # what repetition does: the largest all-distinct size against half of it repeated twice
     mb = max(m for m in sizes_mb if m * 1e6 <= distinct)
     half = corpus_prefix(docs, int(mb * 1e6 / 2))
-    repeated = {"mb": mb, "bytes": 2 * sum(len(d.encode()) for d in half), "distinct_bytes": sum(len(d.encode()) for d in half),
-                **time_bpe(half + half, vocab, 2)}
+    repeated = {
+        "mb": mb,
+        "bytes": 2 * sum(len(d.encode()) for d in half),
+        "distinct_bytes": sum(len(d.encode()) for d in half),
+        **time_bpe(half + half, vocab, 2),
+    }
     plain = next(r for r in rows if r["mb"] == mb)
     repeated["tinylm_vs_distinct"] = round(repeated["tinylm_seconds"] / plain["tinylm_seconds"], 3)
     repeated["hf_vs_distinct"] = round(repeated["hf_seconds"] / plain["hf_seconds"], 3)
-    log(f"  bpe {mb} MB as half repeated twice: tinylm {repeated['tinylm_vs_distinct']:.2f}x, HF "
-        f"{repeated['hf_vs_distinct']:.2f}x the time of distinct text")
+    log(
+        f"  bpe {mb} MB as half repeated twice: tinylm {repeated['tinylm_vs_distinct']:.2f}x, HF "
+        f"{repeated['hf_vs_distinct']:.2f}x the time of distinct text"
+    )
     xs = [r["bytes"] for r in rows]
-    return {"rows": rows, "repetition": repeated,
-            "setup": {"vocab": vocab, "corpus": source, "distinct_bytes": distinct, "hf_threads": args.threads,
-                      "pre_tokenizer": "GPT-2 regex + bytes, both systems"},
-            "slopes": {"tinylm": loglog_slope(xs, [r["tinylm_seconds"] for r in rows]),
-                       "hf": loglog_slope(xs, [r["hf_seconds"] for r in rows])}}
+    return {
+        "rows": rows,
+        "repetition": repeated,
+        "setup": {
+            "vocab": vocab,
+            "corpus": source,
+            "distinct_bytes": distinct,
+            "hf_threads": args.threads,
+            "pre_tokenizer": "GPT-2 regex + bytes, both systems",
+        },
+        "slopes": {
+            "tinylm": loglog_slope(xs, [r["tinylm_seconds"] for r in rows]),
+            "hf": loglog_slope(xs, [r["hf_seconds"] for r in rows]),
+        },
+    }
 
 
 # --------------------------------------------------------------------------------------- ngram
@@ -377,21 +487,40 @@ def run_ngram(args) -> dict:
         ken = time_kenlm(docs, order, V) if kenlm_built else None
         kenlm_built = ken is not None
         tl, nl, n = statistics.median(seconds["tinylm"]), statistics.median(seconds["nltk"]), sum(len(d) for d in docs)
-        row = {"tokens": n, "documents": len(docs), "tinylm_seconds": round(tl, 4),
-               "nltk_seconds": round(nl, 4), "kenlm_seconds": round(ken, 3) if ken else None,
-               "tinylm_tokens_per_s": round(n / tl), "nltk_tokens_per_s": round(n / nl),
-               "kenlm_tokens_per_s": round(n / ken) if ken else None, "vs_nltk": round(nl / tl, 2),
-               "same_top_trigram_counts": same, "repeats": repeats}
+        row = {
+            "tokens": n,
+            "documents": len(docs),
+            "tinylm_seconds": round(tl, 4),
+            "nltk_seconds": round(nl, 4),
+            "kenlm_seconds": round(ken, 3) if ken else None,
+            "tinylm_tokens_per_s": round(n / tl),
+            "nltk_tokens_per_s": round(n / nl),
+            "kenlm_tokens_per_s": round(n / ken) if ken else None,
+            "vs_nltk": round(nl / tl, 2),
+            "same_top_trigram_counts": same,
+            "repeats": repeats,
+        }
         rows.append(row)
-        log(f"  ngram {row['tokens']:,} tokens: tinylm {tl:.3f} s, NLTK {nl:.3f} s"
-            + (f", KenLM lmplz {ken:.2f} s" if ken else "") + f"; same top trigram counts {same}")
+        log(
+            f"  ngram {row['tokens']:,} tokens: tinylm {tl:.3f} s, NLTK {nl:.3f} s"
+            + (f", KenLM lmplz {ken:.2f} s" if ken else "")
+            + f"; same top trigram counts {same}"
+        )
     xs = [r["tokens"] for r in rows]
     slopes = {s: loglog_slope(xs, [r[f"{s}_seconds"] for r in rows]) for s in ("tinylm", "nltk")}
     if kenlm_built:
         slopes["kenlm"] = loglog_slope(xs, [r["kenlm_seconds"] for r in rows])
-    return {"rows": rows, "setup": {"order": order, "vocab": V, "merges": merges, "corpus": "Shakespeare train split",
-                                    "kenlm": "lmplz" if kenlm_built else "not built (bash benchmarks/setup_kenlm.sh)"},
-            "slopes": slopes}
+    return {
+        "rows": rows,
+        "setup": {
+            "order": order,
+            "vocab": V,
+            "merges": merges,
+            "corpus": "Shakespeare train split",
+            "kenlm": "lmplz" if kenlm_built else "not built (bash benchmarks/setup_kenlm.sh)",
+        },
+        "slopes": slopes,
+    }
 
 
 # ---------------------------------------------------------------------------------------- main
@@ -407,9 +536,15 @@ def parse_args(argv=None):
     p.add_argument("--markdown", type=Path, help="write every engine's table as markdown to this file")
     p.add_argument("--docs", type=Path, help="rewrite the <!-- scaling:NAME --> blocks of this page (docs/scaling.md)")
     p.add_argument("--from-json", type=Path, help="measure nothing: tables, plots and docs from this JSON")
-    p.add_argument("--threads", type=int, default=1, help="torch threads, the server's and HF tokenizers' (1 is stable)")
-    p.add_argument("--data", type=Path, default=SHARED_TINYSTORIES,
-                   help="TinyStories folder (train-extended.txt or train.txt, valid.txt); Shakespeare only when absent")
+    p.add_argument(
+        "--threads", type=int, default=1, help="torch threads, the server's and HF tokenizers' (1 is stable)"
+    )
+    p.add_argument(
+        "--data",
+        type=Path,
+        default=SHARED_TINYSTORIES,
+        help="TinyStories folder (train-extended.txt or train.txt, valid.txt); Shakespeare only when absent",
+    )
     p.add_argument("--checkpoint", help="serve: a run folder (default: random weights of the demo's shape)")
     args = p.parse_args(argv)
     args.engines = list(ENGINES) if args.engine == "all" else [e for e in args.engine.split(",") if e]
@@ -422,8 +557,14 @@ def parse_args(argv=None):
 def measure(args) -> dict:
     os.environ["RAYON_NUM_THREADS"] = str(args.threads)  # before `tokenizers` starts its thread pool
     torch.set_num_threads(args.threads)
-    report = {"machine": machine(), "threads": args.threads, "quick": args.quick,
-              "date": time.strftime("%Y-%m-%d", time.gmtime()), "engines": {}, "engine_seconds": {}}
+    report = {
+        "machine": machine(),
+        "threads": args.threads,
+        "quick": args.quick,
+        "date": time.strftime("%Y-%m-%d", time.gmtime()),
+        "engines": {},
+        "engine_seconds": {},
+    }
     if report["machine"]["cpu_count"] and args.threads > report["machine"]["cpu_count"]:
         log(f"warning: {args.threads} threads on {report['machine']['cpu_count']} CPUs")
     for engine in args.engines:

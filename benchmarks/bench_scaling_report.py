@@ -31,7 +31,9 @@ def loglog_slope(xs: list[float], ys: list[float]) -> float | None:
 def fmt(value, digits: int = 1) -> str:
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "-"
-    return f"{value:,.{digits}f}" if isinstance(value, float) else f"{value:,}" if isinstance(value, int) else str(value)
+    return (
+        f"{value:,.{digits}f}" if isinstance(value, float) else f"{value:,}" if isinstance(value, int) else str(value)
+    )
 
 
 def table(header: list[str], rows: list[list]) -> list[str]:
@@ -46,13 +48,36 @@ def slopes_line(what: str, slopes: dict, names: dict) -> str:
 
 def markdown_training(res: dict) -> list[str]:
     s = res["setup"]
-    lines = [f"{s['layers']} layers, context {s['context']}, vocab {s['vocab']}, batch {s['batch']} x {s['context']} "
-             f"tokens, {s['steps']} AdamW steps per system and round, {s['rounds']} round(s), fp32; data: {s['data']}.", ""]
-    lines += table(["d_model", "heads", "parameters", "tinylm tok/s", "HF GPT-2 tok/s", "tinylm / HF",
-                    "held-out loss tinylm", "held-out loss HF"],
-                   [[r["d_model"], r["heads"], fmt(r["parameters"]), fmt(r["tinylm_tokens_per_s"], 0),
-                     fmt(r["hf_tokens_per_s"], 0), f"{r['vs_hf']:.2f}x", f"{r['tinylm_loss']:.4f}", f"{r['hf_loss']:.4f}"]
-                    for r in res["rows"]])
+    lines = [
+        f"{s['layers']} layers, context {s['context']}, vocab {s['vocab']}, batch {s['batch']} x {s['context']} "
+        f"tokens, {s['steps']} AdamW steps per system and round, {s['rounds']} round(s), fp32; data: {s['data']}.",
+        "",
+    ]
+    lines += table(
+        [
+            "d_model",
+            "heads",
+            "parameters",
+            "tinylm tok/s",
+            "HF GPT-2 tok/s",
+            "tinylm / HF",
+            "held-out loss tinylm",
+            "held-out loss HF",
+        ],
+        [
+            [
+                r["d_model"],
+                r["heads"],
+                fmt(r["parameters"]),
+                fmt(r["tinylm_tokens_per_s"], 0),
+                fmt(r["hf_tokens_per_s"], 0),
+                f"{r['vs_hf']:.2f}x",
+                f"{r['tinylm_loss']:.4f}",
+                f"{r['hf_loss']:.4f}",
+            ]
+            for r in res["rows"]
+        ],
+    )
     return lines + ["", slopes_line("tokens/s against d_model", res["slopes"], {"tinylm": "tinylm", "hf": "HF GPT-2"})]
 
 
@@ -60,74 +85,176 @@ def markdown_decoding(res: dict) -> list[str]:
     s, by = res["setup"], {(r["context"], r["cache"]): r for r in res["rows"]}
     contexts = sorted({r["context"] for r in res["rows"]})
     new = {c: max((r["new_tokens"] for r in res["rows"] if r["cache"] == c), default="-") for c in (True, False)}
-    lines = [f"{s['layers']} layers, d_model {s['d_model']}, vocab {s['vocab']}, batch 1, greedy; a prompt of L - n "
-             f"random tokens, then n = min({new[True]}, L/2) new tokens with the cache and min({new[False]}, L/2) "
-             f"without; rate = (n - 1) / (t(n) - t(1)), the prompt's prefill left out.", ""]
+    lines = [
+        f"{s['layers']} layers, d_model {s['d_model']}, vocab {s['vocab']}, batch 1, greedy; a prompt of L - n "
+        f"random tokens, then n = min({new[True]}, L/2) new tokens with the cache and min({new[False]}, L/2) "
+        f"without; rate = (n - 1) / (t(n) - t(1)), the prompt's prefill left out.",
+        "",
+    ]
     rows = []
     for L in contexts:
         c, n = by.get((L, True), {}), by.get((L, False), {})
         speedup = c["tinylm_tokens_per_s"] / n["tinylm_tokens_per_s"] if c and n else None
-        rows.append([L, fmt(c.get("tinylm_tokens_per_s")), fmt(c.get("hf_tokens_per_s")),
-                     f"{c['vs_hf']:.2f}x" if c else "-", fmt(n.get("tinylm_tokens_per_s")), fmt(n.get("hf_tokens_per_s")),
-                     f"{n['vs_hf']:.2f}x" if n else "-", f"{speedup:.1f}x" if speedup else "-",
-                     all(r.get("same_tokens", True) for r in (c, n))])
-    lines += table(["context", "tinylm cached tok/s", "HF cached tok/s", "tinylm / HF", "tinylm no-cache tok/s",
-                    "HF no-cache tok/s", "tinylm / HF", "cache speed-up (tinylm)", "same tokens"], rows)
-    return lines + ["", slopes_line("tokens/s against the context", res["slopes"],
-                                    {"tinylm_cache": "tinylm cached", "hf_cache": "HF cached",
-                                     "tinylm_nocache": "tinylm without cache", "hf_nocache": "HF without cache"})]
+        rows.append(
+            [
+                L,
+                fmt(c.get("tinylm_tokens_per_s")),
+                fmt(c.get("hf_tokens_per_s")),
+                f"{c['vs_hf']:.2f}x" if c else "-",
+                fmt(n.get("tinylm_tokens_per_s")),
+                fmt(n.get("hf_tokens_per_s")),
+                f"{n['vs_hf']:.2f}x" if n else "-",
+                f"{speedup:.1f}x" if speedup else "-",
+                all(r.get("same_tokens", True) for r in (c, n)),
+            ]
+        )
+    lines += table(
+        [
+            "context",
+            "tinylm cached tok/s",
+            "HF cached tok/s",
+            "tinylm / HF",
+            "tinylm no-cache tok/s",
+            "HF no-cache tok/s",
+            "tinylm / HF",
+            "cache speed-up (tinylm)",
+            "same tokens",
+        ],
+        rows,
+    )
+    return lines + [
+        "",
+        slopes_line(
+            "tokens/s against the context",
+            res["slopes"],
+            {
+                "tinylm_cache": "tinylm cached",
+                "hf_cache": "HF cached",
+                "tinylm_nocache": "tinylm without cache",
+                "hf_nocache": "HF without cache",
+            },
+        ),
+    ]
 
 
 def markdown_serve(res: dict) -> list[str]:
     s = res["setup"]
-    lines = [f"`tinylm serve` on {s['checkpoint']} ({s['model']}, {s['parameters']:,} parameters), "
-             f"{s['server_threads']} torch thread(s), streaming completions of "
-             f"{s['max_tokens']} tokens ({s['sampling']}). No reference server: the 1-client level is the baseline.", ""]
-    lines += table(["clients", "requests", "errors", "tokens/s", "vs 1 client", "TTFT p50 ms", "TTFT p95 ms",
-                    "per-token p50 ms"],
-                   [[r["clients"], r["requests"], r["errors"], fmt(r["tokens_per_s"]), f"{r['vs_1_client']:.2f}x",
-                     fmt(r["ttft_p50_ms"]), fmt(r["ttft_p95_ms"]), fmt(r["per_token_p50_ms"], 2)] for r in res["rows"]])
+    lines = [
+        f"`tinylm serve` on {s['checkpoint']} ({s['model']}, {s['parameters']:,} parameters), "
+        f"{s['server_threads']} torch thread(s), streaming completions of "
+        f"{s['max_tokens']} tokens ({s['sampling']}). No reference server: the 1-client level is the baseline.",
+        "",
+    ]
+    lines += table(
+        ["clients", "requests", "errors", "tokens/s", "vs 1 client", "TTFT p50 ms", "TTFT p95 ms", "per-token p50 ms"],
+        [
+            [
+                r["clients"],
+                r["requests"],
+                r["errors"],
+                fmt(r["tokens_per_s"]),
+                f"{r['vs_1_client']:.2f}x",
+                fmt(r["ttft_p50_ms"]),
+                fmt(r["ttft_p95_ms"]),
+                fmt(r["per_token_p50_ms"], 2),
+            ]
+            for r in res["rows"]
+        ],
+    )
     return lines + ["", slopes_line("tokens/s against clients", res["slopes"], {"tinylm": "tinylm serve"})]
 
 
 def markdown_bpe(res: dict) -> list[str]:
     s, rep = res["setup"], res["repetition"]
-    lines = [f"Vocab {s['vocab']}; corpus {s['corpus']} ({s['distinct_bytes'] / 1e6:.1f} MB distinct, repeated above "
-             f"that); HF `tokenizers` with {s['hf_threads']} thread(s), tinylm single-threaded Python.", ""]
-    lines += table(["MB", "distinct MB", "tinylm s", "HF tokenizers s", "tinylm / HF time", "tinylm MB/s", "HF MB/s"],
-                   [[fmt(r["bytes"] / 1e6), fmt(r["distinct_bytes"] / 1e6), fmt(r["tinylm_seconds"], 2),
-                     fmt(r["hf_seconds"], 2), f"{r['vs_hf']:.2f}x", fmt(r["bytes"] / 1e6 / r["tinylm_seconds"], 2),
-                     fmt(r["bytes"] / 1e6 / r["hf_seconds"], 2)] for r in res["rows"]])
-    return lines + ["", slopes_line("seconds against bytes", res["slopes"], {"tinylm": "tinylm", "hf": "HF tokenizers"}),
-                    "", f"Repetition: {rep['bytes'] / 1e6:.2f} MB made of {rep['distinct_bytes'] / 1e6:.2f} MB repeated "
-                    f"twice takes {rep['tinylm_vs_distinct']:.2f}x the time of {rep['bytes'] / 1e6:.2f} MB of distinct "
-                    f"text for tinylm ({rep['tinylm_seconds']:.2f} s) and {rep['hf_vs_distinct']:.2f}x for HF "
-                    f"({rep['hf_seconds']:.2f} s)."]
+    lines = [
+        f"Vocab {s['vocab']}; corpus {s['corpus']} ({s['distinct_bytes'] / 1e6:.1f} MB distinct, repeated above "
+        f"that); HF `tokenizers` with {s['hf_threads']} thread(s), tinylm single-threaded Python.",
+        "",
+    ]
+    lines += table(
+        ["MB", "distinct MB", "tinylm s", "HF tokenizers s", "tinylm / HF time", "tinylm MB/s", "HF MB/s"],
+        [
+            [
+                fmt(r["bytes"] / 1e6),
+                fmt(r["distinct_bytes"] / 1e6),
+                fmt(r["tinylm_seconds"], 2),
+                fmt(r["hf_seconds"], 2),
+                f"{r['vs_hf']:.2f}x",
+                fmt(r["bytes"] / 1e6 / r["tinylm_seconds"], 2),
+                fmt(r["bytes"] / 1e6 / r["hf_seconds"], 2),
+            ]
+            for r in res["rows"]
+        ],
+    )
+    return lines + [
+        "",
+        slopes_line("seconds against bytes", res["slopes"], {"tinylm": "tinylm", "hf": "HF tokenizers"}),
+        "",
+        f"Repetition: {rep['bytes'] / 1e6:.2f} MB made of {rep['distinct_bytes'] / 1e6:.2f} MB repeated "
+        f"twice takes {rep['tinylm_vs_distinct']:.2f}x the time of {rep['bytes'] / 1e6:.2f} MB of distinct "
+        f"text for tinylm ({rep['tinylm_seconds']:.2f} s) and {rep['hf_vs_distinct']:.2f}x for HF "
+        f"({rep['hf_seconds']:.2f} s).",
+    ]
 
 
 def markdown_ngram(res: dict) -> list[str]:
     s = res["setup"]
-    lines = [f"Order {s['order']} Kneser-Ney, {s['corpus']} in BPE tokens ({s['merges']} merges, V = {s['vocab']}); "
-             f"KenLM: {s['kenlm']}.", ""]
-    lines += table(["tokens", "tinylm s", "NLTK s", "KenLM lmplz s", "tinylm tok/s", "NLTK tok/s", "tinylm speed / NLTK",
-                    "same top-10 trigram counts"],
-                   [[fmt(r["tokens"]), fmt(r["tinylm_seconds"], 3), fmt(r["nltk_seconds"], 2), fmt(r["kenlm_seconds"], 2),
-                     fmt(r["tinylm_tokens_per_s"]), fmt(r["nltk_tokens_per_s"]), f"{r['vs_nltk']:.1f}x",
-                     r["same_top_trigram_counts"]] for r in res["rows"]])
-    return lines + ["", slopes_line("seconds against tokens", res["slopes"],
-                                    {"tinylm": "tinylm", "nltk": "NLTK", "kenlm": "KenLM lmplz"})]
+    lines = [
+        f"Order {s['order']} Kneser-Ney, {s['corpus']} in BPE tokens ({s['merges']} merges, V = {s['vocab']}); "
+        f"KenLM: {s['kenlm']}.",
+        "",
+    ]
+    lines += table(
+        [
+            "tokens",
+            "tinylm s",
+            "NLTK s",
+            "KenLM lmplz s",
+            "tinylm tok/s",
+            "NLTK tok/s",
+            "tinylm speed / NLTK",
+            "same top-10 trigram counts",
+        ],
+        [
+            [
+                fmt(r["tokens"]),
+                fmt(r["tinylm_seconds"], 3),
+                fmt(r["nltk_seconds"], 2),
+                fmt(r["kenlm_seconds"], 2),
+                fmt(r["tinylm_tokens_per_s"]),
+                fmt(r["nltk_tokens_per_s"]),
+                f"{r['vs_nltk']:.1f}x",
+                r["same_top_trigram_counts"],
+            ]
+            for r in res["rows"]
+        ],
+    )
+    return lines + [
+        "",
+        slopes_line(
+            "seconds against tokens", res["slopes"], {"tinylm": "tinylm", "nltk": "NLTK", "kenlm": "KenLM lmplz"}
+        ),
+    ]
 
 
-MARKDOWN = {"training": markdown_training, "decoding": markdown_decoding, "serve": markdown_serve,
-            "bpe": markdown_bpe, "ngram": markdown_ngram}
+MARKDOWN = {
+    "training": markdown_training,
+    "decoding": markdown_decoding,
+    "serve": markdown_serve,
+    "bpe": markdown_bpe,
+    "ngram": markdown_ngram,
+}
 
 
 def markdown_machine(report: dict) -> list[str]:
     m = report["machine"]
     took = ", ".join(f"{e} {s:.0f} s" for e, s in report.get("engine_seconds", {}).items())
-    return [f"Measured on {m['cpu_model']} ({m['cpu_count']} CPUs), {report['threads']} torch thread(s), "
-            f"torch {m['torch']}, Python {m['python']}, {report['date']}" + (", --quick sizes" if report["quick"] else "")
-            + (f"; {took}." if took else ".")]
+    return [
+        f"Measured on {m['cpu_model']} ({m['cpu_count']} CPUs), {report['threads']} torch thread(s), "
+        f"torch {m['torch']}, Python {m['python']}, {report['date']}"
+        + (", --quick sizes" if report["quick"] else "")
+        + (f"; {took}." if took else ".")
+    ]
 
 
 def markdown_blocks(report: dict) -> dict[str, list[str]]:
@@ -161,8 +288,9 @@ def short_number(v: float) -> str:
     return f"{v:,.0f}" if v >= 1 else f"{v:g}"
 
 
-def line_plot(path: Path, title: str, xlabel: str, ylabel: str, series: list[tuple],
-              mark: tuple[float, str] | None = None) -> None:
+def line_plot(
+    path: Path, title: str, xlabel: str, ylabel: str, series: list[tuple], mark: tuple[float, str] | None = None
+) -> None:
     """One PNG of 800 x 450 pixels, log-log axes: each series is (label, xs, ys, matplotlib style,
     colour key); tinylm in one colour, the reference in another; ``mark``: a labelled vertical line."""
     import matplotlib
@@ -175,8 +303,9 @@ def line_plot(path: Path, title: str, xlabel: str, ylabel: str, series: list[tup
     xs_all = sorted({x for _, xs, _, _, _ in series for x in xs})
     for label, xs, ys, style, color in series:
         pts = [(x, y) for x, y in zip(xs, ys) if y is not None and not (isinstance(y, float) and math.isnan(y))]
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=label, color=COLORS[color], linewidth=2,
-                markersize=6)
+        ax.plot(
+            [p[0] for p in pts], [p[1] for p in pts], style, label=label, color=COLORS[color], linewidth=2, markersize=6
+        )
     if mark:
         ax.axvline(mark[0], color="grey", linestyle=":", linewidth=1.5, label=mark[1])
     ax.set_xscale("log")
@@ -215,43 +344,79 @@ def plot_report(report: dict, folder: Path) -> list[Path]:
         rows = engines["training"]["rows"]
         xs = col(rows, "d_model")
         written.append(folder / "scaling-training.png")
-        line_plot(written[-1], "Training throughput against model width (6 layers, context 256)", "d_model",
-                  "training tokens/s", [("tinylm", xs, col(rows, "tinylm_tokens_per_s"), "o-", "tinylm"),
-                                        ("HF GPT-2 (reference)", xs, col(rows, "hf_tokens_per_s"), "s--", "reference")])
+        line_plot(
+            written[-1],
+            "Training throughput against model width (6 layers, context 256)",
+            "d_model",
+            "training tokens/s",
+            [
+                ("tinylm", xs, col(rows, "tinylm_tokens_per_s"), "o-", "tinylm"),
+                ("HF GPT-2 (reference)", xs, col(rows, "hf_tokens_per_s"), "s--", "reference"),
+            ],
+        )
     if "decoding" in engines:
         rows = engines["decoding"]["rows"]
         series = []
         for cache, tag, style in ((True, "cached", "-"), (False, "no cache", ":")):
             part = [r for r in rows if r["cache"] == cache]
-            series += [(f"tinylm, {tag}", col(part, "context"), col(part, "tinylm_tokens_per_s"), "o" + style, "tinylm"),
-                       (f"HF generate, {tag} (reference)", col(part, "context"), col(part, "hf_tokens_per_s"), "s" + style,
-                        "reference")]
+            series += [
+                (f"tinylm, {tag}", col(part, "context"), col(part, "tinylm_tokens_per_s"), "o" + style, "tinylm"),
+                (
+                    f"HF generate, {tag} (reference)",
+                    col(part, "context"),
+                    col(part, "hf_tokens_per_s"),
+                    "s" + style,
+                    "reference",
+                ),
+            ]
         written.append(folder / "scaling-decoding.png")
-        line_plot(written[-1], "Greedy decoding at batch 1 against the context length", "context length (tokens)",
-                  "decoding tokens/s", series)
+        line_plot(
+            written[-1],
+            "Greedy decoding at batch 1 against the context length",
+            "context length (tokens)",
+            "decoding tokens/s",
+            series,
+        )
     if "serve" in engines:
         rows = engines["serve"]["rows"]
         written.append(folder / "scaling-serve.png")
-        line_plot(written[-1], "tinylm serve: streamed tokens/s against concurrent clients (no reference server)",
-                  "concurrent clients", "aggregate tokens/s", [("tinylm serve", col(rows, "clients"),
-                                                                  col(rows, "tokens_per_s"), "o-", "tinylm")])
+        line_plot(
+            written[-1],
+            "tinylm serve: streamed tokens/s against concurrent clients (no reference server)",
+            "concurrent clients",
+            "aggregate tokens/s",
+            [("tinylm serve", col(rows, "clients"), col(rows, "tokens_per_s"), "o-", "tinylm")],
+        )
     if "bpe" in engines:
         rows = engines["bpe"]["rows"]
         xs = [r["bytes"] / 1e6 for r in rows]
         written.append(folder / "scaling-bpe.png")
-        line_plot(written[-1], f"BPE training time against corpus size (vocab {engines['bpe']['setup']['vocab']})",
-                  "corpus size (MB)", "training seconds", [("tinylm", xs, col(rows, "tinylm_seconds"), "o-", "tinylm"),
-                                                           ("HF tokenizers (reference)", xs, col(rows, "hf_seconds"), "s--",
-                                                            "reference")],
-                  mark=(engines["bpe"]["setup"]["distinct_bytes"] / 1e6, "distinct text ends (repeated beyond)"))
+        line_plot(
+            written[-1],
+            f"BPE training time against corpus size (vocab {engines['bpe']['setup']['vocab']})",
+            "corpus size (MB)",
+            "training seconds",
+            [
+                ("tinylm", xs, col(rows, "tinylm_seconds"), "o-", "tinylm"),
+                ("HF tokenizers (reference)", xs, col(rows, "hf_seconds"), "s--", "reference"),
+            ],
+            mark=(engines["bpe"]["setup"]["distinct_bytes"] / 1e6, "distinct text ends (repeated beyond)"),
+        )
     if "ngram" in engines:
         rows = engines["ngram"]["rows"]
         xs = col(rows, "tokens")
-        series = [("tinylm", xs, col(rows, "tinylm_seconds"), "o-", "tinylm"),
-                  ("NLTK (reference)", xs, col(rows, "nltk_seconds"), "s--", "reference")]
+        series = [
+            ("tinylm", xs, col(rows, "tinylm_seconds"), "o-", "tinylm"),
+            ("NLTK (reference)", xs, col(rows, "nltk_seconds"), "s--", "reference"),
+        ]
         if any(r["kenlm_seconds"] for r in rows):
             series.append(("KenLM lmplz (reference)", xs, col(rows, "kenlm_seconds"), "^-.", "kenlm"))
         written.append(folder / "scaling-ngram.png")
-        line_plot(written[-1], "Counting a Kneser-Ney trigram model against training tokens", "training tokens",
-                  "seconds", series)
+        line_plot(
+            written[-1],
+            "Counting a Kneser-Ney trigram model against training tokens",
+            "training tokens",
+            "seconds",
+            series,
+        )
     return written

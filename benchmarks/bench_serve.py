@@ -47,8 +47,16 @@ from pathlib import Path
 import httpx
 
 REPO = Path(__file__).resolve().parents[1]
-PROMPTS = ["ROMEO:", "To be, or not to be", "KING HENRY.\nOnce more", "First Citizen:\nBefore we proceed",
-           "O, what a rogue", "Now is the winter", "HAMLET:\nWhat a piece of work", "JULIET:\nO Romeo"]
+PROMPTS = [
+    "ROMEO:",
+    "To be, or not to be",
+    "KING HENRY.\nOnce more",
+    "First Citizen:\nBefore we proceed",
+    "O, what a rogue",
+    "Now is the winter",
+    "HAMLET:\nWhat a piece of work",
+    "JULIET:\nO Romeo",
+]
 
 
 def free_port() -> int:
@@ -58,10 +66,28 @@ def free_port() -> int:
 
 
 def start_server(checkpoint: str, threads: int, port: int, max_body: int, compile: bool = False) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "tinylm.cli", "serve", "--checkpoint", checkpoint, "--threads", str(threads),
-           "--port", str(port), "--max-body-bytes", str(max_body)] + (["--compile"] if compile else [])
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    cmd = [
+        sys.executable,
+        "-m",
+        "tinylm.cli",
+        "serve",
+        "--checkpoint",
+        checkpoint,
+        "--threads",
+        str(threads),
+        "--port",
+        str(port),
+        "--max-body-bytes",
+        str(max_body),
+    ] + (["--compile"] if compile else [])
+    proc = subprocess.Popen(
+        cmd,
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
     url = f"http://127.0.0.1:{port}"
     wait = 900 if compile else 120  # a cold compile of every batch bucket takes minutes on 2 cores
     deadline = time.monotonic() + wait
@@ -97,8 +123,11 @@ async def sse_events(host: str, port: int, path: str, body: dict):
     reader, writer = await asyncio.open_connection(host, port)
     try:
         payload = json.dumps(body).encode()
-        writer.write(f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
-                     f"Content-Length: {len(payload)}\r\nConnection: close\r\n\r\n".encode() + payload)
+        writer.write(
+            f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(payload)}\r\nConnection: close\r\n\r\n".encode()
+            + payload
+        )
         await writer.drain()
         head = await reader.readuntil(b"\r\n\r\n")
         status = int(head.split(b" ", 2)[1])
@@ -126,8 +155,15 @@ async def sse_events(host: str, port: int, path: str, body: dict):
 
 
 async def one_request(url: str, model: str, seed: int, max_tokens: int) -> dict:
-    body = {"model": model, "prompt": PROMPTS[seed % len(PROMPTS)], "max_tokens": max_tokens,
-            "temperature": 0.8, "top_k": 50, "seed": seed, "stream": True}
+    body = {
+        "model": model,
+        "prompt": PROMPTS[seed % len(PROMPTS)],
+        "max_tokens": max_tokens,
+        "temperature": 0.8,
+        "top_k": 50,
+        "seed": seed,
+        "stream": True,
+    }
     host, port = url.removeprefix("http://").split(":")
     t0 = time.perf_counter()
     token_times, done = [], False
@@ -167,12 +203,17 @@ async def level(url: str, model: str, clients: int, requests: int, max_tokens: i
     wall = time.perf_counter() - t0
     ok = [r for r in results if r["ok"]]
     errors = [r["why"] for r in results if not r["ok"]]
-    return {"clients": clients, "requests": len(results), "errors": len(errors),
-            "ttft_p50_ms": round(1000 * percentile([r["ttft"] for r in ok], 0.5), 1),
-            "ttft_p95_ms": round(1000 * percentile([r["ttft"] for r in ok], 0.95), 1),
-            "per_token_p50_ms": round(1000 * percentile([r["per_token"] for r in ok], 0.5), 2),
-            "tokens_per_s": round(sum(r["tokens"] for r in ok) / wall, 1), "seconds": round(wall, 2),
-            "error_examples": errors[:3]}
+    return {
+        "clients": clients,
+        "requests": len(results),
+        "errors": len(errors),
+        "ttft_p50_ms": round(1000 * percentile([r["ttft"] for r in ok], 0.5), 1),
+        "ttft_p95_ms": round(1000 * percentile([r["ttft"] for r in ok], 0.95), 1),
+        "per_token_p50_ms": round(1000 * percentile([r["per_token"] for r in ok], 0.5), 2),
+        "tokens_per_s": round(sum(r["tokens"] for r in ok) / wall, 1),
+        "seconds": round(wall, 2),
+        "error_examples": errors[:3],
+    }
 
 
 # --------------------------------------------------------------------------------------- burst
@@ -180,21 +221,36 @@ def malformed_requests(model: str, vocab: int, max_body: int) -> list[tuple[str,
     """(path, JSON body or None, raw bytes or None, expected status) for every kind of bad request."""
     good = {"model": model, "prompt": "ROMEO:", "max_tokens": 4}
     kinds = [
-        ({**good, "temperature": -1}, 400), ({**good, "top_p": 0}, 400), ({**good, "top_p": 1.5}, 400),
-        ({**good, "max_tokens": 0}, 400), ({**good, "max_tokens": 10**6}, 400), ({**good, "model": "nope"}, 404),
-        ({**good, "prompt": ""}, 400), ({**good, "prompt": []}, 400), ({**good, "beam_width": vocab + 1}, 400),
-        ({**good, "n": 0}, 400), ({**good, "logprobs": 99}, 400), ({**good, "prompt": [vocab + 5]}, 400),
-        ({**good, "temperature": "hot"}, 422), ({**good, "max_tokens": [1]}, 422), ({"model": model}, 422),
-        ({**good, "no_such_field": 1}, 400), ({**good, "stop": [""]}, 400),
+        ({**good, "temperature": -1}, 400),
+        ({**good, "top_p": 0}, 400),
+        ({**good, "top_p": 1.5}, 400),
+        ({**good, "max_tokens": 0}, 400),
+        ({**good, "max_tokens": 10**6}, 400),
+        ({**good, "model": "nope"}, 404),
+        ({**good, "prompt": ""}, 400),
+        ({**good, "prompt": []}, 400),
+        ({**good, "beam_width": vocab + 1}, 400),
+        ({**good, "n": 0}, 400),
+        ({**good, "logprobs": 99}, 400),
+        ({**good, "prompt": [vocab + 5]}, 400),
+        ({**good, "temperature": "hot"}, 422),
+        ({**good, "max_tokens": [1]}, 422),
+        ({"model": model}, 422),
+        ({**good, "no_such_field": 1}, 400),
+        ({**good, "stop": [""]}, 400),
         ({**good, "beam_width": 2, "stream": True}, 400),
     ]
     out = [("/v1/completions", body, None, status) for body, status in kinds]
-    out += [("/v1/completions", None, b'{"model": "' + model.encode() + b'", "prompt": ', 400),
-            ("/v1/completions", None, b"\xff\xfe not json at all", 400),
-            ("/v1/completions", None, b'{"model": "x", "prompt": "' + b"a" * (max_body + 10) + b'"}', 413),
-            ("/v1/chat/completions", {"model": model, "messages": [{"role": "user", "content": "hi"}]}, None, 404),
-            ("/v1/tokenize", {"text": 5}, None, 422), ("/v1/detokenize", {"tokens": [-3]}, None, 400),
-            ("/v1/score", {"text": ""}, None, 400), ("/v1/attention", {"model": "nope", "text": "a"}, None, 404)]
+    out += [
+        ("/v1/completions", None, b'{"model": "' + model.encode() + b'", "prompt": ', 400),
+        ("/v1/completions", None, b"\xff\xfe not json at all", 400),
+        ("/v1/completions", None, b'{"model": "x", "prompt": "' + b"a" * (max_body + 10) + b'"}', 413),
+        ("/v1/chat/completions", {"model": model, "messages": [{"role": "user", "content": "hi"}]}, None, 404),
+        ("/v1/tokenize", {"text": 5}, None, 422),
+        ("/v1/detokenize", {"tokens": [-3]}, None, 400),
+        ("/v1/score", {"text": ""}, None, 400),
+        ("/v1/attention", {"model": "nope", "text": "a"}, None, 404),
+    ]
     return out
 
 
@@ -205,6 +261,7 @@ async def burst(url: str, model: str, vocab: int, max_body: int, total: int) -> 
     unexpected: list[str] = []
     gate = asyncio.Semaphore(16)
     async with httpx.AsyncClient(timeout=60) as client:
+
         async def send(path, body, raw, status):
             async with gate:
                 try:
@@ -222,27 +279,41 @@ async def burst(url: str, model: str, vocab: int, max_body: int, total: int) -> 
         await asyncio.gather(*(send(*p) for p in plan))
         seconds = time.perf_counter() - t0
         health = await client.get(url + "/health")
-        normal = await client.post(url + "/v1/completions", json={"model": model, "prompt": "ROMEO:", "max_tokens": 8,
-                                                                   "min_tokens": 8, "seed": 1})
+        normal = await client.post(
+            url + "/v1/completions",
+            json={"model": model, "prompt": "ROMEO:", "max_tokens": 8, "min_tokens": 8, "seed": 1},
+        )
     completed = normal.status_code == 200 and normal.json()["usage"]["completion_tokens"] == 8
-    return {"requests": total, "kinds": len(kinds), "unexpected": len(unexpected), "examples": unexpected[:5],
-            "seconds": round(seconds, 2), "healthy_after": health.status_code == 200 and health.json()["status"] == "ok",
-            "completion_after": completed}
+    return {
+        "requests": total,
+        "kinds": len(kinds),
+        "unexpected": len(unexpected),
+        "examples": unexpected[:5],
+        "seconds": round(seconds, 2),
+        "healthy_after": health.status_code == 200 and health.json()["status"] == "ok",
+        "completion_after": completed,
+    }
 
 
 # ---------------------------------------------------------------------------------------- main
 def print_table(rows: list[dict], b: dict, targets: dict) -> None:
-    print("\n| mode | clients | requests | errors | TTFT p50 ms | TTFT p95 ms | per-token p50 ms | tokens/s | vs 1 client "
-          "| vs eager |")
+    print(
+        "\n| mode | clients | requests | errors | TTFT p50 ms | TTFT p95 ms | per-token p50 ms | tokens/s | vs 1 client "
+        "| vs eager |"
+    )
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         vs_eager = f"{r['vs_eager']:.2f}x" if r.get("vs_eager") is not None else ""
-        print(f"| {r['mode']} | {r['clients']} | {r['requests']} | {r['errors']} | {r['ttft_p50_ms']:.1f} | "
-              f"{r['ttft_p95_ms']:.1f} | {r['per_token_p50_ms']:.2f} | {r['tokens_per_s']:.1f} | "
-              f"{r['vs_1_client']:.2f}x | {vs_eager} |")
-    print(f"\nmalformed burst: {b['requests']} requests of {b['kinds']} kinds in {b['seconds']} s, "
-          f"{b['unexpected']} unexpected answers; healthy after: {b['healthy_after']}; "
-          f"a normal completion after: {b['completion_after']}")
+        print(
+            f"| {r['mode']} | {r['clients']} | {r['requests']} | {r['errors']} | {r['ttft_p50_ms']:.1f} | "
+            f"{r['ttft_p95_ms']:.1f} | {r['per_token_p50_ms']:.2f} | {r['tokens_per_s']:.1f} | "
+            f"{r['vs_1_client']:.2f}x | {vs_eager} |"
+        )
+    print(
+        f"\nmalformed burst: {b['requests']} requests of {b['kinds']} kinds in {b['seconds']} s, "
+        f"{b['unexpected']} unexpected answers; healthy after: {b['healthy_after']}; "
+        f"a normal completion after: {b['completion_after']}"
+    )
     for e in b["examples"]:
         print("  unexpected:", e)
     print("\ntargets:")
@@ -262,15 +333,20 @@ def run_mode(a, mode: str, levels: list[int], max_body: int, with_burst: bool) -
         model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
         card = httpx.get(f"{url}/v1/models/{model}").json()["card"]
         vocab = card["config"]["vocab_size"]
-        print(f"{mode}: tinylm serve on {url} ready in {startup:.1f} s: {model} ({card['parameters']:,} parameters, "
-              f"vocab {vocab}, context {card['config']['context_length']}), {a.threads} torch thread(s); "
-              f"{a.requests} streaming requests per client, {a.max_tokens} tokens each, sampling T 0.8 top-k 50")
+        print(
+            f"{mode}: tinylm serve on {url} ready in {startup:.1f} s: {model} ({card['parameters']:,} parameters, "
+            f"vocab {vocab}, context {card['config']['context_length']}), {a.threads} torch thread(s); "
+            f"{a.requests} streaming requests per client, {a.max_tokens} tokens each, sampling T 0.8 top-k 50"
+        )
         asyncio.run(level(url, model, 2, 1, 4, 30))  # warm-up: first-call costs out of the measurements
         for clients in levels:
             row = {"mode": mode, **asyncio.run(level(url, model, clients, a.requests, a.max_tokens, a.seconds))}
             rows.append(row)
-            print(f"  {clients:2d} clients: {row['requests']} requests, {row['errors']} errors, TTFT p50 "
-                  f"{row['ttft_p50_ms']} ms p95 {row['ttft_p95_ms']} ms, {row['tokens_per_s']} tok/s", flush=True)
+            print(
+                f"  {clients:2d} clients: {row['requests']} requests, {row['errors']} errors, TTFT p50 "
+                f"{row['ttft_p50_ms']} ms p95 {row['ttft_p95_ms']} ms, {row['tokens_per_s']} tok/s",
+                flush=True,
+            )
             for e in row["error_examples"]:
                 print("     error:", e)
         base = rows[0]["tokens_per_s"] if rows else float("nan")
@@ -293,17 +369,23 @@ def stop_server(server: subprocess.Popen) -> None:
 
 
 def check_targets(rows: list[dict], b: dict) -> dict:
-    targets = {"no errors": (all(r["errors"] == 0 for r in rows), f"{sum(r['errors'] for r in rows)} errors"),
-               "healthy after the malformed burst": (b["healthy_after"] and b["completion_after"] and not b["unexpected"],
-                                                     f"{b['unexpected']} unexpected answers")}
+    targets = {
+        "no errors": (all(r["errors"] == 0 for r in rows), f"{sum(r['errors'] for r in rows)} errors"),
+        "healthy after the malformed burst": (
+            b["healthy_after"] and b["completion_after"] and not b["unexpected"],
+            f"{b['unexpected']} unexpected answers",
+        ),
+    }
     by = {(r["mode"], r["clients"]): r for r in rows}
     for mode in dict.fromkeys(r["mode"] for r in rows):
         if (mode, 1) in by and (mode, 16) in by:
             ratio = by[mode, 16]["vs_1_client"]
             targets[f"{mode}: 16 clients >= 5x the tokens/s of 1"] = (ratio >= 5, f"{ratio:.2f}x")
         if (mode, 4) in by:
-            targets[f"{mode}: p95 TTFT at 4 clients <= 250 ms"] = (by[mode, 4]["ttft_p95_ms"] <= 250,
-                                                                   f"{by[mode, 4]['ttft_p95_ms']} ms")
+            targets[f"{mode}: p95 TTFT at 4 clients <= 250 ms"] = (
+                by[mode, 4]["ttft_p95_ms"] <= 250,
+                f"{by[mode, 4]['ttft_p95_ms']} ms",
+            )
     if ("compiled", 16) in by and ("eager", 16) in by:
         ratio = by["compiled", 16]["vs_eager"]
         targets["compiled >= 1.5x the eager tokens/s at 16 clients"] = (ratio >= 1.5, f"{ratio:.2f}x")
@@ -314,15 +396,17 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--checkpoint", default=str(REPO / "runs" / "demo"))
     p.add_argument("--threads", type=int, default=1, help="the server's torch threads")
-    p.add_argument("--modes", help="servers to measure, comma-separated: eager, compiled (default: both; "
-                                   "--quick: eager)")
+    p.add_argument(
+        "--modes", help="servers to measure, comma-separated: eager, compiled (default: both; --quick: eager)"
+    )
     p.add_argument("--clients", default="1,4,16", help="concurrency levels, comma-separated")
     p.add_argument("--requests", type=int, default=6, help="requests per client per level")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--seconds", type=float, default=90, help="time bound of each level")
     p.add_argument("--burst", type=int, default=300, help="malformed requests in the burst")
-    p.add_argument("--quick", action="store_true", help="eager only, 2 requests per client, 24 tokens, "
-                                                        "100 malformed (< 60 s)")
+    p.add_argument(
+        "--quick", action="store_true", help="eager only, 2 requests per client, 24 tokens, 100 malformed (< 60 s)"
+    )
     p.add_argument("--json", help="write the rows here")
     a = p.parse_args(argv)
     if a.quick:
@@ -348,11 +432,25 @@ def main(argv=None) -> int:
     print_table(rows, b, targets)
     print(f"\ntotal {time.perf_counter() - t_start:.1f} s")
     if a.json:
-        Path(a.json).write_text(json.dumps({
-            "rows": rows, "burst": b, "targets": {k: {"ok": ok, "value": v} for k, (ok, v) in targets.items()},
-            "setup": {"checkpoint": str(a.checkpoint), "threads": a.threads, "requests_per_client": a.requests,
-                      "max_tokens": a.max_tokens, "cpu_count": os.cpu_count(), "modes": modes,
-                      "startup_s": {m: round(t, 1) for m, t in startup.items()}}}, indent=1))
+        Path(a.json).write_text(
+            json.dumps(
+                {
+                    "rows": rows,
+                    "burst": b,
+                    "targets": {k: {"ok": ok, "value": v} for k, (ok, v) in targets.items()},
+                    "setup": {
+                        "checkpoint": str(a.checkpoint),
+                        "threads": a.threads,
+                        "requests_per_client": a.requests,
+                        "max_tokens": a.max_tokens,
+                        "cpu_count": os.cpu_count(),
+                        "modes": modes,
+                        "startup_s": {m: round(t, 1) for m, t in startup.items()},
+                    },
+                },
+                indent=1,
+            )
+        )
     return 0 if all(ok for ok, _ in targets.values()) else 1
 
 

@@ -26,6 +26,7 @@ from pathlib import Path
 
 SHARED = Path(__file__).resolve().parents[2] / "shared"
 
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="1 MB of training text, one run per system (< 60 s)")
@@ -33,10 +34,18 @@ def parse_args(argv=None):
     p.add_argument("--vocab", type=int, default=4096)
     p.add_argument("--reps", type=int, default=3, help="training runs per BPE system (alternated)")
     p.add_argument("--threads", type=int, default=2, help="threads for HF tokenizers (rayon) and torch")
-    p.add_argument("--data-dir", type=Path, default=SHARED / "data/tinystories",
-                   help="directory with train.txt and valid.txt (TinyStories format)")
-    p.add_argument("--tok512", type=Path, default=SHARED / "anchors/llama2c/tok512.bin",
-                   help="llama2.c tokenizer.bin for the extra llama2.c row (skipped when absent)")
+    p.add_argument(
+        "--data-dir",
+        type=Path,
+        default=SHARED / "data/tinystories",
+        help="directory with train.txt and valid.txt (TinyStories format)",
+    )
+    p.add_argument(
+        "--tok512",
+        type=Path,
+        default=SHARED / "anchors/llama2c/tok512.bin",
+        help="llama2.c tokenizer.bin for the extra llama2.c row (skipped when absent)",
+    )
     return p.parse_args(argv)
 
 
@@ -75,9 +84,12 @@ def hf_trainer(vocab: int):
         tok = Tokenizer(models.BPE())
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)  # GPT-2 regex
         tok.decoder = decoders.ByteLevel()
-        trainer = trainers.BpeTrainer(vocab_size=vocab, show_progress=False,
-                                      special_tokens=["<pad>", "<unk>", "<sos>", "<eos>"],
-                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+        trainer = trainers.BpeTrainer(
+            vocab_size=vocab,
+            show_progress=False,
+            special_tokens=["<pad>", "<unk>", "<sos>", "<eos>"],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        )
         tok.train_from_iterator(docs, trainer)
         return tok
 
@@ -96,16 +108,20 @@ def main(argv=None) -> int:
 
     train_path, valid_path = args.data_dir / "train.txt", args.data_dir / "valid.txt"
     if not train_path.is_file() or not valid_path.is_file():
-        print(f"benchmark data not found in {args.data_dir} (by default this benchmark reads "
-              f"../shared/data/tinystories relative to the repository; or pass --data-dir)")
+        print(
+            f"benchmark data not found in {args.data_dir} (by default this benchmark reads "
+            f"../shared/data/tinystories relative to the repository; or pass --data-dir)"
+        )
         return 1
     train_docs = read_stories(train_path, 1_000_000 if args.quick else None)
     valid_docs = read_stories(valid_path)
     reps = 1 if args.quick else args.reps
     mb = sum(len(d.encode()) for d in train_docs) / 1e6
-    print(f"training text: {mb:.2f} MB ({len(train_docs):,} stories); encode/quality on {len(valid_docs):,} "
-          f"validation stories; vocab {args.vocab}; {reps} run(s) per BPE system, alternated; "
-          f"HF rayon threads {args.threads}, tinylm single-threaded Python")
+    print(
+        f"training text: {mb:.2f} MB ({len(train_docs):,} stories); encode/quality on {len(valid_docs):,} "
+        f"validation stories; vocab {args.vocab}; {reps} run(s) per BPE system, alternated; "
+        f"HF rayon threads {args.threads}, tinylm single-threaded Python"
+    )
 
     hf_train = hf_trainer(args.vocab)
     times = {"tinylm_bpe": [], "hf_tokenizers_bpe": []}
@@ -133,17 +149,30 @@ def main(argv=None) -> int:
         fresh_hf = HFTokenizer.from_str(hf_json)
         for phase in ("cold", "warm"):
             speeds["hf_tokenizers_bpe"][phase].append(
-                encode_speed(lambda docs: fresh_hf.encode_batch(docs, add_special_tokens=False), valid_docs))
+                encode_speed(lambda docs: fresh_hf.encode_batch(docs, add_special_tokens=False), valid_docs)
+            )
     for name, tok_encode, tok_decode, size, train_times in (
         ("tinylm_bpe", tl.encode, tl.decode, tl.vocab_size, times["tinylm_bpe"]),
-        ("hf_tokenizers_bpe", lambda d: hf.encode(d, add_special_tokens=False).ids, hf.decode, hf.get_vocab_size(),
-         times["hf_tokenizers_bpe"]),
+        (
+            "hf_tokenizers_bpe",
+            lambda d: hf.encode(d, add_special_tokens=False).ids,
+            hf.decode,
+            hf.get_vocab_size(),
+            times["hf_tokenizers_bpe"],
+        ),
     ):
         tpw, exact = quality(tok_encode, tok_decode, valid_docs)
-        rows.append({"system": name, "vocab_size": size, "train_seconds": statistics.median(train_times),
-                     "encode_mb_per_s": statistics.median(speeds[name]["warm"]),
-                     "encode_cold_mb_per_s": statistics.median(speeds[name]["cold"]),
-                     "tokens_per_word": tpw, "roundtrip_exact": exact})
+        rows.append(
+            {
+                "system": name,
+                "vocab_size": size,
+                "train_seconds": statistics.median(train_times),
+                "encode_mb_per_s": statistics.median(speeds[name]["warm"]),
+                "encode_cold_mb_per_s": statistics.median(speeds[name]["cold"]),
+                "tokens_per_word": tpw,
+                "roundtrip_exact": exact,
+            }
+        )
     # how many learned tokens the two trainers share (tie-breaking differs, so not all)
     table = byte_to_unicode()
     hf_vocab = set(hf.get_vocab())
@@ -156,9 +185,17 @@ def main(argv=None) -> int:
         train_s = time.perf_counter() - t
         speed = encode_speed(lambda docs: [tok.encode(d) for d in docs], valid_docs, reps)
         tpw, exact = quality(tok.encode, tok.decode, valid_docs)
-        rows.append({"system": name, "vocab_size": tok.vocab_size, "train_seconds": train_s,
-                     "encode_mb_per_s": speed, "encode_cold_mb_per_s": None, "tokens_per_word": tpw,
-                     "roundtrip_exact": exact})
+        rows.append(
+            {
+                "system": name,
+                "vocab_size": tok.vocab_size,
+                "train_seconds": train_s,
+                "encode_mb_per_s": speed,
+                "encode_cold_mb_per_s": None,
+                "tokens_per_word": tpw,
+                "roundtrip_exact": exact,
+            }
+        )
 
     tok512 = args.tok512
     if tok512.is_file():
@@ -167,9 +204,17 @@ def main(argv=None) -> int:
         l2c = Llama2cTokenizer.from_file(tok512)
         speed = encode_speed(lambda docs: [l2c.encode(d) for d in docs], valid_docs, 1)
         tpw, exact = quality(l2c.encode, l2c.decode, valid_docs)
-        rows.append({"system": "tinylm_llama2c_tok512", "vocab_size": l2c.vocab_size, "train_seconds": None,
-                     "encode_mb_per_s": speed, "encode_cold_mb_per_s": None, "tokens_per_word": tpw,
-                     "roundtrip_exact": exact})
+        rows.append(
+            {
+                "system": "tinylm_llama2c_tok512",
+                "vocab_size": l2c.vocab_size,
+                "train_seconds": None,
+                "encode_mb_per_s": speed,
+                "encode_cold_mb_per_s": None,
+                "tokens_per_word": tpw,
+                "roundtrip_exact": exact,
+            }
+        )
     else:
         print(f"(llama2.c tok512.bin not found at {tok512}; row skipped)")
 
@@ -181,10 +226,12 @@ def main(argv=None) -> int:
         r["encode_cold_ratio"] = cold / hf_row["encode_cold_mb_per_s"] if cold else None
     print_table(rows)
     tl_row = rows[0]
-    print(f"\ntinylm BPE training time / HF: {tl_row['train_ratio']:.2f}x (target <= 2x); "
-          f"tinylm encode {tl_row['encode_mb_per_s']:.1f} MB/s warm, {tl_row['encode_cold_mb_per_s']:.1f} cold "
-          f"(target >= 5); "
-          f"{100 * merge_overlap:.1f}% of tinylm's learned tokens are also in HF's vocabulary")
+    print(
+        f"\ntinylm BPE training time / HF: {tl_row['train_ratio']:.2f}x (target <= 2x); "
+        f"tinylm encode {tl_row['encode_mb_per_s']:.1f} MB/s warm, {tl_row['encode_cold_mb_per_s']:.1f} cold "
+        f"(target >= 5); "
+        f"{100 * merge_overlap:.1f}% of tinylm's learned tokens are also in HF's vocabulary"
+    )
     print("train runs (s): " + "; ".join(f"{k} " + ", ".join(f"{x:.2f}" for x in v) for k, v in times.items()))
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
@@ -192,8 +239,18 @@ def main(argv=None) -> int:
 
 
 def print_table(rows: list[dict]) -> None:
-    header = ["system", "vocab_size", "train_seconds", "train_ratio", "encode_mb_per_s", "encode_ratio",
-              "encode_cold_mb_per_s", "encode_cold_ratio", "tokens_per_word", "roundtrip_exact"]
+    header = [
+        "system",
+        "vocab_size",
+        "train_seconds",
+        "train_ratio",
+        "encode_mb_per_s",
+        "encode_ratio",
+        "encode_cold_mb_per_s",
+        "encode_cold_ratio",
+        "tokens_per_word",
+        "roundtrip_exact",
+    ]
 
     def fmt(v):
         if v is None:

@@ -101,8 +101,9 @@ QUICK = Sizes(vocab=1024, context=128, d_model=128, n_layers=4, n_heads=4, batch
 
 
 # ------------------------------------------------------------------------------------------ data
-def load_token_stream(vocab: int, corpus: str = "auto", max_chars: int = 2_000_000,
-                      data_dir: Path = TINYSTORIES) -> tuple[np.ndarray, np.ndarray, str]:
+def load_token_stream(
+    vocab: int, corpus: str = "auto", max_chars: int = 2_000_000, data_dir: Path = TINYSTORIES
+) -> tuple[np.ndarray, np.ndarray, str]:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     if corpus == "auto" and (data_dir / "train.txt").is_file():
@@ -114,17 +115,23 @@ def load_token_stream(vocab: int, corpus: str = "auto", max_chars: int = 2_000_0
 
         text = "\n".join(load_shakespeare(None).values())
         train_text, valid_text = text[:max_chars], text[-200_000:]
-        source = "Shakespeare (" + ("asked for" if corpus == "shakespeare" else "../shared/data/tinystories is absent") + ")"
+        source = (
+            "Shakespeare (" + ("asked for" if corpus == "shakespeare" else "../shared/data/tinystories is absent") + ")"
+        )
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator([train_text[i:i + 10_000] for i in range(0, len(train_text), 10_000)],
-                            trainers.BpeTrainer(vocab_size=vocab, show_progress=False,
-                                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.train_from_iterator(
+        [train_text[i : i + 10_000] for i in range(0, len(train_text), 10_000)],
+        trainers.BpeTrainer(
+            vocab_size=vocab, show_progress=False, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        ),
+    )
 
     def enc(t: str) -> np.ndarray:
-        return np.concatenate([np.asarray(tok.encode(t[i:i + 100_000]).ids, dtype=np.int64)
-                               for i in range(0, len(t), 100_000)])
+        return np.concatenate(
+            [np.asarray(tok.encode(t[i : i + 100_000]).ids, dtype=np.int64) for i in range(0, len(t), 100_000)]
+        )
 
     return enc(train_text), enc(valid_text), source
 
@@ -133,7 +140,7 @@ def batch_at(stream: np.ndarray, index: int, B: int, T: int, seed: int) -> tuple
     """Micro-batch ``index``: B random windows of T + 1 tokens, the same for every row of the table."""
     g = np.random.default_rng(seed * 100_003 + index)
     starts = g.integers(0, len(stream) - T - 1, size=B)
-    rows = torch.from_numpy(np.stack([stream[s:s + T + 1] for s in starts]))
+    rows = torch.from_numpy(np.stack([stream[s : s + T + 1] for s in starts]))
     return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
 
 
@@ -155,13 +162,30 @@ def build(row: str, s: Sizes) -> torch.nn.Module:
     if row == "hf_gpt2":
         from transformers import GPT2Config, GPT2LMHeadModel
 
-        cfg = GPT2Config(vocab_size=s.vocab, n_positions=s.context, n_embd=s.d_model, n_layer=s.n_layers,
-                         n_head=s.n_heads, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                         bos_token_id=None, eos_token_id=None)
+        cfg = GPT2Config(
+            vocab_size=s.vocab,
+            n_positions=s.context,
+            n_embd=s.d_model,
+            n_layer=s.n_layers,
+            n_head=s.n_heads,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            bos_token_id=None,
+            eos_token_id=None,
+        )
         cfg._attn_implementation = "sdpa"  # F.scaled_dot_product_attention, like tinylm's default
         return HFLoss(GPT2LMHeadModel(cfg)).train()
-    model = GPT(ModelConfig(vocab_size=s.vocab, context_length=s.context, d_model=s.d_model, n_layers=s.n_layers,
-                            n_heads=s.n_heads, dropout=0.0)).train()
+    model = GPT(
+        ModelConfig(
+            vocab_size=s.vocab,
+            context_length=s.context,
+            d_model=s.d_model,
+            n_layers=s.n_layers,
+            n_heads=s.n_heads,
+            dropout=0.0,
+        )
+    ).train()
     if row == "checkpointing":
         enable_grad_checkpointing(model, "tinylm")
     elif row == "checkpointing_torch":
@@ -173,12 +197,17 @@ def accum_of(row: str) -> int:
     return int(row.split("_")[1]) if row.startswith("accum_") else 1
 
 
-def train_row(row: str, s: Sizes, train_tokens, initial_state, tcfg: TrainConfig) -> tuple[torch.nn.Module, float, float]:
+def train_row(
+    row: str, s: Sizes, train_tokens, initial_state, tcfg: TrainConfig
+) -> tuple[torch.nn.Module, float, float]:
     """Train from ``initial_state`` over the micro-batches; returns (model, wall seconds, CPU seconds)."""
     model = build(row, s)
     model.load_state_dict(initial_state)
-    opt = make_optimizer(model, tcfg) if row != "hf_gpt2" else torch.optim.AdamW(
-        param_groups(model, tcfg.weight_decay), lr=tcfg.lr, betas=(tcfg.beta1, tcfg.beta2))
+    opt = (
+        make_optimizer(model, tcfg)
+        if row != "hf_gpt2"
+        else torch.optim.AdamW(param_groups(model, tcfg.weight_decay), lr=tcfg.lr, betas=(tcfg.beta1, tcfg.beta2))
+    )
     accum, cpu = accum_of(row), torch.device("cpu")
     start, cpu_start = time.perf_counter(), time.process_time()
     for first in range(0, s.micro_batches, accum):
@@ -230,10 +259,12 @@ def default_table(args) -> None:
     def init_of(row: str) -> dict:
         return initial["hf" if row == "hf_gpt2" else "tinylm"]
 
-    print(f"data: {source}, {len(train_tokens):,} train tokens; model: {s.n_layers} layers, d_model {s.d_model}, "
-          f"{s.n_heads} heads, context {s.context}, vocab {s.vocab}; micro-batch {s.batch} x {s.context} tokens, "
-          f"{s.micro_batches} micro-batches per row, {s.rounds} rounds; torch {torch.__version__}, "
-          f"{args.threads} threads")
+    print(
+        f"data: {source}, {len(train_tokens):,} train tokens; model: {s.n_layers} layers, d_model {s.d_model}, "
+        f"{s.n_heads} heads, context {s.context}, vocab {s.vocab}; micro-batch {s.batch} x {s.context} tokens, "
+        f"{s.micro_batches} micro-batches per row, {s.rounds} rounds; torch {torch.__version__}, "
+        f"{args.threads} threads"
+    )
 
     for row in rows:  # warm-up: one step of each system (allocator, kernels), not timed
         model = build(row, s)
@@ -255,10 +286,20 @@ def default_table(args) -> None:
     table = []
     for row in rows:
         secs, cpu = statistics.median(seconds[row]), statistics.median(cpu_seconds[row])
-        table.append({"config": row, "tokens_per_s": round(tokens / secs, 1), "peak_activation_bytes": memory[row][0],
-                      "final_loss": round(final[row], 4), "seconds": round(secs, 3), "cuda_peak_bytes": memory[row][1],
-                      "cpu_seconds": round(cpu, 3), "tokens_per_cpu_s": round(tokens / cpu, 1),
-                      "grad_accum_steps": accum_of(row), "optimizer_steps": s.micro_batches // accum_of(row)})
+        table.append(
+            {
+                "config": row,
+                "tokens_per_s": round(tokens / secs, 1),
+                "peak_activation_bytes": memory[row][0],
+                "final_loss": round(final[row], 4),
+                "seconds": round(secs, 3),
+                "cuda_peak_bytes": memory[row][1],
+                "cpu_seconds": round(cpu, 3),
+                "tokens_per_cpu_s": round(tokens / cpu, 1),
+                "grad_accum_steps": accum_of(row),
+                "optimizer_steps": s.micro_batches // accum_of(row),
+            }
+        )
     by = {r["config"]: r for r in table}
     for r in table:
         if "hf_gpt2" in by:
@@ -267,27 +308,50 @@ def default_table(args) -> None:
             r["activation_vs_plain"] = round(r["peak_activation_bytes"] / by["plain"]["peak_activation_bytes"], 3)
             r["time_per_token_vs_plain"] = round(by["plain"]["tokens_per_s"] / r["tokens_per_s"], 3)
 
-    header = ["config", "tokens_per_s", "vs_hf", "peak_activation_MB", "vs_plain", "time/token_vs_plain",
-              "final_loss", "seconds", "steps"]
+    header = [
+        "config",
+        "tokens_per_s",
+        "vs_hf",
+        "peak_activation_MB",
+        "vs_plain",
+        "time/token_vs_plain",
+        "final_loss",
+        "seconds",
+        "steps",
+    ]
     print("\n" + " | ".join(header))
     print(" | ".join("---" for _ in header))
     for r in table:
-        print(" | ".join(str(v) for v in (
-            r["config"], f"{r['tokens_per_s']:,.0f}", r.get("tokens_per_s_vs_hf_gpt2", "-"),
-            f"{r['peak_activation_bytes'] / 2**20:,.1f}", r.get("activation_vs_plain", "-"),
-            r.get("time_per_token_vs_plain", "-"), r["final_loss"], r["seconds"], r["optimizer_steps"])))
+        print(
+            " | ".join(
+                str(v)
+                for v in (
+                    r["config"],
+                    f"{r['tokens_per_s']:,.0f}",
+                    r.get("tokens_per_s_vs_hf_gpt2", "-"),
+                    f"{r['peak_activation_bytes'] / 2**20:,.1f}",
+                    r.get("activation_vs_plain", "-"),
+                    r.get("time_per_token_vs_plain", "-"),
+                    r["final_loss"],
+                    r["seconds"],
+                    r["optimizer_steps"],
+                )
+            )
+        )
     if "plain" in by and "hf_gpt2" in by and "checkpointing" in by:
         p, c = by["plain"], by["checkpointing"]
-        print(f"\ntargets: plain tokens/s = {p['tokens_per_s_vs_hf_gpt2']:.3f} x hf_gpt2 (target >= 1.0); "
-              f"checkpointing activations = {c['activation_vs_plain']:.3f} x plain (target <= 0.40) at "
-              f"{c['time_per_token_vs_plain']:.3f} x its time per token (target <= 1.35)")
-    print("note: checkpointing_torch's activation bytes miss its recomputation (torch.utils.checkpoint installs "
-          "its own saved-tensor hooks inside backward, which hide those tensors from this meter)")
+        print(
+            f"\ntargets: plain tokens/s = {p['tokens_per_s_vs_hf_gpt2']:.3f} x hf_gpt2 (target >= 1.0); "
+            f"checkpointing activations = {c['activation_vs_plain']:.3f} x plain (target <= 0.40) at "
+            f"{c['time_per_token_vs_plain']:.3f} x its time per token (target <= 1.35)"
+        )
+    print(
+        "note: checkpointing_torch's activation bytes miss its recomputation (torch.utils.checkpoint installs "
+        "its own saved-tensor hooks inside backward, which hide those tensors from this meter)"
+    )
     print(f"total {time.perf_counter() - t0:.1f} s")
     if args.json:
         Path(args.json).write_text(json.dumps(table, indent=2))
-
-
 
 
 # ---------------------------------------------------------------------------------- roofline table
@@ -301,8 +365,13 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def matmul_peak(dtype: torch.dtype, shapes: list[tuple[int, int, int]], device: torch.device,
-                min_seconds: float = 0.2, max_reps: int = 20) -> dict:
+def matmul_peak(
+    dtype: torch.dtype,
+    shapes: list[tuple[int, int, int]],
+    device: torch.device,
+    min_seconds: float = 0.2,
+    max_reps: int = 20,
+) -> dict:
     """Best FLOP/s of (m x k) @ (k x n) over ``shapes``: per shape the fastest of repeated products
     (at least 2, until ``min_seconds`` or ``max_reps``) after one untimed product."""
     per_shape = {}
@@ -323,7 +392,9 @@ def matmul_peak(dtype: torch.dtype, shapes: list[tuple[int, int, int]], device: 
     return {"flop_s": per_shape[best], "best_shape": best, "per_shape": per_shape}
 
 
-def model_flops_per_token(d: int, layers: int = ROOF_LAYERS, context: int = ROOF_CONTEXT, vocab: int = ROOF_VOCAB) -> int:
+def model_flops_per_token(
+    d: int, layers: int = ROOF_LAYERS, context: int = ROOF_CONTEXT, vocab: int = ROOF_VOCAB
+) -> int:
     """6 * (12 L d^2 + V d) + 12 L T d: the 6N rule over the weight matrices (attention 4 d^2, MLP
     8 d^2 per layer; the output head V d) plus QK^T and AV over the full T x T, forward and backward."""
     return 6 * (12 * layers * d * d + vocab * d) + 12 * layers * context * d
@@ -341,8 +412,13 @@ class RoofSpec:
 def roof_spec(args, device: torch.device) -> RoofSpec:
     cuda = device.type == "cuda"
     if args.quick:
-        spec = RoofSpec([128], list(SETTINGS) if args.compile_rows or cuda else ["fp32", "bf16"],
-                        8 if cuda else 2, 10 if cuda else 3, 2)
+        spec = RoofSpec(
+            [128],
+            list(SETTINGS) if args.compile_rows or cuda else ["fp32", "bf16"],
+            8 if cuda else 2,
+            10 if cuda else 3,
+            2,
+        )
     else:
         spec = RoofSpec([128, 256], list(SETTINGS), 32 if cuda else 8, 50 if cuda else 10, 2)
     if args.sizes:
@@ -363,8 +439,16 @@ def roof_models(d: int, device: torch.device) -> dict[str, torch.nn.Module]:
     from tinylm.interop.gpt2 import to_hf_gpt2
 
     torch.manual_seed(0)
-    tiny = GPT(ModelConfig(vocab_size=ROOF_VOCAB, context_length=ROOF_CONTEXT, d_model=d, n_layers=ROOF_LAYERS,
-                           n_heads=ROOF_HEADS.get(d, max(1, d // 32)), dropout=0.0))
+    tiny = GPT(
+        ModelConfig(
+            vocab_size=ROOF_VOCAB,
+            context_length=ROOF_CONTEXT,
+            d_model=d,
+            n_layers=ROOF_LAYERS,
+            n_heads=ROOF_HEADS.get(d, max(1, d // 32)),
+            dropout=0.0,
+        )
+    )
     hf = to_hf_gpt2(tiny)
     if hasattr(hf, "set_attn_implementation"):
         hf.set_attn_implementation("sdpa")
@@ -414,7 +498,6 @@ class RoofRow:
         return time.perf_counter() - start
 
 
-
 def roofline_table(args) -> None:
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
     spec = roof_spec(args, device)
@@ -422,10 +505,12 @@ def roofline_table(args) -> None:
     tokens_per_step = spec.batch * ROOF_CONTEXT
     cuda = device.type == "cuda"
     name = torch.cuda.get_device_name(device) if cuda else (platform.processor() or platform.machine())
-    print(f"device: {device} ({name}), torch {torch.__version__}, "
-          + (f"{torch.get_num_threads()} threads; " if not cuda else "")
-          + f"{ROOF_LAYERS} layers, context {ROOF_CONTEXT}, vocab {ROOF_VOCAB}, d_model {spec.sizes}; batch {spec.batch} "
-          f"x {ROOF_CONTEXT} tokens, {spec.steps} AdamW steps per row, {spec.rounds} rounds; settings {spec.settings}")
+    print(
+        f"device: {device} ({name}), torch {torch.__version__}, "
+        + (f"{torch.get_num_threads()} threads; " if not cuda else "")
+        + f"{ROOF_LAYERS} layers, context {ROOF_CONTEXT}, vocab {ROOF_VOCAB}, d_model {spec.sizes}; batch {spec.batch} "
+        f"x {ROOF_CONTEXT} tokens, {spec.steps} AdamW steps per row, {spec.rounds} rounds; settings {spec.settings}"
+    )
 
     # 1. the machine's matmul peaks
     m = 8192 if cuda else tokens_per_step * (1 if args.quick else 4)
@@ -434,8 +519,11 @@ def roofline_table(args) -> None:
     peaks = {}
     for label, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
         peaks[label] = matmul_peak(dtype, shapes, device)
-        print(f"matmul peak {label}: {peaks[label]['flop_s'] / 1e9:,.1f} GFLOP/s ({peaks[label]['best_shape']})",
-              file=sys.stderr, flush=True)
+        print(
+            f"matmul peak {label}: {peaks[label]['flop_s'] / 1e9:,.1f} GFLOP/s ({peaks[label]['best_shape']})",
+            file=sys.stderr,
+            flush=True,
+        )
 
     # 2. the training rows, per size: A B A B over systems and settings
     train_tokens, valid_tokens, source = load_token_stream(ROOF_VOCAB, args.corpus, data_dir=args.data)
@@ -468,20 +556,36 @@ def roofline_table(args) -> None:
             final[row.name] = loss_on(row.model, held_out)
         rows += size_rows
 
-    table = [{"config": f"matmul_peak_{label}", "flop_s": round(p["flop_s"]), "best_shape": p["best_shape"],
-              "per_shape": {k: round(v) for k, v in p["per_shape"].items()}} for label, p in peaks.items()]
+    table = [
+        {
+            "config": f"matmul_peak_{label}",
+            "flop_s": round(p["flop_s"]),
+            "best_shape": p["best_shape"],
+            "per_shape": {k: round(v) for k, v in p["per_shape"].items()},
+        }
+        for label, p in peaks.items()
+    ]
     by = {}
     for row in rows:
         secs = statistics.median(row.seconds)
         tok_s = spec.steps * tokens_per_step / secs
         flop_s = tok_s * model_flops_per_token(row.d)
         by[row.name] = r = {
-            "config": row.name, "system": row.system, "d_model": row.d, "setting": row.setting,
-            "tokens_per_s": round(tok_s, 1), "model_flop_s": round(flop_s),
+            "config": row.name,
+            "system": row.system,
+            "d_model": row.d,
+            "setting": row.setting,
+            "tokens_per_s": round(tok_s, 1),
+            "model_flop_s": round(flop_s),
             "mfu_bf16": round(flop_s / peaks["bf16"]["flop_s"], 4),
-            "of_fp32_peak": round(flop_s / peaks["fp32"]["flop_s"], 4), "final_loss": round(final[row.name], 5),
-            "seconds": round(secs, 4), "warmup_s": round(row.warmup_s, 2), "steps": spec.steps,
-            "tokens_per_step": tokens_per_step, "flops_per_token": model_flops_per_token(row.d)}
+            "of_fp32_peak": round(flop_s / peaks["fp32"]["flop_s"], 4),
+            "final_loss": round(final[row.name], 5),
+            "seconds": round(secs, 4),
+            "warmup_s": round(row.warmup_s, 2),
+            "steps": spec.steps,
+            "tokens_per_step": tokens_per_step,
+            "flops_per_token": model_flops_per_token(row.d),
+        }
         table.append(r)
     for r in table[2:]:
         hf = by.get(f"hf_gpt2_d{r['d_model']}_{r['setting']}")
@@ -493,31 +597,62 @@ def roofline_table(args) -> None:
             r["loss_vs_fp32"] = round((r["final_loss"] - ref["final_loss"]) / ref["final_loss"], 5)
 
     unit, scale = ("TFLOP/s", 1e12) if cuda else ("GFLOP/s", 1e9)
-    print(f"\nmatmul peaks: fp32 {peaks['fp32']['flop_s'] / scale:,.2f} {unit} ({peaks['fp32']['best_shape']}), "
-          f"bf16 {peaks['bf16']['flop_s'] / scale:,.2f} {unit} ({peaks['bf16']['best_shape']})")
-    header = ["config", "tokens_per_s", "vs_hf", f"model_{unit}", "mfu_bf16", "of_fp32_peak", "final_loss",
-              "loss_vs_fp32", "speedup_vs_fp32", "warmup_s"]
+    print(
+        f"\nmatmul peaks: fp32 {peaks['fp32']['flop_s'] / scale:,.2f} {unit} ({peaks['fp32']['best_shape']}), "
+        f"bf16 {peaks['bf16']['flop_s'] / scale:,.2f} {unit} ({peaks['bf16']['best_shape']})"
+    )
+    header = [
+        "config",
+        "tokens_per_s",
+        "vs_hf",
+        f"model_{unit}",
+        "mfu_bf16",
+        "of_fp32_peak",
+        "final_loss",
+        "loss_vs_fp32",
+        "speedup_vs_fp32",
+        "warmup_s",
+    ]
     print("\n" + " | ".join(header))
     print(" | ".join("---" for _ in header))
     for r in table[2:]:
-        print(" | ".join(str(v) for v in (
-            r["config"], f"{r['tokens_per_s']:,.0f}", r.get("vs_hf", "-"), f"{r['model_flop_s'] / scale:,.2f}",
-            f"{r['mfu_bf16']:.3f}", f"{r['of_fp32_peak']:.3f}", f"{r['final_loss']:.4f}",
-            f"{r['loss_vs_fp32']:+.2%}" if "loss_vs_fp32" in r else "-", r.get("speedup_vs_fp32", "-"), r["warmup_s"])))
+        print(
+            " | ".join(
+                str(v)
+                for v in (
+                    r["config"],
+                    f"{r['tokens_per_s']:,.0f}",
+                    r.get("vs_hf", "-"),
+                    f"{r['model_flop_s'] / scale:,.2f}",
+                    f"{r['mfu_bf16']:.3f}",
+                    f"{r['of_fp32_peak']:.3f}",
+                    f"{r['final_loss']:.4f}",
+                    f"{r['loss_vs_fp32']:+.2%}" if "loss_vs_fp32" in r else "-",
+                    r.get("speedup_vs_fp32", "-"),
+                    r["warmup_s"],
+                )
+            )
+        )
     print()
     for d in spec.sizes:
         for system in ("tinylm", "hf_gpt2"):
-            parts = [f"{st} {by[f'{system}_d{d}_{st}']['speedup_vs_fp32']:.2f}x" for st in spec.settings
-                     if st != "fp32" and "speedup_vs_fp32" in by.get(f"{system}_d{d}_{st}", {})]
+            parts = [
+                f"{st} {by[f'{system}_d{d}_{st}']['speedup_vs_fp32']:.2f}x"
+                for st in spec.settings
+                if st != "fp32" and "speedup_vs_fp32" in by.get(f"{system}_d{d}_{st}", {})
+            ]
             if parts:
                 print(f"speed-up vs fp32 eager, {system} d{d}: " + ", ".join(parts))
             bf = by.get(f"{system}_d{d}_bf16")
             if bf and "loss_vs_fp32" in bf:
-                print(f"  bf16 loss within 1% of fp32 ({system} d{d}): {'yes' if abs(bf['loss_vs_fp32']) <= 0.01 else 'NO'} "
-                      f"({bf['loss_vs_fp32']:+.3%})")
+                print(
+                    f"  bf16 loss within 1% of fp32 ({system} d{d}): {'yes' if abs(bf['loss_vs_fp32']) <= 0.01 else 'NO'} "
+                    f"({bf['loss_vs_fp32']:+.3%})"
+                )
     print(f"total {time.perf_counter() - t0:.1f} s")
     if args.json:
         Path(args.json).write_text(json.dumps(table, indent=2))
+
 
 # ----------------------------------------------------------------------------------- op profile
 PROFILE_TOP = 10
@@ -540,12 +675,26 @@ def profile_step(row: RoofRow, batches: list) -> dict:
     events = prof.key_averages()
     total = sum(e.self_cpu_time_total for e in events)
     top = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:PROFILE_TOP]
-    ops = [{"op": e.key, "self_cpu_ms": round(e.self_cpu_time_total / 1e3, 3),
-            "self_cpu_share": round(e.self_cpu_time_total / total, 4), "calls": e.count,
-            "self_device_ms": round(getattr(e, "self_device_time_total", 0) / 1e3, 3)} for e in top]
-    return {"config": f"profile_{row.name}", "system": row.system, "d_model": row.d, "setting": row.setting,
-            "step_wall_s": round(wall, 4), "self_cpu_ms_total": round(total / 1e3, 3), "op_kinds": len(events),
-            "top_ops": ops}
+    ops = [
+        {
+            "op": e.key,
+            "self_cpu_ms": round(e.self_cpu_time_total / 1e3, 3),
+            "self_cpu_share": round(e.self_cpu_time_total / total, 4),
+            "calls": e.count,
+            "self_device_ms": round(getattr(e, "self_device_time_total", 0) / 1e3, 3),
+        }
+        for e in top
+    ]
+    return {
+        "config": f"profile_{row.name}",
+        "system": row.system,
+        "d_model": row.d,
+        "setting": row.setting,
+        "step_wall_s": round(wall, 4),
+        "self_cpu_ms_total": round(total / 1e3, 3),
+        "op_kinds": len(events),
+        "top_ops": ops,
+    }
 
 
 def profile_table(args) -> None:
@@ -556,9 +705,13 @@ def profile_table(args) -> None:
     settings = spec.settings if args.settings else ["fp32"]
     t0 = time.perf_counter()
     train_tokens, _, source = load_token_stream(ROOF_VOCAB, args.corpus, data_dir=args.data)
-    batches = [tuple(t.to(device) for t in batch_at(train_tokens, i, spec.batch, ROOF_CONTEXT, seed=1)) for i in range(4)]
-    print(f"device: {device}, torch {torch.__version__}; data: {source}; {ROOF_LAYERS} layers, context {ROOF_CONTEXT}, "
-          f"vocab {ROOF_VOCAB}, batch {spec.batch}; one profiled step per row (after one unprofiled)")
+    batches = [
+        tuple(t.to(device) for t in batch_at(train_tokens, i, spec.batch, ROOF_CONTEXT, seed=1)) for i in range(4)
+    ]
+    print(
+        f"device: {device}, torch {torch.__version__}; data: {source}; {ROOF_LAYERS} layers, context {ROOF_CONTEXT}, "
+        f"vocab {ROOF_VOCAB}, batch {spec.batch}; one profiled step per row (after one unprofiled)"
+    )
     table = []
     for d in spec.sizes:
         base = roof_models(d, device)
@@ -567,20 +720,26 @@ def profile_table(args) -> None:
                 row = RoofRow(system, d, setting, copy.deepcopy(base[system]), device)
                 row.train(batches[2:] if row.compile else batches[2:3])  # compiles; warms allocators and kernels
                 table.append(result := profile_step(row, batches))
-                print(f"\n{row.name}: step {result['step_wall_s'] * 1e3:,.1f} ms wall, "
-                      f"{result['self_cpu_ms_total']:,.1f} ms self CPU over {result['op_kinds']} op kinds")
+                print(
+                    f"\n{row.name}: step {result['step_wall_s'] * 1e3:,.1f} ms wall, "
+                    f"{result['self_cpu_ms_total']:,.1f} ms self CPU over {result['op_kinds']} op kinds"
+                )
                 print("op | self CPU ms | share | calls" + (" | self CUDA ms" if device.type == "cuda" else ""))
                 print("--- | --- | --- | ---" + (" | ---" if device.type == "cuda" else ""))
                 for op in result["top_ops"]:
-                    print(f"{op['op']} | {op['self_cpu_ms']:,.2f} | {op['self_cpu_share']:.1%} | {op['calls']}"
-                          + (f" | {op['self_device_ms']:,.2f}" if device.type == "cuda" else ""))
+                    print(
+                        f"{op['op']} | {op['self_cpu_ms']:,.2f} | {op['self_cpu_share']:.1%} | {op['calls']}"
+                        + (f" | {op['self_device_ms']:,.2f}" if device.type == "cuda" else "")
+                    )
     by = {(r["system"], r["d_model"], r["setting"]): r for r in table}
     print()
     for d in spec.sizes:
         for setting in settings:
             t, h = by[("tinylm", d, setting)], by[("hf_gpt2", d, setting)]
-            print(f"d{d} {setting}: tinylm step {t['step_wall_s'] * 1e3:,.1f} ms, hf_gpt2 {h['step_wall_s'] * 1e3:,.1f} ms "
-                  f"(tinylm {h['step_wall_s'] / t['step_wall_s']:.3f}x hf under the profiler, one step: not a speed measure)")
+            print(
+                f"d{d} {setting}: tinylm step {t['step_wall_s'] * 1e3:,.1f} ms, hf_gpt2 {h['step_wall_s'] * 1e3:,.1f} ms "
+                f"(tinylm {h['step_wall_s'] / t['step_wall_s']:.3f}x hf under the profiler, one step: not a speed measure)"
+            )
     print(f"total {time.perf_counter() - t0:.1f} s")
     if args.json:
         Path(args.json).write_text(json.dumps(table, indent=2))
@@ -588,17 +747,28 @@ def profile_table(args) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--table", choices=("default", "roofline"), default="default",
-                    help="default: trainer options against HF GPT-2; roofline: precision and compile against matmul peaks")
+    ap.add_argument(
+        "--table",
+        choices=("default", "roofline"),
+        default="default",
+        help="default: trainer options against HF GPT-2; roofline: precision and compile against matmul peaks",
+    )
     ap.add_argument("--quick", action="store_true", help="a smaller model and fewer micro-batches (< 60 s)")
     ap.add_argument("--json", help="write the table as a JSON list of row objects")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1 is stable on a shared CPU)")
     ap.add_argument("--rounds", type=int, default=None)
-    ap.add_argument("--corpus", choices=("auto", "shakespeare"), default="auto",
-                    help="auto: TinyStories from ../shared when present, else Shakespeare")
+    ap.add_argument(
+        "--corpus",
+        choices=("auto", "shakespeare"),
+        default="auto",
+        help="auto: TinyStories from ../shared when present, else Shakespeare",
+    )
     ap.add_argument("--data", type=Path, default=TINYSTORIES, help="folder with TinyStories train.txt and valid.txt")
-    ap.add_argument("--rows", default="hf_gpt2,plain,accum_2,accum_4,accum_8,checkpointing,checkpointing_torch",
-                    help="default table: its rows")
+    ap.add_argument(
+        "--rows",
+        default="hf_gpt2,plain,accum_2,accum_4,accum_8,checkpointing,checkpointing_torch",
+        help="default table: its rows",
+    )
     roof = ap.add_argument_group("roofline table")
     roof.add_argument("--device", default="auto", help="auto (CUDA when present), cpu or cuda")
     roof.add_argument("--sizes", help="d_model values, e.g. 128,256")
@@ -606,9 +776,12 @@ def main() -> None:
     roof.add_argument("--compile-rows", action="store_true", help="with --quick: the compiled settings too")
     roof.add_argument("--batch", type=int, help="sequences per step")
     roof.add_argument("--steps", type=int, help="optimizer steps per row and round")
-    ap.add_argument("--profile", action="store_true",
-                    help=f"instead of a table: the top {PROFILE_TOP} ops by self CPU time of one training step of tinylm "
-                         "and of HF GPT-2 (roofline models; --sizes, --settings (default fp32), --batch, --device apply)")
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help=f"instead of a table: the top {PROFILE_TOP} ops by self CPU time of one training step of tinylm "
+        "and of HF GPT-2 (roofline models; --sizes, --settings (default fp32), --batch, --device apply)",
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if args.profile:

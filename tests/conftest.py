@@ -1,4 +1,5 @@
 """Shared fixtures: a small corpus written by the tests, tiny configs, seeded torch."""
+
 from __future__ import annotations
 
 import random
@@ -31,7 +32,11 @@ SLOW_MODULE = re.compile(r"^pytestmark = \[?pytest\.mark\.slow\b", re.MULTILINE)
 def pytest_ignore_collect(collection_path, config):
     """Under `-m "not slow"` (make test-fast) a module marked slow as a whole is not even imported,
     so the fast tier does not pay for the libraries only it needs (transformers: several seconds)."""
-    if FAST_TIER and collection_path.suffix == ".py" and SLOW_MODULE.search(collection_path.read_text(encoding="utf-8")):
+    if (
+        FAST_TIER
+        and collection_path.suffix == ".py"
+        and SLOW_MODULE.search(collection_path.read_text(encoding="utf-8"))
+    ):
         return True
     return None
 

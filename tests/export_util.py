@@ -1,6 +1,7 @@
 """Helpers of the GGUF and llama2.c export tests: a briefly trained Llama-shaped tinylm run (rotary
 positions, RMSNorm, SwiGLU, no biases, grouped-query attention, untied head) on the conftest
 stories, and prompts in their style."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -9,8 +10,9 @@ import numpy as np
 
 from conftest import make_stories, tiny_run_config
 
-LLAMA_SHAPE = dict(positions="rope", norm="rmsnorm", ffn="swiglu", bias=False, tie_weights=False, n_kv_heads=2,
-                   context_length=64)
+LLAMA_SHAPE = dict(
+    positions="rope", norm="rmsnorm", ffn="swiglu", bias=False, tie_weights=False, n_kv_heads=2, context_length=64
+)
 PROMPTS = ["Once upon a time there was", "The dog and the cat", "Lily saw a big tree."]
 
 
@@ -37,7 +39,13 @@ def separate_matrices(model) -> dict[str, np.ndarray]:
     for i in range(cfg.n_layers):
         q, k, v = np.split(sd.pop(f"blocks.{i}.attn.qkv.weight"), [q_rows, q_rows + kv_rows])
         gate, up = np.split(sd.pop(f"blocks.{i}.ffn.gate_up.weight"), 2)
-        sd.update({f"blocks.{i}.attn.q_proj.weight": q, f"blocks.{i}.attn.k_proj.weight": k,
-                   f"blocks.{i}.attn.v_proj.weight": v, f"blocks.{i}.ffn.gate.weight": gate,
-                   f"blocks.{i}.ffn.up.weight": up})
+        sd.update(
+            {
+                f"blocks.{i}.attn.q_proj.weight": q,
+                f"blocks.{i}.attn.k_proj.weight": k,
+                f"blocks.{i}.attn.v_proj.weight": v,
+                f"blocks.{i}.ffn.gate.weight": gate,
+                f"blocks.{i}.ffn.up.weight": up,
+            }
+        )
     return sd

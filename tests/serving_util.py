@@ -1,6 +1,7 @@
 """Helpers of the serving tests: a small checkpoint written in a fraction of a second (a seeded GPT
 on a character tokenizer, with a metrics.csv so it looks like a run), and `tinylm serve` started
 as a real process on a free port of 127.0.0.1."""
+
 from __future__ import annotations
 
 import contextlib
@@ -29,15 +30,17 @@ def make_run(root: Path, context_length: int = 32) -> Path:
     """runs/<name>/ with checkpoints/best, a metrics.csv of a few rows and an eval.json."""
     torch.manual_seed(0)
     tok = CharTokenizer().train(make_stories())
-    model = GPT(ModelConfig(vocab_size=tok.vocab_size, context_length=context_length, d_model=32, n_layers=2,
-                            n_heads=4)).eval()
+    model = GPT(
+        ModelConfig(vocab_size=tok.vocab_size, context_length=context_length, d_model=32, n_layers=2, n_heads=4)
+    ).eval()
     run = root / "tinyrun"
     save_checkpoint(run / "checkpoints" / "best", model, tok, info={"step": 30})
     log = MetricsLog(run / "metrics.csv")
     for step, (train, val) in enumerate([(3.9, 3.8), (3.1, 3.2), (2.6, 2.8)]):
         log.write({"step": 10 * step, "train_loss": train, "val_loss": val})
-    (run / "eval.json").write_text(json.dumps({"steps": 30, "stopped_because": "max_steps",
-                                               "eval": {"valid": {"token_ppl": 16.4, "bpb": 4.0}}}))
+    (run / "eval.json").write_text(
+        json.dumps({"steps": 30, "stopped_because": "max_steps", "eval": {"valid": {"token_ppl": 16.4, "bpb": 4.0}}})
+    )
     return run
 
 
@@ -52,8 +55,14 @@ def live_server(*args: str, timeout: float = 60.0):
     """`tinylm serve ARGS --port P` as a subprocess; yields its base URL, stops it afterwards."""
     port = free_port()
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "tinylm.cli", "serve", *args, "--port", str(port)], cwd=REPO,
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tinylm.cli", "serve", *args, "--port", str(port)],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + timeout

@@ -1,5 +1,6 @@
 """Gradient accumulation: N micro-batches give the update of one batch N times larger, also when
 the micro-batches hold different numbers of real (non-padding) tokens."""
+
 import dataclasses
 import random
 
@@ -87,7 +88,9 @@ def test_trainer_with_accumulation_matches_big_batch(tmp_path, stories_file):
     prepared = prepare(cfg, tmp_path / "prep")
     states = []
     for batch, accum in ((8, 1), (2, 4)):
-        run_cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, batch_size=batch, grad_accum_steps=accum))
+        run_cfg = dataclasses.replace(
+            cfg, train=dataclasses.replace(cfg.train, batch_size=batch, grad_accum_steps=accum)
+        )
         train(run_cfg, prepared, tmp_path / f"run{accum}")
         from safetensors.torch import load_file
 
@@ -104,7 +107,9 @@ def test_bad_accumulation_and_batch_inputs(tmp_path, stories_file):
     with pytest.raises(TinyLMError, match=r"train.grad_accum_steps must be >= 1 \(got 0\)"):
         check_config(cfg)
     cfg.train.grad_accum_steps, cfg.train.global_batch_size = 2, 10
-    with pytest.raises(TinyLMError, match=r"global_batch_size=10 is not divisible by world size 4 x train.grad_accum_steps 2"):
+    with pytest.raises(
+        TinyLMError, match=r"global_batch_size=10 is not divisible by world size 4 x train.grad_accum_steps 2"
+    ):
         per_rank_batch_size(cfg.train, 4)
     assert per_rank_batch_size(cfg.train, 5) == 1
     prepared = prepare(cfg, tmp_path)

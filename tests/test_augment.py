@@ -1,5 +1,6 @@
 """Mojibake augmentation: the exact byte-level rewrite the official TinyStories files carry, on a
 seeded fraction of the training stories only."""
+
 import pytest
 
 from conftest import make_stories, tiny_run_config
@@ -12,6 +13,7 @@ def test_mojibake_is_utf8_read_as_windows_1252():
     assert mojibake("\u201c") == "â€œ" and mojibake("\u2019") == "â€™" and mojibake("\u2014") == "â€”"
     assert mojibake("\u201d") == "â€\x9d"  # 0x9D is undefined in Windows-1252: kept as the Latin-1 control
     assert mojibake("plain ASCII") == "plain ASCII"
+
     def byte_of(c):
         try:
             return c.encode("cp1252")
@@ -44,7 +46,10 @@ def test_prepare_rewrites_the_training_split_only(tmp_path):
     cfg = tiny_run_config(tmp_path / "run", data)
     cfg.data.mojibake_fraction = 1.0
     prepared = prepare(cfg, tmp_path / "run")
-    assert prepared.report["augmentation"] == {"mojibake_fraction": 1.0, "documents_changed": prepared.splits["train"].n_docs}
+    assert prepared.report["augmentation"] == {
+        "mojibake_fraction": 1.0,
+        "documents_changed": prepared.splits["train"].n_docs,
+    }
     tok = prepared.tokenizer
     train_text = tok.decode(prepared.splits["train"].ids.tolist())
     valid_text = tok.decode(prepared.splits["valid"].ids.tolist())

@@ -1,4 +1,5 @@
 """Beam search: k=1 is greedy, scores are what they claim, batches and the cache change nothing."""
+
 import pytest
 import torch
 
@@ -11,6 +12,7 @@ from tinylm.models.gpt import GPT
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.one_thread
 
+
 def tiny_model(positions="learned", vocab=23):
     torch.manual_seed(0)
     cfg = ModelConfig(vocab_size=vocab, context_length=64, d_model=32, n_layers=2, n_heads=4, positions=positions)
@@ -21,7 +23,7 @@ def sequence_logprob(model, prompt, tokens, stop=None):
     seq = prompt + tokens + ([stop] if stop is not None else [])
     with torch.inference_mode():
         logp = torch.log_softmax(model(torch.tensor([seq]))[0][0].double(), -1)
-    return sum(float(logp[len(prompt) - 1 + i, t]) for i, t in enumerate(seq[len(prompt):]))
+    return sum(float(logp[len(prompt) - 1 + i, t]) for i, t in enumerate(seq[len(prompt) :]))
 
 
 @pytest.mark.parametrize("positions", slow_except("rope", ["learned", "rope"]))
@@ -38,7 +40,9 @@ def test_width_one_equals_greedy(positions):
 def test_scores_are_length_normalised_log_probabilities_best_first(alpha):
     model = tiny_model()
     prompt, stop = [1, 2, 3], 5
-    cfg = GenerationConfig(max_new_tokens=12, beam_width=6, num_return_sequences=6, stop_ids=(stop,), length_penalty=alpha)
+    cfg = GenerationConfig(
+        max_new_tokens=12, beam_width=6, num_return_sequences=6, stop_ids=(stop,), length_penalty=alpha
+    )
     hyps = beam_search(model, [prompt], cfg)[0]
     assert len(hyps) == 6
     scores = [h.score for h in hyps]
@@ -46,7 +50,7 @@ def test_scores_are_length_normalised_log_probabilities_best_first(alpha):
     for h in hyps:
         ended = h.finish_reason == "stop_token"
         length = len(h.tokens) + ended  # the stop token counts in the length
-        expected = sequence_logprob(model, prompt, h.tokens, stop if ended else None) / length ** alpha
+        expected = sequence_logprob(model, prompt, h.tokens, stop if ended else None) / length**alpha
         assert h.score == pytest.approx(expected, abs=1e-4)
 
 
@@ -61,7 +65,9 @@ def test_beam_beats_or_ties_greedy_on_total_log_probability():
 def test_early_stopping_and_stop_token_excluded():
     model = tiny_model()
     stop = generate(model, [1, 2], 5, temperature=0)[2]  # a token the model likes to produce
-    cfg = GenerationConfig(max_new_tokens=30, beam_width=4, stop_ids=(stop,), early_stopping=True, num_return_sequences=4)
+    cfg = GenerationConfig(
+        max_new_tokens=30, beam_width=4, stop_ids=(stop,), early_stopping=True, num_return_sequences=4
+    )
     hyps = beam_search(model, [[1, 2]], cfg)[0]
     assert all(stop not in h.tokens for h in hyps)
     assert any(h.finish_reason == "stop_token" for h in hyps)

@@ -1,4 +1,5 @@
 """The decoding-step benchmark runs (--quick, on a small checkpoint the test writes) and its rows add up."""
+
 import json
 import subprocess
 import sys
@@ -15,8 +16,15 @@ REPO = Path(__file__).resolve().parents[1]
 def test_bench_decode_step_quick_writes_consistent_rows(tmp_path):
     run = make_run(tmp_path, context_length=64)
     out = tmp_path / "step.json"
-    cmd = [sys.executable, str(REPO / "benchmarks/bench_decode_step.py"), "--quick", "--checkpoint", str(run),
-           "--json", str(out)]
+    cmd = [
+        sys.executable,
+        str(REPO / "benchmarks/bench_decode_step.py"),
+        "--quick",
+        "--checkpoint",
+        str(run),
+        "--json",
+        str(out),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     rows = json.loads(out.read_text())["rows"]
@@ -32,6 +40,10 @@ def test_bench_decode_step_quick_writes_consistent_rows(tmp_path):
 
 
 def test_missing_checkpoint_is_named(tmp_path):
-    proc = subprocess.run([sys.executable, str(REPO / "benchmarks/bench_decode_step.py"), "--checkpoint",
-                           str(tmp_path / "nope")], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks/bench_decode_step.py"), "--checkpoint", str(tmp_path / "nope")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode != 0 and "no checkpoint at" in proc.stderr and "nope" in proc.stderr

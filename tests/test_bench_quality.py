@@ -1,5 +1,6 @@
 """benchmarks/bench_quality.py --quick on files the test writes: a random-weight llama2.c model and
 tokenizer.bin (as the model and as a stand-in stories260K reference), a TinyStories-format file."""
+
 from __future__ import annotations
 
 import csv
@@ -18,9 +19,11 @@ from tinylm.interop.llama2c import save_llama2c
 from tinylm.models.gpt import GPT
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_quality.py"
-STORIES = ["Once upon a time there was a cat. The cat liked milk.",
-           "Tom had a red ball.\nHe played with it every day, all day long, in the park by the big tree.",
-           "The sun was shining and the birds sang. \"Hello!\" said Lily."]
+STORIES = [
+    "Once upon a time there was a cat. The cat liked milk.",
+    "Tom had a red ball.\nHe played with it every day, all day long, in the park by the big tree.",
+    'The sun was shining and the birds sang. "Hello!" said Lily.',
+]
 
 
 def load_bench():
@@ -43,8 +46,20 @@ def write_tokenizer_bin(path: Path) -> Path:
 
 def write_model_bin(path: Path, vocab: int, seed: int, context: int = 16) -> Path:
     torch.manual_seed(seed)
-    cfg = ModelConfig(vocab_size=vocab, context_length=context, d_model=16, n_layers=1, n_heads=2, n_kv_heads=1,
-                      d_ff=24, positions="rope", norm="rmsnorm", ffn="swiglu", bias=False, tie_weights=True)
+    cfg = ModelConfig(
+        vocab_size=vocab,
+        context_length=context,
+        d_model=16,
+        n_layers=1,
+        n_heads=2,
+        n_kv_heads=1,
+        d_ff=24,
+        positions="rope",
+        norm="rmsnorm",
+        ffn="swiglu",
+        bias=False,
+        tie_weights=True,
+    )
     return save_llama2c(GPT(cfg), path)
 
 
@@ -65,8 +80,20 @@ def files(tmp_path):
 def test_quick_table_and_json_match_the_evaluator(files, capsys):
     bench = load_bench()
     out_json = files["tmp"] / "rows.json"
-    rc = bench.main([f"{files['model']}::{files['tok']}", "--data", str(files["data"]), "--anchors",
-                     str(files["anchors"]), "--quick", "--threads", "1", "--json", str(out_json)])
+    rc = bench.main(
+        [
+            f"{files['model']}::{files['tok']}",
+            "--data",
+            str(files["data"]),
+            "--anchors",
+            str(files["anchors"]),
+            "--quick",
+            "--threads",
+            "1",
+            "--json",
+            str(out_json),
+        ]
+    )
     assert rc == 0
     rows = json.loads(out_json.read_text())
     assert [r["model"] for r in rows] == ["stories260K (llama2.c)", "model.bin"]
@@ -98,8 +125,18 @@ def test_sliding_window_scores_every_token(files):
 
 def test_absent_reference_is_said(files, capsys):
     bench = load_bench()
-    rc = bench.main([f"{files['model']}::{files['tok']}", "--data", str(files["data"]), "--anchors",
-                     str(files["tmp"] / "nowhere"), "--quick", "--threads", "1"])
+    rc = bench.main(
+        [
+            f"{files['model']}::{files['tok']}",
+            "--data",
+            str(files["data"]),
+            "--anchors",
+            str(files["tmp"] / "nowhere"),
+            "--quick",
+            "--threads",
+            "1",
+        ]
+    )
     assert rc == 0
     out = capsys.readouterr().out
     assert "reference ABSENT" in out
@@ -120,7 +157,8 @@ def test_train_minutes_from_metrics_csv(tmp_path):
     ckpt.mkdir(parents=True)
     (tmp_path / "run" / "metrics.csv").write_text(
         "step,tokens,lr,train_loss,val_loss,val_ppl,tokens_per_s,elapsed_s\n"
-        "10,1,0,1,,,1,60.0\n20,2,0,1,,,1,120.0\n30,3,0,1,,,1,180.0\n")
+        "10,1,0,1,,,1,60.0\n20,2,0,1,,,1,120.0\n30,3,0,1,,,1,180.0\n"
+    )
     assert bench.train_minutes(ckpt, {"meta": {"step": 20}}) == pytest.approx(2.0)
     assert bench.train_minutes(ckpt, {"meta": {}}) == pytest.approx(3.0)
     assert bench.train_minutes(tmp_path, {"meta": {}}) is None
@@ -130,8 +168,21 @@ def test_cli_evaluate_llama2c_bin_with_tokenizer(files, capsys):
     """`tinylm evaluate --checkpoint model.bin --tokenizer tok.bin --json`: the benchmark's protocol."""
     from tinylm.cli import main
 
-    assert main(["evaluate", "--checkpoint", str(files["model"]), "--tokenizer", str(files["tok"]),
-                 "--data", str(files["data"]), "--json"]) == 0
+    assert (
+        main(
+            [
+                "evaluate",
+                "--checkpoint",
+                str(files["model"]),
+                "--tokenizer",
+                str(files["tok"]),
+                "--data",
+                str(files["data"]),
+                "--json",
+            ]
+        )
+        == 0
+    )
     got = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     row = load_bench().evaluate_model("m", str(files["model"]), str(files["tok"]), STORIES, batch_size=32)
     assert got["bpb"] == pytest.approx(row["bpb"], rel=1e-6)
@@ -141,9 +192,20 @@ def test_cli_evaluate_llama2c_bin_with_tokenizer(files, capsys):
 
 
 # the recipes shrunk to seconds of training; compiling (tens of seconds) would outlast the budgets
-SHRINK = ["model.d_model=32", "model.n_heads=4", "model.n_layers=1", "model.d_ff=64", "model.context_length=32",
-          "tokenizer.vocab_size=300", "train.eval_interval=5", "train.eval_batches=1", "train.threads=1",
-          "train.warmup_steps=2", "sample.max_new_tokens=2", "train.compile=false"]
+SHRINK = [
+    "model.d_model=32",
+    "model.n_heads=4",
+    "model.n_layers=1",
+    "model.d_ff=64",
+    "model.context_length=32",
+    "tokenizer.vocab_size=300",
+    "train.eval_interval=5",
+    "train.eval_batches=1",
+    "train.threads=1",
+    "train.warmup_steps=2",
+    "sample.max_new_tokens=2",
+    "train.compile=false",
+]
 
 
 def recipe_args(files, tmp_path, shrink: list[str]) -> tuple[Path, list[str]]:
@@ -152,8 +214,19 @@ def recipe_args(files, tmp_path, shrink: list[str]) -> tuple[Path, list[str]]:
 
     train = tmp_path / "train.txt"
     train.write_text("".join(f"{s}\n<|endoftext|>\n" for s in make_stories(80)), encoding="utf-8")
-    return train, ["--train", str(train), "--data", str(files["data"]), "--anchors", str(files["anchors"]),
-                   "--runs", str(tmp_path / "runs"), "--threads", "1", *[a for kv in shrink for a in ("--set", kv)]]
+    return train, [
+        "--train",
+        str(train),
+        "--data",
+        str(files["data"]),
+        "--anchors",
+        str(files["anchors"]),
+        "--runs",
+        str(tmp_path / "runs"),
+        "--threads",
+        "1",
+        *[a for kv in shrink for a in ("--set", kv)],
+    ]
 
 
 @pytest.mark.slow
@@ -178,8 +251,12 @@ def test_recipes_are_trained_for_the_same_minutes_and_scored(files, tmp_path, ca
 def test_token_budget_overrides_replace_the_wall_clock():
     bench = load_bench()
     assert bench.budget_overrides(10.0, None) == ["train.max_minutes=10.0", "train.max_tokens=null"]
-    assert bench.budget_overrides(10.0, 4096) == ["train.max_tokens=4096", "train.max_minutes=null",
-                                                  "train.epochs=null", "train.schedule_clock=steps"]
+    assert bench.budget_overrides(10.0, 4096) == [
+        "train.max_tokens=4096",
+        "train.max_minutes=null",
+        "train.epochs=null",
+        "train.schedule_clock=steps",
+    ]
 
 
 @pytest.mark.slow

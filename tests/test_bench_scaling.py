@@ -1,4 +1,5 @@
 """benchmarks/bench_scaling.py: its helpers, and --quick over every engine on text the test writes."""
+
 import importlib.util
 import json
 import math
@@ -24,7 +25,7 @@ def test_loglog_slope_is_the_least_squares_exponent():
     bench = load_bench()
     rng = np.random.default_rng(0)
     xs = [64, 128, 256, 512, 1024]
-    ys = [3.0 * x ** -1.5 * math.exp(e) for x, e in zip(xs, rng.normal(0, 0.05, len(xs)))]
+    ys = [3.0 * x**-1.5 * math.exp(e) for x, e in zip(xs, rng.normal(0, 0.05, len(xs)))]
     assert bench.loglog_slope(xs, ys) == pytest.approx(np.polyfit(np.log(xs), np.log(ys), 1)[0], abs=1e-3)
     assert bench.loglog_slope([1, 2, 4], [5, 10, 20]) == pytest.approx(1.0)
     assert bench.loglog_slope([8], [1.0]) is None
@@ -60,8 +61,24 @@ def test_quick_run_of_every_engine_writes_tables_plots_and_docs(tmp_path, capsys
     out, plots = tmp_path / "scaling.json", tmp_path / "plots"
     bench = load_bench()
     t0 = time.perf_counter()
-    assert bench.main(["--quick", "--data", str(data), "--json", str(out), "--plot", str(plots),
-                       "--markdown", str(tmp_path / "tables.md"), "--docs", str(page)]) == 0
+    assert (
+        bench.main(
+            [
+                "--quick",
+                "--data",
+                str(data),
+                "--json",
+                str(out),
+                "--plot",
+                str(plots),
+                "--markdown",
+                str(tmp_path / "tables.md"),
+                "--docs",
+                str(page),
+            ]
+        )
+        == 0
+    )
     wall = time.perf_counter() - t0
     report = json.loads(out.read_text())
     assert report["machine"]["cpu_count"] >= 1 and report["machine"]["cpu_model"]
@@ -76,7 +93,8 @@ def test_quick_run_of_every_engine_writes_tables_plots_and_docs(tmp_path, capsys
         assert r["vs_hf"] == pytest.approx(r["tinylm_tokens_per_s"] / r["hf_tokens_per_s"], abs=2e-3)
     assert training[1]["parameters"] > training[0]["parameters"]
     assert e["training"]["slopes"]["tinylm"] == pytest.approx(
-        math.log(training[1]["tinylm_tokens_per_s"] / training[0]["tinylm_tokens_per_s"]) / math.log(2), abs=1e-2)
+        math.log(training[1]["tinylm_tokens_per_s"] / training[0]["tinylm_tokens_per_s"]) / math.log(2), abs=1e-2
+    )
 
     decoding = e["decoding"]["rows"]
     assert {(r["context"], r["cache"]) for r in decoding} == {(L, c) for L in (64, 128, 256) for c in (True, False)}

@@ -1,4 +1,5 @@
 """The serving benchmark runs (--quick, on a small checkpoint the test writes) and writes its table."""
+
 import json
 import subprocess
 import sys
@@ -15,8 +16,17 @@ REPO = Path(__file__).resolve().parents[1]
 def test_bench_serve_quick_writes_the_table(tmp_path):
     run = make_run(tmp_path, context_length=64)
     out = tmp_path / "bench.json"
-    cmd = [sys.executable, str(REPO / "benchmarks/bench_serve.py"), "--quick", "--checkpoint", str(run),
-           "--clients", "1,4", "--json", str(out)]
+    cmd = [
+        sys.executable,
+        str(REPO / "benchmarks/bench_serve.py"),
+        "--quick",
+        "--checkpoint",
+        str(run),
+        "--clients",
+        "1,4",
+        "--json",
+        str(out),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     # exit code 1 is a missed speed target, which a small random model on a busy machine may miss
     assert proc.returncode in (0, 1), proc.stdout[-2000:] + proc.stderr[-2000:]

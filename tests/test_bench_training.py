@@ -1,4 +1,5 @@
 """The training benchmark runs (--quick, one round, a subset of rows) and writes its JSON table."""
+
 import json
 import re
 import subprocess
@@ -14,8 +15,19 @@ REPO = Path(__file__).resolve().parents[1]
 @pytest.mark.slow
 def test_bench_training_quick_writes_the_table(tmp_path):
     out = tmp_path / "bench.json"
-    cmd = [sys.executable, str(REPO / "benchmarks/bench_training.py"), "--quick", "--rounds", "1", "--corpus",
-           "shakespeare", "--rows", "hf_gpt2,plain,accum_2,checkpointing", "--json", str(out)]
+    cmd = [
+        sys.executable,
+        str(REPO / "benchmarks/bench_training.py"),
+        "--quick",
+        "--rounds",
+        "1",
+        "--corpus",
+        "shakespeare",
+        "--rows",
+        "hf_gpt2,plain,accum_2,checkpointing",
+        "--json",
+        str(out),
+    ]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     wall = time.perf_counter() - t0
@@ -35,20 +47,38 @@ def test_bench_training_quick_writes_the_table(tmp_path):
     assert rows["checkpointing"]["peak_activation_bytes"] < 0.4 * rows["plain"]["peak_activation_bytes"]
     assert rows["accum_2"]["optimizer_steps"] * 2 == rows["plain"]["optimizer_steps"]
     assert rows["plain"]["tokens_per_s_vs_hf_gpt2"] == pytest.approx(
-        rows["plain"]["tokens_per_s"] / rows["hf_gpt2"]["tokens_per_s"], abs=1e-3)
+        rows["plain"]["tokens_per_s"] / rows["hf_gpt2"]["tokens_per_s"], abs=1e-3
+    )
     assert "Shakespeare" in proc.stdout
 
 
 @pytest.mark.slow  # about 35 s: bf16 is emulated on a CPU without bf16 matrix units
 def test_bench_training_roofline_quick_writes_peaks_and_rows(tmp_path):
     out = tmp_path / "roof.json"
-    cmd = [sys.executable, str(REPO / "benchmarks/bench_training.py"), "--table", "roofline", "--quick", "--rounds", "1",
-           "--device", "cpu", "--json", str(out)]
+    cmd = [
+        sys.executable,
+        str(REPO / "benchmarks/bench_training.py"),
+        "--table",
+        "roofline",
+        "--quick",
+        "--rounds",
+        "1",
+        "--device",
+        "cpu",
+        "--json",
+        str(out),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = {r["config"]: r for r in json.loads(out.read_text())}
-    assert list(rows) == ["matmul_peak_fp32", "matmul_peak_bf16", "tinylm_d128_fp32", "hf_gpt2_d128_fp32",
-                          "tinylm_d128_bf16", "hf_gpt2_d128_bf16"]  # --quick on CPU: no compiled rows
+    assert list(rows) == [
+        "matmul_peak_fp32",
+        "matmul_peak_bf16",
+        "tinylm_d128_fp32",
+        "hf_gpt2_d128_fp32",
+        "tinylm_d128_bf16",
+        "hf_gpt2_d128_bf16",
+    ]  # --quick on CPU: no compiled rows
     peaks = {p: rows[f"matmul_peak_{p}"]["flop_s"] for p in ("fp32", "bf16")}
     assert all(v > 1e8 for v in peaks.values())
     for p in ("fp32", "bf16"):
@@ -74,8 +104,21 @@ def test_bench_training_roofline_quick_writes_peaks_and_rows(tmp_path):
 @pytest.mark.slow
 def test_bench_training_profile_lists_the_top_ops_of_one_step_of_each_system(tmp_path):
     out = tmp_path / "profile.json"
-    cmd = [sys.executable, str(REPO / "benchmarks/bench_training.py"), "--profile", "--sizes", "128", "--batch", "2",
-           "--device", "cpu", "--corpus", "shakespeare", "--json", str(out)]
+    cmd = [
+        sys.executable,
+        str(REPO / "benchmarks/bench_training.py"),
+        "--profile",
+        "--sizes",
+        "128",
+        "--batch",
+        "2",
+        "--device",
+        "cpu",
+        "--corpus",
+        "shakespeare",
+        "--json",
+        str(out),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = {r["config"]: r for r in json.loads(out.read_text())}

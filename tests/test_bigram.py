@@ -1,5 +1,6 @@
 """Neural bigram: pair convention, exact NLL against torch's cross-entropy, training reaches the
 count-based bigram optimum, weight decay, early stopping bookkeeping, sweep, sampling, save/load."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -31,8 +32,17 @@ def make_stream(n_docs: int, length: int, seed: int) -> np.ndarray:
 
 
 TRAIN, VALID = make_stream(60, 60, 0), make_stream(5, 60, 1)
-FAST = BigramConfig(d_embed=16, lr=3e-2, min_lr=3e-3, warmup_steps=10, batch_size=256, max_steps=400,
-                    eval_interval=50, patience=0, threads=1)
+FAST = BigramConfig(
+    d_embed=16,
+    lr=3e-2,
+    min_lr=3e-3,
+    warmup_steps=10,
+    batch_size=256,
+    max_steps=400,
+    eval_interval=50,
+    patience=0,
+    threads=1,
+)
 
 
 def test_pairs_stay_inside_documents():
@@ -57,7 +67,9 @@ def test_pair_nll_equals_torch_cross_entropy():
 def test_training_reaches_the_maximum_likelihood_bigram():
     """With no weight decay and enough width, the training NLL approaches that of the count-based
     maximum-likelihood bigram (the optimum of the same objective)."""
-    res = train_bigram(TRAIN, VALID, V, FAST.__class__(**{**FAST.__dict__, "weight_decay": 0.0, "max_steps": 1000, "lr": 5e-2}))
+    res = train_bigram(
+        TRAIN, VALID, V, FAST.__class__(**{**FAST.__dict__, "weight_decay": 0.0, "max_steps": 1000, "lr": 5e-2})
+    )
     ml = NGramLM(2, V, "add_k", k=1e-9).fit(TRAIN)
     ml_nll, n = ml.score(TRAIN, score_eos=True)
     nn_nll, n2 = res.model.score(TRAIN, score_eos=True)
@@ -68,7 +80,9 @@ def test_training_reaches_the_maximum_likelihood_bigram():
     assert res.best_val_loss < 0.9 * np.log(V - 4)  # far better than uniform over the 8 words
     assert res.best_val_loss == pytest.approx(min(h["val_loss"] for h in res.history))
     # the weights kept are those of the best validation loss
-    assert res.model.score(VALID, score_eos=True)[0] / len(stream_pairs(VALID, V)[0]) == pytest.approx(res.best_val_loss, rel=1e-5)
+    assert res.model.score(VALID, score_eos=True)[0] / len(stream_pairs(VALID, V)[0]) == pytest.approx(
+        res.best_val_loss, rel=1e-5
+    )
 
 
 @pytest.mark.slow  # two 200-step trainings
@@ -88,8 +102,14 @@ def test_early_stopping_stops_when_validation_stalls():
 
 @pytest.mark.slow  # four trainings
 def test_sweep_sorts_by_validation_loss():
-    results = sweep_bigram(TRAIN, VALID, V, d_embeds=(4, 16), weight_decays=(0.0, 0.5),
-                           base=BigramConfig(**{**FAST.__dict__, "max_steps": 100}))
+    results = sweep_bigram(
+        TRAIN,
+        VALID,
+        V,
+        d_embeds=(4, 16),
+        weight_decays=(0.0, 0.5),
+        base=BigramConfig(**{**FAST.__dict__, "max_steps": 100}),
+    )
     assert len(results) == 4
     losses = [r.best_val_loss for r in results]
     assert losses == sorted(losses)
@@ -136,8 +156,9 @@ def test_adam_l2_adds_the_decay_to_the_gradient_and_adamw_decouples_it():
     runs = {}
     for name in ("adamw", "adam_l2"):
         for wd in (0.0, 0.5):
-            cfg = BigramConfig(**{**FAST.__dict__, "weight_decay": wd, "max_steps": 30, "patience": 0,
-                                  "optimizer": name})
+            cfg = BigramConfig(
+                **{**FAST.__dict__, "weight_decay": wd, "max_steps": 30, "patience": 0, "optimizer": name}
+            )
             runs[name, wd] = train_bigram(TRAIN, VALID, V, cfg)
     w = {k: r.model.embed.weight.detach() for k, r in runs.items()}
     assert torch.equal(w["adamw", 0.0], w["adam_l2", 0.0])

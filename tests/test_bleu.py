@@ -1,5 +1,6 @@
 """BLEU against sacrebleu and NLTK on fixed strings; the BLEU protocol's samples, CSV and the
 per-sample perplexity of the reference continuation, checked against a hand computation."""
+
 from __future__ import annotations
 
 import csv
@@ -14,10 +15,15 @@ from sacrebleu.tokenizers.tokenizer_13a import Tokenizer13a
 from conftest import make_stories
 from tinylm.config import ModelConfig
 from tinylm.errors import TinyLMError
-from tinylm.evaluation.bleu import (bleu_from_stats, bleu_tokens, corpus_bleu_n, corpus_stats,
-                                    sacrebleu_score, sentence_bleu_n)
-from tinylm.evaluation.protocol import (CSV_COLUMNS, BleuProtocol, Decoding, reference_nll, run_bleu,
-                                        select_samples)
+from tinylm.evaluation.bleu import (
+    bleu_from_stats,
+    bleu_tokens,
+    corpus_bleu_n,
+    corpus_stats,
+    sacrebleu_score,
+    sentence_bleu_n,
+)
+from tinylm.evaluation.protocol import CSV_COLUMNS, BleuProtocol, Decoding, reference_nll, run_bleu, select_samples
 from tinylm.models.gpt import GPT
 from tinylm.tokenizers import WordTokenizer
 from tinylm.constants import SOS_ID
@@ -44,8 +50,12 @@ def test_bleu_n_method1_equals_nltk_corpus_bleu(n):
     from nltk.translate.bleu_score import SmoothingFunction, corpus_bleu  # deferred: nltk imports scipy, ~2 s
 
     ours = corpus_bleu_n(HYPS, REFS, smoothing="method1")[f"bleu{n}"]
-    nltk = corpus_bleu([[bleu_tokens(r)] for r in REFS], [bleu_tokens(h) for h in HYPS],
-                       weights=(1.0 / n,) * n, smoothing_function=SmoothingFunction().method1)
+    nltk = corpus_bleu(
+        [[bleu_tokens(r)] for r in REFS],
+        [bleu_tokens(h) for h in HYPS],
+        weights=(1.0 / n,) * n,
+        smoothing_function=SmoothingFunction().method1,
+    )
     assert ours == pytest.approx(nltk, rel=1e-12)
     assert 0.0 < ours < 1.0
 
@@ -55,8 +65,10 @@ def test_sentence_bleu_equals_nltk_and_its_mean_is_not_corpus_bleu():
     from nltk.translate.bleu_score import SmoothingFunction, sentence_bleu  # deferred: nltk imports scipy, ~2 s
 
     ours = [sentence_bleu_n(h, r)["bleu4"] for h, r in zip(HYPS, REFS)]
-    nltk = [sentence_bleu([bleu_tokens(r)], bleu_tokens(h), smoothing_function=SmoothingFunction().method1)
-            for h, r in zip(HYPS, REFS)]
+    nltk = [
+        sentence_bleu([bleu_tokens(r)], bleu_tokens(h), smoothing_function=SmoothingFunction().method1)
+        for h, r in zip(HYPS, REFS)
+    ]
     assert ours == pytest.approx(nltk, rel=1e-12)
     # "the sun was hot" shares one word with its reference: smoothing lifts it above 0, yet far below the rest
     assert 0.0 < ours[3] < 0.05 < min(ours[:3] + ours[4:])
@@ -71,12 +83,15 @@ def test_smoothing_matters_when_no_4gram_matches():
 
     hyps, refs = ["a dog ran to the red box"], ["the dog went to a red box"]  # no common 4-gram
     method1 = corpus_bleu_n(hyps, refs, smoothing="method1")
-    nltk1 = corpus_bleu([[bleu_tokens(refs[0])]], [bleu_tokens(hyps[0])], smoothing_function=SmoothingFunction().method1)
+    nltk1 = corpus_bleu(
+        [[bleu_tokens(refs[0])]], [bleu_tokens(hyps[0])], smoothing_function=SmoothingFunction().method1
+    )
     assert method1["bleu4"] == pytest.approx(nltk1, rel=1e-12)
     assert method1["bleu4"] > 0.05
     assert corpus_bleu_n(hyps, refs, smoothing="none")["bleu4"] == 0.0  # the unsmoothed collapse
     assert corpus_bleu_n(hyps, refs, smoothing="none")["bleu2"] == pytest.approx(
-        corpus_bleu([[bleu_tokens(refs[0])]], [bleu_tokens(hyps[0])], weights=(0.5, 0.5)), rel=1e-12)
+        corpus_bleu([[bleu_tokens(refs[0])]], [bleu_tokens(hyps[0])], weights=(0.5, 0.5)), rel=1e-12
+    )
 
 
 @pytest.mark.slow  # the nltk reference
@@ -86,8 +101,12 @@ def test_hypothesis_shorter_than_n_and_empty_hypothesis_match_nltk():
     hyps, refs = ["the cat", "", "a big red dog was here"], ["the cat sat down", "nothing", "a big dog was here too"]
     ours = corpus_bleu_n(hyps, refs)
     for n in (1, 2, 3, 4):
-        nltk = corpus_bleu([[bleu_tokens(r)] for r in refs], [bleu_tokens(h) for h in hyps],
-                           weights=(1.0 / n,) * n, smoothing_function=SmoothingFunction().method1)
+        nltk = corpus_bleu(
+            [[bleu_tokens(r)] for r in refs],
+            [bleu_tokens(h) for h in hyps],
+            weights=(1.0 / n,) * n,
+            smoothing_function=SmoothingFunction().method1,
+        )
         assert ours[f"bleu{n}"] == pytest.approx(nltk, rel=1e-12)
     assert corpus_bleu_n(["zzz"], ["the cat"])["bleu1"] == 0.0  # nothing in common
 
@@ -98,9 +117,12 @@ def test_own_bleu_with_13a_tokens_and_exp_smoothing_equals_sacrebleu():
     ours = 100 * bleu_from_stats(stats, 4, smoothing="exp")
     assert ours == pytest.approx(BLEU().corpus_score(HYPS, [REFS]).score, rel=1e-9)
     # one sentence without any 4-gram match exercises the exp smoothing branch
-    stats = corpus_stats([tok("a dog ran to the red box").split()], [tok("the dog went to a red box").split()], min_one_total=False)
+    stats = corpus_stats(
+        [tok("a dog ran to the red box").split()], [tok("the dog went to a red box").split()], min_one_total=False
+    )
     assert 100 * bleu_from_stats(stats, 4, smoothing="exp") == pytest.approx(
-        BLEU().corpus_score(["a dog ran to the red box"], [["the dog went to a red box"]]).score, rel=1e-9)
+        BLEU().corpus_score(["a dog ran to the red box"], [["the dog went to a red box"]]).score, rel=1e-9
+    )
 
 
 def test_sacrebleu_score_reports_signature():
@@ -207,8 +229,24 @@ def test_evaluate_cli_with_bleu(model_and_tokenizer, tmp_path, capsys):
     ckpt = save_checkpoint(tmp_path / "ckpt", model, tok)
     data = tmp_path / "valid.txt"
     data.write_text("".join(f"{s}\n<|endoftext|>\n" for s in ["Too short.", *stories[:4]]), encoding="utf-8")
-    argv = ["evaluate", "--checkpoint", str(ckpt), "--data", str(data), "--bleu", "--samples", "10",
-            "--max-continuation", "8", "--temperature", "0.7", "--temperature", "0", "--csv-dir", str(tmp_path)]
+    argv = [
+        "evaluate",
+        "--checkpoint",
+        str(ckpt),
+        "--data",
+        str(data),
+        "--bleu",
+        "--samples",
+        "10",
+        "--max-continuation",
+        "8",
+        "--temperature",
+        "0.7",
+        "--temperature",
+        "0",
+        "--csv-dir",
+        str(tmp_path),
+    ]
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "token perplexity" in out and "word perplexity" in out  # the perplexity lines stay
@@ -243,5 +281,6 @@ def test_continuation_starts_from_and_stops_at_the_models_own_ids(model_and_toke
     stop_at = free[3]
     cut = continue_sample(model, sample, greedy, 12, 0, bos_id=1, stop_ids=(stop_at,))
     assert cut == free[: free.index(stop_at)]  # the stop id itself is not returned
-    assert continue_sample(model, sample, greedy, 12, 0, SOS_ID, (3,)) == generate(model, [SOS_ID, *sample.prompt_ids], 12, 0.0,
-                                                                     eos_id=3)
+    assert continue_sample(model, sample, greedy, 12, 0, SOS_ID, (3,)) == generate(
+        model, [SOS_ID, *sample.prompt_ids], 12, 0.0, eos_id=3
+    )

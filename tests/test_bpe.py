@@ -1,5 +1,6 @@
 """Byte-level BPE: merges identical to a slow reference trainer, lossless on any Unicode,
 special tokens never split, long pre-tokens, file format and bad input."""
+
 from __future__ import annotations
 
 import json
@@ -170,7 +171,7 @@ def test_special_tokens_only_when_allowed_and_never_split(trained):
     assert ids.count(3) == 1 and ids.count(0) == 1
     # the special is one id with the neighbours encoded on their own
     i = ids.index(3)
-    assert ids[:i] == trained.encode("The dog") and ids[i + 1: ids.index(0)] == trained.encode("The cat")
+    assert ids[:i] == trained.encode("The dog") and ids[i + 1 : ids.index(0)] == trained.encode("The cat")
     assert trained.decode(ids, skip_special=False) == text
     assert trained.decode(ids) == "The dogThe cat ran"
     only_eos = trained.encode(text, allowed_special={"<eos>"})
@@ -249,12 +250,35 @@ def test_benchmark_quick_runs(tmp_path):
         stories = make_stories(n, seed=7 if name == "train" else 8)
         (tmp_path / f"{name}.txt").write_text("".join(f"{s}\n<|endoftext|>\n" for s in stories))
     out = tmp_path / "rows.json"
-    assert module.main(["--quick", "--vocab", "400", "--threads", "1", "--data-dir", str(tmp_path),
-                        "--tok512", str(tmp_path / "none.bin"), "--json", str(out)]) == 0
+    assert (
+        module.main(
+            [
+                "--quick",
+                "--vocab",
+                "400",
+                "--threads",
+                "1",
+                "--data-dir",
+                str(tmp_path),
+                "--tok512",
+                str(tmp_path / "none.bin"),
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     rows = {r["system"]: r for r in json.loads(out.read_text())}
     assert set(rows) == {"tinylm_bpe", "hf_tokenizers_bpe", "tinylm_word", "tinylm_char"}
     for r in rows.values():
-        assert {"system", "vocab_size", "train_seconds", "encode_mb_per_s", "tokens_per_word", "roundtrip_exact"} <= set(r)
+        assert {
+            "system",
+            "vocab_size",
+            "train_seconds",
+            "encode_mb_per_s",
+            "tokens_per_word",
+            "roundtrip_exact",
+        } <= set(r)
     assert rows["tinylm_bpe"]["vocab_size"] == rows["hf_tokenizers_bpe"]["vocab_size"] == 400
     assert rows["tinylm_bpe"]["roundtrip_exact"] == 1.0 and rows["tinylm_char"]["roundtrip_exact"] == 1.0
     assert abs(rows["tinylm_bpe"]["tokens_per_word"] - rows["hf_tokenizers_bpe"]["tokens_per_word"]) < 0.05

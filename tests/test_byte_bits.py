@@ -1,6 +1,7 @@
 """Bits per byte, byte by byte: the per-byte bits of a GPT, an n-gram and a neural bigram sum to
 `tinylm evaluate`'s bits per byte on the same text; token spans cover the text's bytes whatever the
 tokenizer (byte-level pieces of a character, <unk>, lowercasing, no start token)."""
+
 from __future__ import annotations
 
 import json
@@ -87,9 +88,9 @@ def test_unknown_words_and_lowercasing_still_cover_every_byte():
     spans = token_byte_spans(tok, text, ids)
     assert spans[0][0] == 0 and spans[-1][1] == len(text.encode())
     assert all(e > s for s, e in spans)
-    assert text[spans[0][0]:spans[0][1]].strip() == "Tom"
+    assert text[spans[0][0] : spans[0][1]].strip() == "Tom"
     bits = np.zeros(len(text))
-    for (s, e) in spans:  # a token with no bytes of its own shares its neighbour's: nothing is lost
+    for s, e in spans:  # a token with no bytes of its own shares its neighbour's: nothing is lost
         bits[s:e] += 1.0 / (e - s)
     assert bits.sum() == pytest.approx(len(ids))
 

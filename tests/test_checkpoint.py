@@ -1,4 +1,5 @@
 """Checkpoint directories: atomic replacement, interrupted saves, keep-last-K pruning."""
+
 import os
 
 import pytest
@@ -11,8 +12,7 @@ from tinylm.errors import TinyLMError
 from tinylm.models.gpt import GPT, state_dict_by_parts
 from tinylm.tokenizers import new_tokenizer
 from tinylm.models import checkpoint as ckpt_mod
-from tinylm.models.checkpoint import (load_checkpoint, prune_step_checkpoints, resolve_checkpoint_dir,
-                                        save_checkpoint)
+from tinylm.models.checkpoint import load_checkpoint, prune_step_checkpoints, resolve_checkpoint_dir, save_checkpoint
 from tinylm.training.optim import make_optimizer, param_groups
 from tinylm.training.resume import ResumeState, restore_optimizer
 
@@ -87,8 +87,11 @@ def test_run_directory_without_best_or_last_resolves_to_newest_step(model_and_to
 
 def _swiglu_gqa_model(tok):
     torch.manual_seed(0)
-    return GPT(ModelConfig(vocab_size=tok.vocab_size, context_length=8, d_model=16, n_layers=2, n_heads=4,
-                           n_kv_heads=2, ffn="swiglu"))
+    return GPT(
+        ModelConfig(
+            vocab_size=tok.vocab_size, context_length=8, d_model=16, n_layers=2, n_heads=4, n_kv_heads=2, ffn="swiglu"
+        )
+    )
 
 
 def test_a_checkpoint_saved_before_the_qkv_fusion_loads_with_equal_logits(model_and_tokenizer, tmp_path):
@@ -103,8 +106,15 @@ def test_a_checkpoint_saved_before_the_qkv_fusion_loads_with_equal_logits(model_
         for kind in ("weight", "bias"):
             q, k, v = state.pop(f"{b}attn.qkv.{kind}").split((16, 8, 8))
             gate, up = state.pop(f"{b}ffn.gate_up.{kind}").chunk(2)
-            state.update({f"{b}attn.q_proj.{kind}": q, f"{b}attn.k_proj.{kind}": k, f"{b}attn.v_proj.{kind}": v,
-                          f"{b}ffn.gate.{kind}": gate, f"{b}ffn.up.{kind}": up})
+            state.update(
+                {
+                    f"{b}attn.q_proj.{kind}": q,
+                    f"{b}attn.k_proj.{kind}": k,
+                    f"{b}attn.v_proj.{kind}": v,
+                    f"{b}ffn.gate.{kind}": gate,
+                    f"{b}ffn.up.{kind}": up,
+                }
+            )
     save_file({k: v.contiguous() for k, v in state.items()}, str(path / "model.safetensors"))
     loaded, _, _ = load_checkpoint(path)
     x = torch.randint(0, tok.vocab_size, (2, 8))
@@ -123,6 +133,9 @@ def test_resuming_an_optimizer_state_from_before_the_fusion_is_refused_by_name(m
     old_opt.step()
     state = ResumeState(tmp_path, 1, {}, old_opt.state_dict(), {}, [], {})
     opt = make_optimizer(model, TrainConfig())
-    with pytest.raises(TinyLMError, match=r"is for \d+ parameters, the model has \d+: a run saved before tinylm "
-                                          r"fused attention's q, k, v"):
+    with pytest.raises(
+        TinyLMError,
+        match=r"is for \d+ parameters, the model has \d+: a run saved before tinylm "
+        r"fused attention's q, k, v",
+    ):
         restore_optimizer(opt, state)

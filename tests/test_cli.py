@@ -1,4 +1,5 @@
 """The command line end to end: every bad input is one line on stderr and exit code 2."""
+
 import dataclasses
 import inspect
 import json
@@ -44,8 +45,17 @@ def run_cli(capsys, *argv):
 @pytest.mark.slow  # trained_run: the whole pipeline, plots and report included (~2 s once)
 def test_pipeline_writes_every_artifact(trained_run):
     run, _, summary = trained_run
-    for name in ("config.yaml", "tokenizer.json", "metrics.csv", "eval.json", "samples.txt", "report.md",
-                 "checkpoints/best/model.safetensors", "checkpoints/best/config.yaml", "checkpoints/last/checkpoint.json"):
+    for name in (
+        "config.yaml",
+        "tokenizer.json",
+        "metrics.csv",
+        "eval.json",
+        "samples.txt",
+        "report.md",
+        "checkpoints/best/model.safetensors",
+        "checkpoints/best/config.yaml",
+        "checkpoints/last/checkpoint.json",
+    ):
         assert (run / name).is_file(), name
     ev = json.loads((run / "eval.json").read_text())
     valid = ev["eval"]["valid"]  # bpb and perplexity are the same summed NLL; a byte-level token spans >= 1 byte
@@ -85,8 +95,19 @@ def test_evaluate_json_keys(trained_run, capsys):
 @pytest.mark.slow  # trained_run: the whole pipeline, plots and report included (~2 s once)
 def test_generate_prints_text(trained_run, capsys):
     run, _, _ = trained_run
-    code, out, _ = run_cli(capsys, "generate", "--checkpoint", run, "--prompt", "Once upon", "--max-new-tokens", "5",
-                           "--temperature", "0", "--json")
+    code, out, _ = run_cli(
+        capsys,
+        "generate",
+        "--checkpoint",
+        run,
+        "--prompt",
+        "Once upon",
+        "--max-new-tokens",
+        "5",
+        "--temperature",
+        "0",
+        "--json",
+    )
     assert code == 0
     obj = json.loads(out.splitlines()[0])
     assert obj["text"].startswith("Once upon") and obj["tokens"] <= 5
@@ -113,22 +134,51 @@ def _bad(capsys, *argv, match):
 def test_bad_inputs_are_one_line_errors(trained_run, tmp_path, capsys):
     run, data, _ = trained_run
     out = tmp_path / "out"
-    _bad(capsys, "train", "--out", out, "data.source=text", f"data.train={tmp_path / 'nope.txt'}", match="does not exist")
+    _bad(
+        capsys, "train", "--out", out, "data.source=text", f"data.train={tmp_path / 'nope.txt'}", match="does not exist"
+    )
     empty = tmp_path / "empty.txt"
     empty.write_text("")
     _bad(capsys, "train", "--out", out, "data.source=text", f"data.train={empty}", match="is empty")
     small = tmp_path / "small.txt"
     small.write_text("hello world")
-    _bad(capsys, "train", "--out", out, "data.source=text", f"data.train={small}", f"data.valid={small}",
-         "tokenizer.type=char", "model.context_length=64", match="fewer than one context window")
+    _bad(
+        capsys,
+        "train",
+        "--out",
+        out,
+        "data.source=text",
+        f"data.train={small}",
+        f"data.valid={small}",
+        "tokenizer.type=char",
+        "model.context_length=64",
+        match="fewer than one context window",
+    )
     _bad(capsys, "train", "--out", out, "model.nope=1", match="unknown config key model.nope")
     # overrides on both sides of an option are all applied (argparse alone rejects the second group)
     _bad(capsys, "train", "data.source=text", "--out", out, "model.nope=1", match="unknown config key model.nope")
     _bad(capsys, "train", "--out", out, "train.max_steps=many", match="expects an integer")
-    _bad(capsys, "train", "--out", out, "data.source=tinystories", f"data.train={data}", "tokenizer.type=foo",
-         match="tokenizer.type='foo' is not one of bpe, char, word, word_bpe")
-    _bad(capsys, "train", "--out", out, "data.source=tinystories", f"data.train={data}", "tokenizer.vocab_size=300",
-         "model.n_heads=5", match="does not divide")
+    _bad(
+        capsys,
+        "train",
+        "--out",
+        out,
+        "data.source=tinystories",
+        f"data.train={data}",
+        "tokenizer.type=foo",
+        match="tokenizer.type='foo' is not one of bpe, char, word, word_bpe",
+    )
+    _bad(
+        capsys,
+        "train",
+        "--out",
+        out,
+        "data.source=tinystories",
+        f"data.train={data}",
+        "tokenizer.vocab_size=300",
+        "model.n_heads=5",
+        match="does not divide",
+    )
     _bad(capsys, "generate", "--checkpoint", run, "--prompt", "", match="encodes to no tokens")
     _bad(capsys, "generate", "--checkpoint", tmp_path / "missing", "--prompt", "a", match="does not exist")
 
@@ -157,8 +207,17 @@ def test_broken_checkpoints_are_named(trained_run, tmp_path, capsys):
 def test_failed_run_keeps_the_previous_checkpoint(trained_run, capsys):
     run, data, _ = trained_run
     before = (run / "checkpoints/best/model.safetensors").read_bytes()
-    _bad(capsys, "train", "--out", run, "data.source=tinystories", f"data.train={data}", "tokenizer.vocab_size=300",
-         "model.n_heads=5", match="does not divide")
+    _bad(
+        capsys,
+        "train",
+        "--out",
+        run,
+        "data.source=tinystories",
+        f"data.train={data}",
+        "tokenizer.vocab_size=300",
+        "model.n_heads=5",
+        match="does not divide",
+    )
     assert (run / "checkpoints/best/model.safetensors").read_bytes() == before
     load_checkpoint(run)
 
@@ -166,10 +225,17 @@ def test_failed_run_keeps_the_previous_checkpoint(trained_run, capsys):
 @pytest.mark.slow
 def test_demo_quick_end_to_end(tmp_path):
     exe = Path(sys.executable).with_name("tinylm")
-    cmd = [str(exe) if exe.exists() else sys.executable, *([] if exe.exists() else ["-m", "tinylm.cli"]),
-           "demo", "--quick", "--out", str(tmp_path / "demo")]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=tmp_path,
-                          env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    cmd = [
+        str(exe) if exe.exists() else sys.executable,
+        *([] if exe.exists() else ["-m", "tinylm.cli"]),
+        "demo",
+        "--quick",
+        "--out",
+        str(tmp_path / "demo"),
+    ]
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=120, cwd=tmp_path, env={**os.environ, "PYTHONWARNINGS": "ignore"}
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "bits per byte" in proc.stderr and "demo finished" in proc.stdout  # progress on stderr, result on stdout
     for name in ("report.md", "metrics.csv", "samples.txt", "config.yaml", "checkpoints/best/model.safetensors"):
@@ -188,24 +254,51 @@ def test_every_subcommand_has_help_listing_every_option(capsys):
         for f in dataclasses.fields(options):
             shown = f.name if f.metadata["positional"] else f.metadata.get("flag") or "--" + f.name.replace("_", "-")
             assert shown in out or (f.metadata["metavar"] or "@") in out, (name, f.name)
-    assert set(COMMANDS) == {"demo", "prepare", "train", "generate", "evaluate", "export-hf", "export-tokenizer",
-                             "export-gguf", "export-llama2c", "report", "attention", "serve", "experiments", "study",
-                             "tokenizer-stats"}
+    assert set(COMMANDS) == {
+        "demo",
+        "prepare",
+        "train",
+        "generate",
+        "evaluate",
+        "export-hf",
+        "export-tokenizer",
+        "export-gguf",
+        "export-llama2c",
+        "report",
+        "attention",
+        "serve",
+        "experiments",
+        "study",
+        "tokenizer-stats",
+    }
 
 
-@pytest.mark.parametrize("override, message", [
-    ("train.schedule=cosin", "train.schedule='cosin' is not one of cosine, linear, constant"),
-    ("train.precision=fp8", "train.precision='fp8' is not one of fp32, bf16, fp16"),
-    ("model.positions=alibi", "model.positions='alibi' is not one of learned, sinusoidal, rope, none"),
-    ("train.device=tpu", "train.device='tpu' is not one of auto, cpu, cuda, cuda:N, mps"),
-    ("train.schedule_clock=wall train.max_minutes=null", "train.schedule_clock=wall needs a wall budget"),
-    ("model.dropout=1.5", "model.dropout must be in [0, 1) (got 1.5)"),
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("train.schedule=cosin", "train.schedule='cosin' is not one of cosine, linear, constant"),
+        ("train.precision=fp8", "train.precision='fp8' is not one of fp32, bf16, fp16"),
+        ("model.positions=alibi", "model.positions='alibi' is not one of learned, sinusoidal, rope, none"),
+        ("train.device=tpu", "train.device='tpu' is not one of auto, cpu, cuda, cuda:N, mps"),
+        ("train.schedule_clock=wall train.max_minutes=null", "train.schedule_clock=wall needs a wall budget"),
+        ("model.dropout=1.5", "model.dropout must be in [0, 1) (got 1.5)"),
+    ],
+)
 def test_a_bad_option_is_refused_before_any_data_is_read(tmp_path, capsys, override, message):
     """The data file does not exist: the option's error comes first, and nothing is written."""
     out = tmp_path / "out"
-    _bad(capsys, "train", "--config", "demo", "--out", out, "data.source=text", f"data.train={tmp_path / 'none.txt'}",
-         *override.split(), match=message)
+    _bad(
+        capsys,
+        "train",
+        "--config",
+        "demo",
+        "--out",
+        out,
+        "data.source=text",
+        f"data.train={tmp_path / 'none.txt'}",
+        *override.split(),
+        match=message,
+    )
     assert not out.exists()
 
 
@@ -214,10 +307,26 @@ def test_serve_port_out_of_range_is_refused(capsys):
 
 
 # a valid value other than the default for every decoding knob
-KNOB_VALUES = {"max_new_tokens": 7, "min_new_tokens": 2, "temperature": 0.5, "top_k": 3, "top_p": 0.9, "min_p": 0.1,
-               "repetition_penalty": 1.2, "no_repeat_ngram_size": 2, "stop_ids": (5,), "stop_strings": ("x",),
-               "seed": 9, "seed_per_row": True, "use_cache": False, "beam_width": 3, "length_penalty": 0.5,
-               "num_return_sequences": 2, "early_stopping": True, "compile": True}
+KNOB_VALUES = {
+    "max_new_tokens": 7,
+    "min_new_tokens": 2,
+    "temperature": 0.5,
+    "top_k": 3,
+    "top_p": 0.9,
+    "min_p": 0.1,
+    "repetition_penalty": 1.2,
+    "no_repeat_ngram_size": 2,
+    "stop_ids": (5,),
+    "stop_strings": ("x",),
+    "seed": 9,
+    "seed_per_row": True,
+    "use_cache": False,
+    "beam_width": 3,
+    "length_penalty": 0.5,
+    "num_return_sequences": 2,
+    "early_stopping": True,
+    "compile": True,
+}
 
 
 def test_every_decoding_knob_reaches_generation_from_the_cli_the_api_and_the_sample_section():
@@ -239,8 +348,9 @@ def test_every_decoding_knob_reaches_generation_from_the_cli_the_api_and_the_sam
             cfg = generation_config(CompletionRequest(**body), served, tuple(body.get("stop", ())), seed=9)
             assert getattr(cfg, name) == (value if name != "stop_ids" else (3, 5)), name
         beam = ["sample.beam_width=3"] if name == "num_return_sequences" else []
-        sample = build_config(None, [f"sample.{name}={json.dumps(list(value) if isinstance(value, tuple) else value)}",
-                                     *beam])
+        sample = build_config(
+            None, [f"sample.{name}={json.dumps(list(value) if isinstance(value, tuple) else value)}", *beam]
+        )
         assert getattr(sample.sample.generation(), name) == value, name
     offered_nowhere = [name for name, (flag, field) in GENERATION_SURFACES.items() if flag is None and field is None]
     assert offered_nowhere == ["seed_per_row"]  # always on: prompt (choice) i samples with seed + i

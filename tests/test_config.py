@@ -3,16 +3,35 @@ import dataclasses
 import pytest
 import yaml
 
-from tinylm.config import (GenerationConfig, ModelConfig, RunConfig, SampleConfig, build_config, check_config,
-                           config_from_dict, diff_configs, parse_overrides, preset_names, read_config)
+from tinylm.config import (
+    GenerationConfig,
+    ModelConfig,
+    RunConfig,
+    SampleConfig,
+    build_config,
+    check_config,
+    config_from_dict,
+    diff_configs,
+    parse_overrides,
+    preset_names,
+    read_config,
+)
 from tinylm.errors import TinyLMError
 
 
 def test_overrides_are_typed_and_nested(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("model:\n  d_model: 64\ntrain:\n  lr: 0.01\n")
-    cfg = build_config(path, ["model.n_layers=3", "train.max_minutes=1.5", "train.compile=true",
-                              "sample.prompts=[\"a\", \"b\"]", "model.d_attn=none"])
+    cfg = build_config(
+        path,
+        [
+            "model.n_layers=3",
+            "train.max_minutes=1.5",
+            "train.compile=true",
+            'sample.prompts=["a", "b"]',
+            "model.d_attn=none",
+        ],
+    )
     assert cfg.model.d_model == 64 and cfg.model.n_layers == 3
     assert cfg.train.lr == 0.01 and cfg.train.max_minutes == 1.5 and cfg.train.compile is True
     assert cfg.sample.prompts == ["a", "b"] and cfg.model.d_attn is None
@@ -24,13 +43,16 @@ def test_toml_config(tmp_path):
     assert build_config(path).model.d_model == 48
 
 
-@pytest.mark.parametrize("override, message", [
-    ("model.d_modle=3", "unknown config key model.d_modle"),
-    ("nosuch.key=1", "unknown config key nosuch"),
-    ("model.d_model=big", "expects an integer"),
-    ("train.compile=maybe", "expects true/false"),
-    ("train.lr=fast", "expects a number"),
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("model.d_modle=3", "unknown config key model.d_modle"),
+        ("nosuch.key=1", "unknown config key nosuch"),
+        ("model.d_model=big", "expects an integer"),
+        ("train.compile=maybe", "expects true/false"),
+        ("train.lr=fast", "expects a number"),
+    ],
+)
 def test_bad_keys_and_types_are_named(override, message):
     with pytest.raises(TinyLMError, match=message):
         build_config(None, [override])
@@ -64,12 +86,14 @@ def test_the_token_budget_preset_is_the_hour_recipe_without_its_clock():
     assert changed == {"out_dir", "train.max_tokens", "train.max_minutes", "train.schedule_clock"}
 
 
-
 def test_earlier_rounds_are_kept_and_each_round_changes_only_what_its_ablation_chose():
     r2, r3, current = (build_config(f"tinystories-cpu-1h{s}") for s in ("-r2", "-r3", ""))
     assert (r2.tokenizer.vocab_size, r2.model.value_embeddings, r2.model.n_layers) == (2048, "none", 6)
-    assert set(diff_configs(r2.to_dict(), r3.to_dict())) == {"out_dir", "tokenizer.vocab_size",
-                                                             "model.value_embeddings"}
+    assert set(diff_configs(r2.to_dict(), r3.to_dict())) == {
+        "out_dir",
+        "tokenizer.vocab_size",
+        "model.value_embeddings",
+    }
     assert set(diff_configs(r2.to_dict(), current.to_dict())) == {"out_dir", "tokenizer.vocab_size", "model.n_layers"}
     assert (current.tokenizer.vocab_size, current.model.n_layers) == (4096, 8)
 
@@ -111,11 +135,21 @@ def test_a_config_built_in_code_is_checked_like_a_loaded_one():
 
 
 def test_saved_configs_load_back_and_old_sample_sections_still_load():
-    cfg = build_config("demo", ["sample.stop_strings=[\"THE END\"]", "sample.stop_ids=[3]"])
+    cfg = build_config("demo", ['sample.stop_strings=["THE END"]', "sample.stop_ids=[3]"])
     again = config_from_dict(yaml.safe_load(yaml.safe_dump(cfg.to_dict())))
     assert again == cfg and again.sample.stop_strings == ("THE END",) and again.sample.stop_ids == (3,)
-    old = config_from_dict({"sample": {"prompts": ["Once"], "max_new_tokens": 20, "temperature": 0.7, "top_k": 40,
-                                       "top_p": None, "seed": 5}})
+    old = config_from_dict(
+        {
+            "sample": {
+                "prompts": ["Once"],
+                "max_new_tokens": 20,
+                "temperature": 0.7,
+                "top_k": 40,
+                "top_p": None,
+                "seed": 5,
+            }
+        }
+    )
     gen = old.sample.generation(stop_ids=(3,))
     assert isinstance(gen, GenerationConfig) and not isinstance(gen, SampleConfig)
     assert (gen.max_new_tokens, gen.temperature, gen.top_k, gen.seed, gen.stop_ids) == (20, 0.7, 40, 5, (3,))

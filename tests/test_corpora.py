@@ -3,8 +3,14 @@ from unittest import mock
 
 import pytest
 
-from tinylm.data.corpora import (load_shakespeare, load_text_file, load_tinystories, read_tinystories_json,
-                                 read_tinystories_text, strip_gutenberg)
+from tinylm.data.corpora import (
+    load_shakespeare,
+    load_text_file,
+    load_tinystories,
+    read_tinystories_json,
+    read_tinystories_text,
+    strip_gutenberg,
+)
 from tinylm.errors import TinyLMError
 
 
@@ -17,12 +23,13 @@ def test_tinystories_text_format(tmp_path):
 
 def test_tinystories_json_shards(tmp_path):
     for i in range(2):
-        (tmp_path / f"data0{i}.json").write_text(json.dumps([{"story": f"story {i}a", "summary": "x"},
-                                                             {"story": f"story {i}b"}]))
+        (tmp_path / f"data0{i}.json").write_text(
+            json.dumps([{"story": f"story {i}a", "summary": "x"}, {"story": f"story {i}b"}])
+        )
     assert read_tinystories_json(tmp_path) == ["story 0a", "story 0b", "story 1a", "story 1b"]
     assert load_tinystories(str(tmp_path / "data01.json")) == ["story 1a", "story 1b"]
     (tmp_path / "bad.json").write_text(json.dumps([{"text": "no story field"}]))
-    with pytest.raises(TinyLMError, match="no \"story\" field"):
+    with pytest.raises(TinyLMError, match='no "story" field'):
         read_tinystories_json(tmp_path / "bad.json")
 
 
@@ -74,8 +81,10 @@ def test_shakespeare_one_edition_per_play_and_no_boilerplate():
 
 
 def test_strip_gutenberg_header_footer_and_licence():
-    raw = ("The Project Gutenberg EBook of X\n\n*** START OF THIS PROJECT GUTENBERG EBOOK X ***\n\n"
-           "<<THIS ELECTRONIC VERSION IS COPYRIGHT 1990-1993 BY WORLD LIBRARY, INC.>>\n\n"
-           "ACT I.\n\nHAM.\nWords, words, words.\n\n*** END OF THIS PROJECT GUTENBERG EBOOK X ***\nLicence text")
+    raw = (
+        "The Project Gutenberg EBook of X\n\n*** START OF THIS PROJECT GUTENBERG EBOOK X ***\n\n"
+        "<<THIS ELECTRONIC VERSION IS COPYRIGHT 1990-1993 BY WORLD LIBRARY, INC.>>\n\n"
+        "ACT I.\n\nHAM.\nWords, words, words.\n\n*** END OF THIS PROJECT GUTENBERG EBOOK X ***\nLicence text"
+    )
     out = strip_gutenberg(raw)
     assert out == "ACT I.\n\nHAM.\nWords, words, words.\n"

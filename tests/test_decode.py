@@ -1,5 +1,6 @@
 """The static-shape decoding step: equal to the model's own forward, its prepared weights cached
 and rebuilt when they change, and the compiled step equal to the eager one token for token."""
+
 import json
 
 import pytest
@@ -132,8 +133,21 @@ def saved_model(tmp_path_factory):
 
 
 def _generate_json(capsys, path, *extra):
-    code = main(["generate", "--checkpoint", str(path), "--prompt", "Once upon", "--max-new-tokens", "20",
-                 "--temperature", "0", "--json", *extra])
+    code = main(
+        [
+            "generate",
+            "--checkpoint",
+            str(path),
+            "--prompt",
+            "Once upon",
+            "--max-new-tokens",
+            "20",
+            "--temperature",
+            "0",
+            "--json",
+            *extra,
+        ]
+    )
     out, err = capsys.readouterr()
     assert code == 0, err
     return json.loads(out.splitlines()[0]), err

@@ -1,5 +1,6 @@
 """Data parallel: rank shards tile the global batch; 2 gloo processes under torchrun end with the
 same weights as 1 process with the doubled batch."""
+
 import os
 import socket
 import subprocess
@@ -34,7 +35,7 @@ def test_rank_shards_tile_the_global_batch(tmp_path, stories_file, mode):
     prepared = prepare(cfg, tmp_path)
     batches = Batches(prepared.splits["train"], 32, mode, seed=7)
     world, accum, B = 2, 3, 2
-    (big_x, big_y), = micro_batches(batches, step=5, batch_size=world * accum * B, accum=1, dist=DistContext())
+    ((big_x, big_y),) = micro_batches(batches, step=5, batch_size=world * accum * B, accum=1, dist=DistContext())
     parts = {}
     for rank in range(world):
         for m, (x, y) in enumerate(micro_batches(batches, 5, B, accum, DistContext(rank=rank, world_size=world))):
@@ -98,10 +99,12 @@ WORKER = textwrap.dedent("""
     distributed.cleanup(dist)
 """)
 
+
 @pytest.mark.slow
 def test_two_gloo_processes_equal_one_process_with_doubled_batch(tmp_path, stories_file):
-    cfg = tiny_run_config(tmp_path / "prep", stories_file, max_steps=3, eval_interval=3, threads=1,
-                          global_batch_size=8, lr=3e-3)
+    cfg = tiny_run_config(
+        tmp_path / "prep", stories_file, max_steps=3, eval_interval=3, threads=1, global_batch_size=8, lr=3e-3
+    )
     cfg.data.batching = "stories"  # rows with different token counts: the global token weighting matters
     prepared = prepare(cfg, tmp_path / "prep")
     cfg_path = tmp_path / "cfg.yaml"
@@ -110,9 +113,23 @@ def test_two_gloo_processes_equal_one_process_with_doubled_batch(tmp_path, stori
 
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     env.pop("WORLD_SIZE", None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "2",
-           "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
-           str(tmp_path / "worker.py"), str(cfg_path), str(tmp_path / "prep"), str(tmp_path / "ddp")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "1",
+        "--nproc_per_node",
+        "2",
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(_free_port()),
+        str(tmp_path / "worker.py"),
+        str(cfg_path),
+        str(tmp_path / "prep"),
+        str(tmp_path / "ddp"),
+    ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
 

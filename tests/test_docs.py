@@ -200,7 +200,7 @@ def check_command(cmd: Command) -> None:
         check_tinylm(argv[1:])
     elif program == "torchrun":
         assert "-m" in argv and argv[argv.index("-m") + 1] == "tinylm.cli", "torchrun must run -m tinylm.cli"
-        check_tinylm(argv[argv.index("-m") + 2:])
+        check_tinylm(argv[argv.index("-m") + 2 :])
     elif program == "make":
         targets = [a for a in argv[1:] if "=" not in a]
         vars_ = dict(a.split("=", 1) for a in argv[1:] if "=" in a)
@@ -221,8 +221,17 @@ def check_command(cmd: Command) -> None:
 # ------------------------------------------------------------------------------------ tests
 def test_pages_exist_and_are_linked_from_the_readme():
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    stages = ["data", "tokenizers", "models", "training", "generation", "evaluation", "studies", "interop",
-              "tinystories-cpu-1h"]
+    stages = [
+        "data",
+        "tokenizers",
+        "models",
+        "training",
+        "generation",
+        "evaluation",
+        "studies",
+        "interop",
+        "tinystories-cpu-1h",
+    ]
     for stage in stages:
         assert (ROOT / "docs" / f"{stage}.md").is_file(), stage
         assert f"(docs/{stage}.md" in readme, f"README.md does not link docs/{stage}.md"
@@ -256,10 +265,16 @@ def test_every_command_is_in_a_checked_block():
         blocks, outside = read_blocks(page)
         for b in blocks:
             if b.lang not in ("bash", "sh", "shell"):
-                stray += [f"{page.name}:{b.line} ({b.lang or 'no language'})" for line in b.text.splitlines()
-                          if STRAY_COMMAND.match(line)]
-        stray += [f"{page.name}:{n} (indented code)" for n, line in outside
-                  if line.startswith("    ") and STRAY_COMMAND.match(line)]
+                stray += [
+                    f"{page.name}:{b.line} ({b.lang or 'no language'})"
+                    for line in b.text.splitlines()
+                    if STRAY_COMMAND.match(line)
+                ]
+        stray += [
+            f"{page.name}:{n} (indented code)"
+            for n, line in outside
+            if line.startswith("    ") and STRAY_COMMAND.match(line)
+        ]
     assert not stray, "commands outside ```bash blocks: " + ", ".join(stray)
 
 
@@ -274,15 +289,18 @@ def test_documented_command(cmd):
     check_command(cmd)
 
 
-@pytest.mark.parametrize("argv, fails", [
-    ("tinylm train --config no-such-preset", "no-such-preset"),
-    ("tinylm train --config demo model.no_such_key=1", "no_such_key"),
-    ("tinylm generate --checkpoint runs/demo --prompt x --tmperature 0", "--tmperature"),
-    ("tinylm study shakespeare --quick no_such_field=1", "no_such_field"),
-    ("tinylm experiments --config tinystories-assignment experiments.no_such=1", "no_such"),
-    ("make no-such-target", "no-such-target"),
-    (".venv/bin/python benchmarks/bench_training.py --no-such-flag", "--no-such-flag"),
-])
+@pytest.mark.parametrize(
+    "argv, fails",
+    [
+        ("tinylm train --config no-such-preset", "no-such-preset"),
+        ("tinylm train --config demo model.no_such_key=1", "no_such_key"),
+        ("tinylm generate --checkpoint runs/demo --prompt x --tmperature 0", "--tmperature"),
+        ("tinylm study shakespeare --quick no_such_field=1", "no_such_field"),
+        ("tinylm experiments --config tinystories-assignment experiments.no_such=1", "no_such"),
+        ("make no-such-target", "no-such-target"),
+        (".venv/bin/python benchmarks/bench_training.py --no-such-flag", "--no-such-flag"),
+    ],
+)
 def test_the_checks_catch_mistakes(argv, fails):
     cmd = Command("self-test", argv, shlex.split(argv))
     with pytest.raises((Exception, pytest.fail.Exception)) as info:
@@ -297,8 +315,15 @@ def test_runnable_blocks_run_end_to_end(tmp_path):
     env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
     order = sorted(RUN_BLOCKS, key=lambda b: (b.page.name != "README.md", b.page.name, b.line))
     for block in order:
-        done = subprocess.run(["bash", "-e", "-o", "pipefail", "-c", block.text], cwd=tmp_path, env=env,
-                              capture_output=True, text=True, timeout=900)
-        assert done.returncode == 0, (f"{block.page.name}:{block.line} failed ({done.returncode}):\n"
-                                      f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+        done = subprocess.run(
+            ["bash", "-e", "-o", "pipefail", "-c", block.text],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
+        assert done.returncode == 0, (
+            f"{block.page.name}:{block.line} failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+        )
         assert done.stdout.strip(), f"{block.page.name}:{block.line} printed nothing on stdout"

@@ -1,5 +1,6 @@
 """Weight averaging: the EMA arithmetic, checkpoints/ema written beside the run, the run's result
 evaluated with the averaged weights, and exact resume with Muon + EMA."""
+
 import copy
 
 import pytest
@@ -40,8 +41,16 @@ def test_ema_follows_its_formula():
 
 @pytest.fixture(scope="module")
 def prepared_run(tmp_path_factory):
-    cfg, prepared = prepared_stories_run(tmp_path_factory.mktemp("ema"), threads=1, max_steps=12, save_interval=4,
-                                         eval_interval=4, keep_last=5, optimizer="muon", ema_decay=0.8)
+    cfg, prepared = prepared_stories_run(
+        tmp_path_factory.mktemp("ema"),
+        threads=1,
+        max_steps=12,
+        save_interval=4,
+        eval_interval=4,
+        keep_last=5,
+        optimizer="muon",
+        ema_decay=0.8,
+    )
     cfg.model.dropout = 0.1  # resume must also restore the dropout stream
     return cfg, prepared
 
@@ -56,12 +65,16 @@ def test_ema_checkpoint_holds_the_average_and_resume_is_exact(prepared_run, tmp_
 
     resumed = train(copy.deepcopy(cfg), prepared, tmp_path / "resumed", resume=full.checkpoint_dir / "step-0000008")
     assert resumed.steps == 12
+
     def rows(run):
         return [(r["step"], r["train_loss"]) for r in read_metrics(run / "metrics.csv") if int(r["step"]) > 8]
 
     assert rows(tmp_path / "resumed") == rows(tmp_path / "full")
     for name in ("last", "ema"):
-        a, b = (model_state(load_checkpoint(run / "checkpoints" / name)[0]) for run in (tmp_path / "full", tmp_path / "resumed"))
+        a, b = (
+            model_state(load_checkpoint(run / "checkpoints" / name)[0])
+            for run in (tmp_path / "full", tmp_path / "resumed")
+        )
         assert all(torch.equal(a[k], b[k]) for k in a), name
 
 

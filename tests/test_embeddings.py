@@ -1,5 +1,6 @@
 """Word embeddings: .vec / FastText .bin / gensim readers, FastText training, the embedding
 matrix (pad zero, specials noise, OOV subword or noise), freeze and projection, trainer hook."""
+
 from __future__ import annotations
 
 import json
@@ -12,8 +13,15 @@ from conftest import make_stories
 
 from tinylm.config import EmbeddingsConfig, ModelConfig
 from tinylm.models.embeddings import (
-    apply_pretrained_embeddings, build_embedding_matrix, load_vectors, read_fasttext_bin, read_gensim, read_vec,
-    token_sentences, train_fasttext, write_vec,
+    apply_pretrained_embeddings,
+    build_embedding_matrix,
+    load_vectors,
+    read_fasttext_bin,
+    read_gensim,
+    read_vec,
+    token_sentences,
+    train_fasttext,
+    write_vec,
 )
 from tinylm.errors import TinyLMError
 from tinylm.models.gpt import GPT
@@ -73,12 +81,12 @@ def test_matrix_from_vec(vec_file, word_tok):
         np.testing.assert_allclose(matrix[word_tok._word_to_id[w]], truth[w], atol=1e-5)
     assert not matrix[0].any()  # <pad>
     found_std = np.std(np.stack([truth[w] for w in word_tok.words[:20]]))
-    noise = matrix[4 + 20:]
+    noise = matrix[4 + 20 :]
     assert 0.5 * found_std < noise.std() < 1.6 * found_std  # noise has the scale of real vectors
     again, _ = build_embedding_matrix(word_tok, src, oov="noise", seed=0)
     np.testing.assert_array_equal(matrix, again)  # seeded
     small, _ = build_embedding_matrix(word_tok, src, oov="noise", noise_std=1e-3, seed=0)
-    assert small[4 + 20:].std() < 2e-3
+    assert small[4 + 20 :].std() < 2e-3
 
 
 def test_vec_bad_files(tmp_path):
@@ -189,8 +197,9 @@ def test_apply_frozen_with_projection(tmp_path, vec_file, word_tok, caplog):
 def test_width_and_tying_errors(vec_file, word_tok):
     path, _ = vec_file
     with pytest.raises(TinyLMError, match=r"vectors are 8-dimensional .* set model.d_embed=8"):
-        apply_pretrained_embeddings(_model(word_tok.vocab_size, d_model=16), word_tok,
-                                    EmbeddingsConfig(kind="vec", path=str(path)))
+        apply_pretrained_embeddings(
+            _model(word_tok.vocab_size, d_model=16), word_tok, EmbeddingsConfig(kind="vec", path=str(path))
+        )
     with pytest.raises(TinyLMError, match="tie_weights=true needs the embedding width"):
         _model(word_tok.vocab_size, d_model=16, d_embed=DIM)
     tied = _model(word_tok.vocab_size, d_model=DIM)

@@ -1,5 +1,6 @@
 """The experiment runner end to end on a tiny corpus the test writes: every part's file, the
 report, the cache (a re-run skips finished parts), and the config handling."""
+
 from __future__ import annotations
 
 import csv
@@ -97,8 +98,13 @@ def test_runner_writes_every_part_and_resumes_from_cache(corpus, tmp_path, capsy
     bleu = json.loads((run / "bleu.json").read_text())
     assert bleu["samples"] == 6 and bleu["skipped_too_short"] == 1
     rows = list(csv.DictReader(open(run / "bleu_samples_T0.7.csv", encoding="utf-8")))
-    assert list(rows[0]) == ["prompt", "reference_continuation", "hypothesis_continuation", "per_sample_ppl",
-                             "sentence_bleu4"]
+    assert list(rows[0]) == [
+        "prompt",
+        "reference_continuation",
+        "hypothesis_continuation",
+        "per_sample_ppl",
+        "sentence_bleu4",
+    ]
     assert len(rows) == 6 and all(float(r["per_sample_ppl"]) > 1 for r in rows)
     assert [s["name"] for s in bleu["settings"]] == ["T0.7", "T1.2"]
 
@@ -107,13 +113,20 @@ def test_runner_writes_every_part_and_resumes_from_cache(corpus, tmp_path, capsy
     assert beam["name"] == "beam2" and "bleu4" in beam
     # the per-sample CSVs lie beside decoding.json; the examples are their first rows, every setting side by side
     names = [s["name"] for s in dec["settings"]]
-    assert all((run / f"decoding_samples_{n}.csv").is_file() for n in names) and beam["csv"] == "decoding_samples_beam2.csv"
+    assert (
+        all((run / f"decoding_samples_{n}.csv").is_file() for n in names)
+        and beam["csv"] == "decoding_samples_beam2.csv"
+    )
     beam_rows = list(csv.DictReader(open(run / "decoding_samples_beam2.csv", encoding="utf-8")))
     assert len(dec["examples"]) == 5 and set(names) <= set(dec["examples"][0])
     assert [e["beam2"]["text"] for e in dec["examples"]] == [r["hypothesis_continuation"] for r in beam_rows[:5]]
     kv_rows = json.loads((run / "kv_cache.json").read_text())["rows"]
     assert [(r["decoding"], r["total_tokens"], r["beyond_context"]) for r in kv_rows] == [
-        ("greedy", 17, False), ("greedy", 45, True), ("top-k 50, T=0.8", 17, False), ("top-k 50, T=0.8", 45, True)]
+        ("greedy", 17, False),
+        ("greedy", 45, True),
+        ("top-k 50, T=0.8", 17, False),
+        ("top-k 50, T=0.8", 45, True),
+    ]
     assert kv_rows[1]["cache_slots"] == 32  # the cache never outgrows the context: the window slides
     kv = kv_rows[0]
     assert kv["new_tokens"] == 12 and kv["same_tokens"] and kv["prompt_tokens"] == 4 + 1  # kv_prompt_tokens + <sos>
@@ -141,8 +154,9 @@ def test_runner_writes_every_part_and_resumes_from_cache(corpus, tmp_path, capsy
     # 4 over 2 epochs at equal updates; every epoch's time is measured
     acc = json.loads((run / "accumulation.json").read_text())
     assert acc["train_stories"] == 16 and acc["all_train_stories"] == 70
-    assert [(r["comparison"], r["accum_steps"], r["epochs"], r["optimizer_steps"], r["micro_batches"])
-            for r in acc["rows"]] == [("both", 1, 1, 4, 4), ("equal tokens", 2, 1, 2, 4), ("equal updates", 2, 2, 4, 8)]
+    assert [
+        (r["comparison"], r["accum_steps"], r["epochs"], r["optimizer_steps"], r["micro_batches"]) for r in acc["rows"]
+    ] == [("both", 1, 1, 4, 4), ("equal tokens", 2, 1, 2, 4), ("equal updates", 2, 2, 4, 8)]
     assert all(len(r["epoch_seconds_each"]) == r["epochs"] and r["epoch_seconds"] > 0 for r in acc["rows"])
     att = json.loads((run / "attention.json").read_text())["texts"]
     assert att[0]["max_row_sum_error"] < 1e-5 and att[0]["max_weight_above_diagonal"] == 0.0
@@ -153,11 +167,22 @@ def test_runner_writes_every_part_and_resumes_from_cache(corpus, tmp_path, capsy
     md = (run / "report.md").read_text()
     assert "| equal updates | 2 | 8 | 2 | 4 |" in md and "sliding window" in md and "sentence BLEU-4" in md
     assert "| prompt | real continuation | sample_T0.8_k50 | greedy | beam2 |" in md
-    for heading in ("## Configuration", "## Training", "## BLEU and perplexity", "## Example generations",
-                    "## Decoding comparison", "## KV cache", "## Gradient accumulation", "## Gradient checkpointing",
-                    "## Token embeddings: FastText vs random initialisation", "| prompt | ground truth |",
-                    "## Out-of-vocabulary words: <unk> or BPE pieces", "## Beside the reports",
-                    "## Attention maps", "## Machine"):
+    for heading in (
+        "## Configuration",
+        "## Training",
+        "## BLEU and perplexity",
+        "## Example generations",
+        "## Decoding comparison",
+        "## KV cache",
+        "## Gradient accumulation",
+        "## Gradient checkpointing",
+        "## Token embeddings: FastText vs random initialisation",
+        "| prompt | ground truth |",
+        "## Out-of-vocabulary words: <unk> or BPE pieces",
+        "## Beside the reports",
+        "## Attention maps",
+        "## Machine",
+    ):
         assert heading in md, heading
     assert f"{bleu['settings'][0]['bleu4']:.4f}" in md  # the report's numbers are the files' numbers
     assert "INCOMPLETE REPORT" in md and "attention map for" in md  # the too-long text is a missing part
@@ -169,8 +194,23 @@ def test_runner_writes_every_part_and_resumes_from_cache(corpus, tmp_path, capsy
     again = json.loads((run / "experiments.json").read_text())["parts"]
     assert set(again.values()) == {"cached"}
     # a changed protocol setting re-runs the parts that depend on it, not the baseline
-    assert main(["experiments", "--config", str(config), "--quick", "--out", str(run), *data,
-                 "experiments.bleu_samples=4", "--only", "bleu"]) == 0
+    assert (
+        main(
+            [
+                "experiments",
+                "--config",
+                str(config),
+                "--quick",
+                "--out",
+                str(run),
+                *data,
+                "experiments.bleu_samples=4",
+                "--only",
+                "bleu",
+            ]
+        )
+        == 0
+    )
     again = json.loads((run / "experiments.json").read_text())["parts"]
     assert again["baseline"] == "cached" and again["bleu"] == "done" and again["kv_cache"] == "stale"
     assert json.loads((run / "bleu.json").read_text())["samples"] == 4
@@ -179,9 +219,14 @@ def test_runner_writes_every_part_and_resumes_from_cache(corpus, tmp_path, capsy
 def test_accumulation_variants_pair_equal_tokens_with_equal_updates():
     variants = accumulation_variants([1, 2, 4, 8], epochs=1)
     assert [(v.name, v.accum, v.epochs, v.comparison) for v in variants] == [
-        ("tokens_k1", 1, 1, "both"), ("tokens_k2", 2, 1, "equal tokens"), ("tokens_k4", 4, 1, "equal tokens"),
-        ("tokens_k8", 8, 1, "equal tokens"), ("updates_k2", 2, 2, "equal updates"), ("updates_k4", 4, 4, "equal updates"),
-        ("updates_k8", 8, 8, "equal updates")]
+        ("tokens_k1", 1, 1, "both"),
+        ("tokens_k2", 2, 1, "equal tokens"),
+        ("tokens_k4", 4, 1, "equal tokens"),
+        ("tokens_k8", 8, 1, "equal tokens"),
+        ("updates_k2", 2, 2, "equal updates"),
+        ("updates_k4", 4, 4, "equal updates"),
+        ("updates_k8", 8, 8, "equal updates"),
+    ]
     assert [v.epochs for v in accumulation_variants([2, 4], epochs=3)] == [3, 3, 6]
 
 
@@ -211,8 +256,21 @@ def test_tradeoff_runs_warm_up_like_the_run_but_at_most_half_their_steps(corpus,
 
 def test_missing_data_file_is_a_clear_error(corpus, tmp_path, capsys):
     config, _ = corpus
-    assert main(["experiments", "--config", str(config), "--quick", "--out", str(tmp_path / "r"),
-                 f"data.train={tmp_path / 'nope.txt'}", f"data.valid={tmp_path / 'nope.txt'}"]) == 2
+    assert (
+        main(
+            [
+                "experiments",
+                "--config",
+                str(config),
+                "--quick",
+                "--out",
+                str(tmp_path / "r"),
+                f"data.train={tmp_path / 'nope.txt'}",
+                f"data.valid={tmp_path / 'nope.txt'}",
+            ]
+        )
+        == 2
+    )
     assert "does not exist" in capsys.readouterr().err
 
 

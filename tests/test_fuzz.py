@@ -6,6 +6,7 @@ with exit code 2, never an exception out of ``tinylm.cli.main``; and a failed ru
 already saved. Minimal examples of every crash the fuzzing found are kept as explicit tests at
 the end of the file.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -46,17 +47,26 @@ from tinylm.evaluation.perplexity import metrics
 from tinylm.models.checkpoint import load_checkpoint
 from tinylm.pipeline import run_pipeline
 
-SECTIONS = {"data": DataConfig, "tokenizer": TokenizerConfig, "model": ModelConfig, "train": TrainConfig,
-            "sample": SampleConfig, "embeddings": EmbeddingsConfig}
+SECTIONS = {
+    "data": DataConfig,
+    "tokenizer": TokenizerConfig,
+    "model": ModelConfig,
+    "train": TrainConfig,
+    "sample": SampleConfig,
+    "embeddings": EmbeddingsConfig,
+}
 FIELDS = [(section, f.name) for section, cls in SECTIONS.items() for f in dataclasses.fields(cls)]
 CKPT_FILES = ("model.safetensors", "checkpoint.json", "tokenizer.json", "config.yaml")
 RESUME_FILES = CKPT_FILES + ("training_state.json", "optimizer.safetensors", "rng.safetensors")
 
 # TINYLM_FUZZ_SCALE=10 runs ten times the examples (a deeper search; the default keeps the file fast)
 SCALE = int(os.environ.get("TINYLM_FUZZ_SCALE", "1"))
-FUZZ = {"derandomize": True, "database": None, "deadline": None,
-        "suppress_health_check": [HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
-                                  HealthCheck.data_too_large]}
+FUZZ = {
+    "derandomize": True,
+    "database": None,
+    "deadline": None,
+    "suppress_health_check": [HealthCheck.function_scoped_fixture, HealthCheck.too_slow, HealthCheck.data_too_large],
+}
 
 
 # ----------------------------------------------------------------------------- one tiny run
@@ -166,7 +176,8 @@ def mutated_bytes(original: bytes):
     return st.one_of(
         st.integers(0, max(0, len(original) - 1)).map(lambda n: original[:n]),
         st.tuples(st.integers(0, max(0, len(original) - 1)), st.integers(0, 255)).map(
-            lambda t: original[: t[0]] + bytes([t[1]]) + original[t[0] + 1:]),
+            lambda t: original[: t[0]] + bytes([t[1]]) + original[t[0] + 1 :]
+        ),
     )
 
 
@@ -208,9 +219,40 @@ def file_payloads(original: bytes, name: str):
 
 
 # ------------------------------------------------------------------- a. config overrides
-NASTY_VALUES = ["", "nan", "NaN", "inf", "-inf", "1e309", "-1e309", "none", "null", "true", "false", "0", "-1",
-                "1.5", "1_000", str(2**64), str(-(2**200)), "1e-320", "[]", "[1, 2]", '["a", "b"]', '[["a"]]', "{}",
-                '{"a": 1}', "[" * 5000, "x=y", " ", "\x00", "🐈", "0x10", "1e3", "-0.0"]
+NASTY_VALUES = [
+    "",
+    "nan",
+    "NaN",
+    "inf",
+    "-inf",
+    "1e309",
+    "-1e309",
+    "none",
+    "null",
+    "true",
+    "false",
+    "0",
+    "-1",
+    "1.5",
+    "1_000",
+    str(2**64),
+    str(-(2**200)),
+    "1e-320",
+    "[]",
+    "[1, 2]",
+    '["a", "b"]',
+    '[["a"]]',
+    "{}",
+    '{"a": 1}',
+    "[" * 5000,
+    "x=y",
+    " ",
+    "\x00",
+    "🐈",
+    "0x10",
+    "1e3",
+    "-0.0",
+]
 
 override_values = st.one_of(
     st.sampled_from(NASTY_VALUES),
@@ -296,9 +338,20 @@ def test_the_schema_declares_the_closed_choices_and_ranges():
     """The options the schema can refuse include the two the issue found unchecked (a cosin typo
     trained as cosine) and every closed choice."""
     keys = {key for key, _, _ in INVALID}
-    assert {"train.schedule", "train.schedule_clock", "train.precision", "train.optimizer", "data.source",
-            "data.batching", "model.ffn", "tokenizer.type", "embeddings.kind", "train.lr", "model.dropout",
-            "sample.top_p"} <= keys
+    assert {
+        "train.schedule",
+        "train.schedule_clock",
+        "train.precision",
+        "train.optimizer",
+        "data.source",
+        "data.batching",
+        "model.ffn",
+        "tokenizer.type",
+        "embeddings.kind",
+        "train.lr",
+        "model.dropout",
+        "sample.top_p",
+    } <= keys
     assert len(INVALID) >= 80, len(INVALID)
 
 
@@ -322,8 +375,11 @@ def test_every_field_takes_every_nasty_value(field):
 
 # ------------------------------------------------------------------------ b. input files
 @settings(max_examples=50 * SCALE, **FUZZ)
-@given(payload=payloads, suffix=st.sampled_from([".txt", ".jsonl", ".json", ""]),
-       source=st.sampled_from(["text", "tinystories"]))
+@given(
+    payload=payloads,
+    suffix=st.sampled_from([".txt", ".jsonl", ".json", ""]),
+    source=st.sampled_from(["text", "tinystories"]),
+)
 @pytest.mark.slow
 def test_fuzz_data_file(tiny_run, tmp_path_factory, capsys, payload, suffix, source):
     run, _ = tiny_run
@@ -333,8 +389,15 @@ def test_fuzz_data_file(tiny_run, tmp_path_factory, capsys, payload, suffix, sou
     if code == 0:
         json.loads(out)  # JSON output stays JSON (no NaN/Infinity literals)
     call(capsys, "tokenizer-stats", "--tokenizer", run / "tokenizer.json", "--data", path)
-    call(capsys, "prepare", "--out", path.with_name("fuzz-prepare"), f"data.source={source}", f"data.train={path}",
-         "tokenizer.type=char")
+    call(
+        capsys,
+        "prepare",
+        "--out",
+        path.with_name("fuzz-prepare"),
+        f"data.source={source}",
+        f"data.train={path}",
+        "tokenizer.type=char",
+    )
 
 
 @pytest.fixture(scope="module")
@@ -353,8 +416,11 @@ def tokenizer_files(tiny_run):
 
 
 @settings(max_examples=60 * SCALE, **FUZZ)
-@given(data=st.data(), name=st.sampled_from(["tokenizer.json", "tokenizer.bin", "tok"]),
-       kind=st.sampled_from(["char", "bpe", "word"]))
+@given(
+    data=st.data(),
+    name=st.sampled_from(["tokenizer.json", "tokenizer.bin", "tok"]),
+    kind=st.sampled_from(["char", "bpe", "word"]),
+)
 @pytest.mark.slow
 def test_fuzz_tokenizer_file(tiny_run, tokenizer_files, tmp_path_factory, capsys, data, name, kind):
     run, stories = tiny_run
@@ -393,6 +459,7 @@ def ckpt_copy(tiny_run, tmp_path_factory):
         shutil.copytree(best, target)
         (target / name).write_bytes(payload)
         return target
+
     return best, make
 
 
@@ -425,13 +492,24 @@ def llama2c_files(tmp_path_factory):
     from tinylm.models.gpt import GPT
 
     root = tmp_path_factory.mktemp("fuzz-llama2c")
-    cfg = ModelConfig(vocab_size=262, context_length=16, d_model=16, n_layers=1, n_heads=2, positions="rope",
-                      norm="rmsnorm", ffn="swiglu", bias=False, d_ff=32)
+    cfg = ModelConfig(
+        vocab_size=262,
+        context_length=16,
+        d_model=16,
+        n_layers=1,
+        n_heads=2,
+        positions="rope",
+        norm="rmsnorm",
+        ffn="swiglu",
+        bias=False,
+        d_ff=32,
+    )
     model_path = save_llama2c(GPT(cfg), root / "model.bin")
     pieces = [b"<unk>", b"\n<s>\n", b"\n</s>\n"] + [f"<0x{b:02X}>".encode() for b in range(256)] + [b" ", b"a", b" a"]
     tok = root / "tokenizer.bin"
-    tok.write_bytes(struct.pack("<i", 4) + b"".join(struct.pack("<fi", -float(i), len(p)) + p
-                                                   for i, p in enumerate(pieces)))
+    tok.write_bytes(
+        struct.pack("<i", 4) + b"".join(struct.pack("<fi", -float(i), len(p)) + p for i, p in enumerate(pieces))
+    )
     return model_path, tok
 
 
@@ -445,7 +523,9 @@ def test_fuzz_llama2c_files(llama2c_files, tmp_path_factory, capsys, data, which
     path = tmp_path_factory.getbasetemp() / f"fuzz-llama2c-{which}.bin"
     path.write_bytes(data.draw(st.one_of(payloads, mutated_bytes(original), mutated_bytes(original))))
     model, tokenizer = (path, tok) if which == "model" else (model_path, path)
-    call(capsys, "generate", "--checkpoint", model, "--tokenizer", tokenizer, "--prompt", "a a", "--max-new-tokens", "3")
+    call(
+        capsys, "generate", "--checkpoint", model, "--tokenizer", tokenizer, "--prompt", "a a", "--max-new-tokens", "3"
+    )
 
 
 @pytest.fixture(scope="module")
@@ -510,9 +590,13 @@ def _loads(ckpt: Path) -> bool:
 
 # ------------------------------------------------------------------------ c. generation knobs
 def _number_text():
-    return st.one_of(st.sampled_from(["0", "-1", "1e-9", "1e308", "nan", "inf", "-inf", "-0.0", "abc", "", "0.5",
-                                      "1", "2", "1e400"]),
-                     st.floats().map(repr), st.integers(-10**20, 10**20).map(str))
+    return st.one_of(
+        st.sampled_from(
+            ["0", "-1", "1e-9", "1e308", "nan", "inf", "-inf", "-0.0", "abc", "", "0.5", "1", "2", "1e400"]
+        ),
+        st.floats().map(repr),
+        st.integers(-(10**20), 10**20).map(str),
+    )
 
 
 def _small_int_text(lo=-3, hi=24):
@@ -536,9 +620,11 @@ KNOBS = {
 
 
 @settings(max_examples=60 * SCALE, **FUZZ)
-@given(knobs=st.fixed_dictionaries({}, optional=KNOBS), flags=st.sets(st.sampled_from(["--no-cache", "--stream",
-                                                                                        "--json"])),
-       prompts=st.lists(st.sampled_from(["Once", "The dog", "x" * 40, "🐈"]), min_size=1, max_size=3))
+@given(
+    knobs=st.fixed_dictionaries({}, optional=KNOBS),
+    flags=st.sets(st.sampled_from(["--no-cache", "--stream", "--json"])),
+    prompts=st.lists(st.sampled_from(["Once", "The dog", "x" * 40, "🐈"]), min_size=1, max_size=3),
+)
 @pytest.mark.slow
 def test_fuzz_generate_knobs(tiny_run, capsys, knobs, flags, prompts):
     run, _ = tiny_run
@@ -587,9 +673,19 @@ def test_evaluate_binary_file_json_says_why_not_finite(tiny_run, binary_file, ca
 @pytest.mark.parametrize("value", ["nan", "inf", "-inf", "NaN", "1e999"])
 def test_train_lr_must_be_finite(tiny_run, tmp_path, capsys, value):
     _, stories = tiny_run
-    code, _, err = call(capsys, "train", "--out", tmp_path / "out", "data.source=tinystories", f"data.train={stories}",
-                        "train.max_steps=1", "model.n_layers=1", "model.d_model=16", "model.n_heads=2",
-                        f"train.lr={value}")
+    code, _, err = call(
+        capsys,
+        "train",
+        "--out",
+        tmp_path / "out",
+        "data.source=tinystories",
+        f"data.train={stories}",
+        "train.max_steps=1",
+        "model.n_layers=1",
+        "model.d_model=16",
+        "model.n_heads=2",
+        f"train.lr={value}",
+    )
     assert code == 2
     errors = [line for line in err.splitlines() if ": error: " in line]
     assert "train.lr" in errors[0] and "finite" in errors[0], err
@@ -603,6 +699,7 @@ DEEP_JSON = b"[" * 3000
 
 def _json_edit(**changes):
     """A function of the original file's bytes: the JSON object with keys replaced (None: dropped)."""
+
     def edit(original: bytes) -> bytes:
         obj = json.loads(original)
         for key, value in changes.items():
@@ -611,6 +708,7 @@ def _json_edit(**changes):
             else:
                 obj[key] = value
         return json.dumps(obj).encode()
+
     return edit
 
 
@@ -619,6 +717,7 @@ def _model_config_edit(**changes):
         obj = json.loads(original)
         obj["model_config"].update(changes)
         return json.dumps(obj).encode()
+
     return edit
 
 
@@ -627,6 +726,7 @@ def _tensor_edit(how):
         tensors = dict(st_load(original))
         how(tensors)
         return st_save(tensors)
+
     return edit
 
 
@@ -649,7 +749,7 @@ DAMAGED_CHECKPOINT_FILES = [
     ("checkpoint.json", DEEP_JSON, "is corrupt"),  # RecursionError
     ("checkpoint.json", _model_config_edit(d_model="wide"), "model_config.d_model expects an integer"),  # TypeError
     ("checkpoint.json", _model_config_edit(n_layers=10**7), "far larger"),  # minutes building 10M blocks
-    ("checkpoint.json", _json_edit(model_config=None), "no \"model_config\""),  # KeyError
+    ("checkpoint.json", _json_edit(model_config=None), 'no "model_config"'),  # KeyError
     ("model.safetensors", _tensor_edit(_reshape_embedding), "does not match its model config"),  # RuntimeError
     ("model.safetensors", _tensor_edit(_drop_embedding), "does not match its model config"),  # KeyError
     ("model.safetensors", _tensor_edit(_nan_norm), "non-finite"),  # RuntimeError in torch.multinomial
@@ -662,8 +762,11 @@ DAMAGED_CHECKPOINT_FILES = [
 ]
 
 
-@pytest.mark.parametrize("name, payload, match", DAMAGED_CHECKPOINT_FILES,
-                         ids=[f"{n}-{i}" for i, (n, _, _) in enumerate(DAMAGED_CHECKPOINT_FILES)])
+@pytest.mark.parametrize(
+    "name, payload, match",
+    DAMAGED_CHECKPOINT_FILES,
+    ids=[f"{n}-{i}" for i, (n, _, _) in enumerate(DAMAGED_CHECKPOINT_FILES)],
+)
 @pytest.mark.slow
 def test_damaged_checkpoint_file_is_named(ckpt_copy, capsys, name, payload, match):
     best, make = ckpt_copy
@@ -686,29 +789,48 @@ def test_bad_input_files_are_named(tiny_run, tmp_path, capsys):
     shard = tmp_path / "shard.json"
     shard.write_text('[{"story": 1}]')  # AttributeError: 'int' object has no attribute 'strip'
     code, _, err = call(capsys, "prepare", "--out", tmp_path / "out", "data.source=tinystories", f"data.train={shard}")
-    assert code == 2 and "no \"story\" field of text" in err
+    assert code == 2 and 'no "story" field of text' in err
     small = tmp_path / "small.bin"  # IndexError in Llama2cTokenizer.encode (byte fallback ids 3..258 missing)
     small.write_bytes(_llama2c_tokenizer([b"<unk>", b"<s>", b"</s>", b"a"]))
     code, _, err = call(capsys, "generate", "--checkpoint", run, "--tokenizer", small, "--prompt", "Once")
     assert code == 2 and "at least 259" in err
     big = tmp_path / "big.bin"  # IndexError in the embedding: ids past the model's vocabulary
-    big.write_bytes(_llama2c_tokenizer([b"<unk>", b"<s>", b"</s>"] + [f"<0x{b:02X}>".encode() for b in range(256)]
-                                       + [f"w{i}".encode() for i in range(300)]))
+    big.write_bytes(
+        _llama2c_tokenizer(
+            [b"<unk>", b"<s>", b"</s>"]
+            + [f"<0x{b:02X}>".encode() for b in range(256)]
+            + [f"w{i}".encode() for i in range(300)]
+        )
+    )
     code, _, err = call(capsys, "generate", "--checkpoint", run, "--tokenizer", big, "--prompt", "Once")
     assert code == 2 and "559 pieces but the model's vocabulary has" in err
 
 
-@pytest.mark.parametrize("override, match", [
-    ("model.n_kv_heads=0", "model.n_kv_heads must be >= 1 (got 0)"),  # ZeroDivisionError in ModelConfig.resolved
-    ("model.d_attn=-8", "model.d_attn must be >= 1 (got -8)"),  # accepted, then a negative-width model
-    ("sample.prompts=" + "[" * 3000, "nested too deeply"),  # RecursionError in config._coerce
-])
+@pytest.mark.parametrize(
+    "override, match",
+    [
+        ("model.n_kv_heads=0", "model.n_kv_heads must be >= 1 (got 0)"),  # ZeroDivisionError in ModelConfig.resolved
+        ("model.d_attn=-8", "model.d_attn must be >= 1 (got -8)"),  # accepted, then a negative-width model
+        ("sample.prompts=" + "[" * 3000, "nested too deeply"),  # RecursionError in config._coerce
+    ],
+)
 @pytest.mark.slow
 def test_bad_config_values_are_named(tiny_run, tmp_path, capsys, override, match):
     _, stories = tiny_run
-    code, _, err = call(capsys, "train", "--out", tmp_path / "out", "data.source=tinystories", f"data.train={stories}",
-                        "train.max_steps=1", "tokenizer.type=char", "model.context_length=16", "model.d_model=16",
-                        "model.n_heads=2", override)
+    code, _, err = call(
+        capsys,
+        "train",
+        "--out",
+        tmp_path / "out",
+        "data.source=tinystories",
+        f"data.train={stories}",
+        "train.max_steps=1",
+        "tokenizer.type=char",
+        "model.context_length=16",
+        "model.d_model=16",
+        "model.n_heads=2",
+        override,
+    )
     assert code == 2 and match in err, err
 
 
@@ -741,8 +863,9 @@ DAMAGED_RESUME_FILES = [
 ]
 
 
-@pytest.mark.parametrize("name, payload, match", DAMAGED_RESUME_FILES,
-                         ids=[f"{n}-{i}" for i, (n, _, _) in enumerate(DAMAGED_RESUME_FILES)])
+@pytest.mark.parametrize(
+    "name, payload, match", DAMAGED_RESUME_FILES, ids=[f"{n}-{i}" for i, (n, _, _) in enumerate(DAMAGED_RESUME_FILES)]
+)
 @pytest.mark.slow
 def test_damaged_resume_file_is_named_and_nothing_is_lost(tiny_run, tmp_path, capsys, name, payload, match):
     copy = _resume_with(tiny_run[0], tmp_path, name, payload)

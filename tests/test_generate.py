@@ -1,4 +1,5 @@
 """The generate loop: original API, batches equal single runs, streaming, and the CLI."""
+
 import json
 import time
 
@@ -21,7 +22,9 @@ TEXT = "the cat sat on the mat. a dog ran far away! é ü"
 
 def tiny_model(vocab=40, positions="learned", ctx=64):
     torch.manual_seed(0)
-    return GPT(ModelConfig(vocab_size=vocab, context_length=ctx, d_model=32, n_layers=2, n_heads=4, positions=positions)).eval()
+    return GPT(
+        ModelConfig(vocab_size=vocab, context_length=ctx, d_model=32, n_layers=2, n_heads=4, positions=positions)
+    ).eval()
 
 
 def test_original_positional_api_still_works():
@@ -89,8 +92,24 @@ def checkpoint(tmp_path):
 def test_cli_json_greedy_matches_library(checkpoint, capsys):
     path, model, tok = checkpoint
     t0 = time.perf_counter()
-    code = main(["generate", "--checkpoint", str(path), "--prompt", "the", "--prompt", "a dog",
-                 "--temperature", "0", "--max-new-tokens", "12", "--json", "--batch-size", "2"])
+    code = main(
+        [
+            "generate",
+            "--checkpoint",
+            str(path),
+            "--prompt",
+            "the",
+            "--prompt",
+            "a dog",
+            "--temperature",
+            "0",
+            "--max-new-tokens",
+            "12",
+            "--json",
+            "--batch-size",
+            "2",
+        ]
+    )
     wall = time.perf_counter() - t0
     assert code == 0
     rows = [json.loads(line) for line in capsys.readouterr().out.strip().splitlines()]
@@ -98,8 +117,26 @@ def test_cli_json_greedy_matches_library(checkpoint, capsys):
     # sampled, batched and one by one: the same text (prompt i is seeded seed + i either way)
     outs = []
     for batch in ("1", "2"):
-        main(["generate", "--checkpoint", str(path), "--prompt", "the", "--prompt", "a dog", "--temperature", "1.0",
-              "--max-new-tokens", "12", "--json", "--batch-size", batch, "--seed", "4"])
+        main(
+            [
+                "generate",
+                "--checkpoint",
+                str(path),
+                "--prompt",
+                "the",
+                "--prompt",
+                "a dog",
+                "--temperature",
+                "1.0",
+                "--max-new-tokens",
+                "12",
+                "--json",
+                "--batch-size",
+                batch,
+                "--seed",
+                "4",
+            ]
+        )
         outs.append([json.loads(line)["text"] for line in capsys.readouterr().out.strip().splitlines()])
     assert outs[0] == outs[1]
     for r in rows:
@@ -114,12 +151,44 @@ def test_cli_beam_stream_and_errors(checkpoint, capsys, tmp_path):
     path, model, tok = checkpoint
     prompts = tmp_path / "p.txt"
     prompts.write_text("the\n\na dog\n")
-    assert main(["generate", "--checkpoint", str(path), "--prompts-file", str(prompts), "--beam-width", "3",
-                 "--num-return-sequences", "2", "--max-new-tokens", "8", "--json"]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                "--checkpoint",
+                str(path),
+                "--prompts-file",
+                str(prompts),
+                "--beam-width",
+                "3",
+                "--num-return-sequences",
+                "2",
+                "--max-new-tokens",
+                "8",
+                "--json",
+            ]
+        )
+        == 0
+    )
     rows = [json.loads(line) for line in capsys.readouterr().out.strip().splitlines()]
     assert len(rows) == 4 and rows[0]["prompt"] == rows[1]["prompt"] == "the"
-    assert main(["generate", "--checkpoint", str(path), "--prompt", "the", "--max-new-tokens", "8",
-                 "--temperature", "0", "--stream"]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                "--checkpoint",
+                str(path),
+                "--prompt",
+                "the",
+                "--max-new-tokens",
+                "8",
+                "--temperature",
+                "0",
+                "--stream",
+            ]
+        )
+        == 0
+    )
     streamed = capsys.readouterr().out.strip("\n")
     assert streamed == "the" + tok.decode(generate(model, [2, *tok.encode("the")], 8, temperature=0, eos_id=3))
     assert main(["generate", "--checkpoint", str(path), "--prompt", "the", "--top-p", "1.5"]) == 2
@@ -146,7 +215,9 @@ def test_benchmark_quick_runs_and_matches_reference(tmp_path):
     wall = time.perf_counter() - t0
     rows = json.loads(out.read_text())
     gen = [r for r in rows if r["table"] == "generate"]
-    assert {(r["mode"], r["system"]) for r in gen} == {(m, s) for m in bench.MODES for s in ("tinylm", "hf_transformers")}
+    assert {(r["mode"], r["system"]) for r in gen} == {
+        (m, s) for m in bench.MODES for s in ("tinylm", "hf_transformers")
+    }
     for r in gen:
         assert {"system", "mode", "batch", "new_tokens", "tokens_per_s", "same_tokens_as_reference"} <= set(r)
         # every row makes batch x new_tokens tokens; its median run took less than the whole benchmark

@@ -1,6 +1,7 @@
 """export-gguf: every tensor and metadata key read back with the `gguf` package's reader, f16 and Q8_0
 within their rounding, refusals by name; and llama.cpp itself (llama-cpp-python) decoding the
 same greedy tokens as `tinylm generate`."""
+
 import json
 
 import gguf
@@ -25,15 +26,35 @@ from tinylm.tokenizers.hf_interop import byte_to_unicode
 from tinylm.tokenizers.io import load_tokenizer
 from tinylm.tokenizers.llama2c import Llama2cTokenizer
 
-LAYER = {"attn_norm": "norm1", "attn_q": "attn.q_proj", "attn_k": "attn.k_proj", "attn_v": "attn.v_proj",
-         "attn_output": "attn.out_proj", "ffn_norm": "norm2", "ffn_gate": "ffn.gate", "ffn_up": "ffn.up",
-         "ffn_down": "ffn.down"}
+LAYER = {
+    "attn_norm": "norm1",
+    "attn_q": "attn.q_proj",
+    "attn_k": "attn.k_proj",
+    "attn_v": "attn.v_proj",
+    "attn_output": "attn.out_proj",
+    "ffn_norm": "norm2",
+    "ffn_gate": "ffn.gate",
+    "ffn_up": "ffn.up",
+    "ffn_down": "ffn.down",
+}
 
 
 def llama_gpt(vocab=330, tie=False, seed=0, **overrides) -> GPT:
     torch.manual_seed(seed)
-    cfg = dict(vocab_size=vocab, context_length=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=44,
-               positions="rope", norm="rmsnorm", ffn="swiglu", bias=False, tie_weights=tie)
+    cfg = dict(
+        vocab_size=vocab,
+        context_length=64,
+        d_model=32,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        d_ff=44,
+        positions="rope",
+        norm="rmsnorm",
+        ffn="swiglu",
+        bias=False,
+        tie_weights=tie,
+    )
     return GPT(ModelConfig(**{**cfg, **overrides})).eval()
 
 
@@ -67,19 +88,36 @@ def test_f32_file_holds_every_tensor_and_metadata_key(tmp_path):
     visible = byte_to_unicode()
     spelled = ["".join(visible[b] for b in raw) for raw in bpe.token_bytes[4:]]
     expected = {
-        "general.architecture": "llama", "general.name": "tinylm", "general.file_type": 0,
-        "general.quantization_version": 2, "llama.context_length": 64, "llama.embedding_length": 32,
-        "llama.block_count": 2, "llama.feed_forward_length": 44, "llama.attention.head_count": 4,
-        "llama.attention.head_count_kv": 2, "llama.attention.key_length": 8, "llama.attention.value_length": 8,
-        "llama.rope.dimension_count": 8, "llama.rope.freq_base": 10000.0,
-        "llama.attention.layer_norm_rms_epsilon": pytest.approx(1e-5), "llama.vocab_size": 330,
-        "tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "gpt-2",
-        "tokenizer.ggml.tokens": ["<pad>", "<unk>", "<sos>", "<eos>"] + spelled + [f"[PAD{i}]" for i in range(320, 330)],
-        "tokenizer.ggml.token_type": [3] * 4 + [1] * 316 + [5] * 10, "tokenizer.ggml.scores": [0.0] * 330,
+        "general.architecture": "llama",
+        "general.name": "tinylm",
+        "general.file_type": 0,
+        "general.quantization_version": 2,
+        "llama.context_length": 64,
+        "llama.embedding_length": 32,
+        "llama.block_count": 2,
+        "llama.feed_forward_length": 44,
+        "llama.attention.head_count": 4,
+        "llama.attention.head_count_kv": 2,
+        "llama.attention.key_length": 8,
+        "llama.attention.value_length": 8,
+        "llama.rope.dimension_count": 8,
+        "llama.rope.freq_base": 10000.0,
+        "llama.attention.layer_norm_rms_epsilon": pytest.approx(1e-5),
+        "llama.vocab_size": 330,
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.pre": "gpt-2",
+        "tokenizer.ggml.tokens": ["<pad>", "<unk>", "<sos>", "<eos>"]
+        + spelled
+        + [f"[PAD{i}]" for i in range(320, 330)],
+        "tokenizer.ggml.token_type": [3] * 4 + [1] * 316 + [5] * 10,
+        "tokenizer.ggml.scores": [0.0] * 330,
         "tokenizer.ggml.merges": [f"{spelled[a - 4]} {spelled[b - 4]}" for a, b in bpe.merges],
-        "tokenizer.ggml.padding_token_id": 0, "tokenizer.ggml.unknown_token_id": 1,
-        "tokenizer.ggml.bos_token_id": 2, "tokenizer.ggml.eos_token_id": 3,
-        "tokenizer.ggml.add_bos_token": True, "tokenizer.ggml.add_eos_token": False,
+        "tokenizer.ggml.padding_token_id": 0,
+        "tokenizer.ggml.unknown_token_id": 1,
+        "tokenizer.ggml.bos_token_id": 2,
+        "tokenizer.ggml.eos_token_id": 3,
+        "tokenizer.ggml.add_bos_token": True,
+        "tokenizer.ggml.add_eos_token": False,
     }
     assert fields == expected
     assert spelled[ord(" ")] == "\u0120" and len(expected["tokenizer.ggml.merges"]) == 60
@@ -115,7 +153,15 @@ def test_llama2c_tokenizer_becomes_gguf_llama_vocabulary(tmp_path):
     fields, tensors = read(export_gguf(llama_gpt(vocab=266, tie=True), tmp_path / "m.gguf", tok, "f32"))
     assert fields["tokenizer.ggml.model"] == "llama" and fields["tokenizer.ggml.add_space_prefix"] is True
     assert fields["tokenizer.ggml.tokens"][:4] == ["<unk>", "<s>", "</s>", "<0x00>"]
-    assert fields["tokenizer.ggml.tokens"][259:] == ["\u2581", "\u2581t", "he", "\u2581the", "in", "[PAD264]", "[PAD265]"]
+    assert fields["tokenizer.ggml.tokens"][259:] == [
+        "\u2581",
+        "\u2581t",
+        "he",
+        "\u2581the",
+        "in",
+        "[PAD264]",
+        "[PAD265]",
+    ]
     assert fields["tokenizer.ggml.token_type"][:4] == [2, 3, 3, 6] and fields["tokenizer.ggml.token_type"][259] == 1
     assert fields["tokenizer.ggml.scores"][259:264] == [-1.0, -2.0, -3.0, -4.0, -5.0]
     assert (fields["tokenizer.ggml.bos_token_id"], fields["tokenizer.ggml.eos_token_id"]) == (1, 2)
@@ -130,10 +176,15 @@ def test_llama2c_tokenizer_becomes_gguf_llama_vocabulary(tmp_path):
 
 def test_options_without_a_gguf_equivalent_are_refused_by_name(tmp_path):
     bpe = BPETokenizer().train(make_stories(), 300)
-    cases = {"model.ffn=relu2": dict(ffn="relu2", d_ff=64), "model.qk_norm=true": dict(qk_norm=True),
-             "model.logit_softcap=30.0": dict(logit_softcap=30.0), "model.norm=layernorm": dict(norm="layernorm"),
-             "model.positions=learned": dict(positions="learned"), "model.bias=true": dict(bias=True),
-             "model.value_embeddings=alternate": dict(value_embeddings="alternate")}
+    cases = {
+        "model.ffn=relu2": dict(ffn="relu2", d_ff=64),
+        "model.qk_norm=true": dict(qk_norm=True),
+        "model.logit_softcap=30.0": dict(logit_softcap=30.0),
+        "model.norm=layernorm": dict(norm="layernorm"),
+        "model.positions=learned": dict(positions="learned"),
+        "model.bias=true": dict(bias=True),
+        "model.value_embeddings=alternate": dict(value_embeddings="alternate"),
+    }
     for name, overrides in cases.items():
         with pytest.raises(TinyLMError, match=name.replace(".", r"\.")):
             export_gguf(llama_gpt(**overrides), tmp_path / "m.gguf", bpe)
@@ -148,8 +199,20 @@ def test_options_without_a_gguf_equivalent_are_refused_by_name(tmp_path):
 def test_cli_export_gguf(tmp_path, capsys):
     bpe = BPETokenizer().train(make_stories(), 300)
     save_checkpoint(tmp_path / "ckpt", llama_gpt(vocab=300), bpe)
-    assert main(["export-gguf", "--checkpoint", str(tmp_path / "ckpt"), "--out", str(tmp_path / "m.gguf"),
-                 "--dtype", "q8_0"]) == 0
+    assert (
+        main(
+            [
+                "export-gguf",
+                "--checkpoint",
+                str(tmp_path / "ckpt"),
+                "--out",
+                str(tmp_path / "m.gguf"),
+                "--dtype",
+                "q8_0",
+            ]
+        )
+        == 0
+    )
     assert f"wrote a llama.cpp GGUF model (q8_0, 33,952 parameters) to {tmp_path / 'm.gguf'}" in capsys.readouterr().out
     fields, _ = read(tmp_path / "m.gguf")
     assert fields["general.file_type"] == 7
@@ -192,8 +255,23 @@ def test_llama_cpp_decodes_the_same_greedy_tokens_as_tinylm(llama_run, tmp_path,
     capsys.readouterr()
     llm = llama_cpp_model(tmp_path / "model-f32.gguf")
     for prompt in PROMPTS:
-        assert main(["generate", "--checkpoint", str(llama_run), "--prompt", prompt, "--temperature", "0",
-                     "--max-new-tokens", "40", "--json"]) == 0
+        assert (
+            main(
+                [
+                    "generate",
+                    "--checkpoint",
+                    str(llama_run),
+                    "--prompt",
+                    prompt,
+                    "--temperature",
+                    "0",
+                    "--max-new-tokens",
+                    "40",
+                    "--json",
+                ]
+            )
+            == 0
+        )
         ours = json.loads(capsys.readouterr().out)
         ids = llm.tokenize(prompt.encode(), add_bos=True)
         assert ids == [2] + bpe.encode(prompt)  # llama.cpp's gpt-2 pre-tokenizer splits as tinylm's BPE does
@@ -209,8 +287,20 @@ def test_llama_cpp_reads_a_llama2c_vocabulary_as_run_c_encodes(llama_run, tmp_pa
     vocabulary: llama.cpp's tokenizer gives run.c's ids and decodes the same greedy tokens."""
     assert main(["export-llama2c", "--checkpoint", str(llama_run), "--out", str(tmp_path / "model.bin")]) == 0
     model, tok, _ = load_any_checkpoint(tmp_path / "model.bin", tmp_path / "tok320.bin")
-    assert main(["export-gguf", "--checkpoint", str(tmp_path / "model.bin"), "--tokenizer",
-                 str(tmp_path / "tok320.bin"), "--out", str(tmp_path / "model.gguf")]) == 0
+    assert (
+        main(
+            [
+                "export-gguf",
+                "--checkpoint",
+                str(tmp_path / "model.bin"),
+                "--tokenizer",
+                str(tmp_path / "tok320.bin"),
+                "--out",
+                str(tmp_path / "model.gguf"),
+            ]
+        )
+        == 0
+    )
     llm = llama_cpp_model(tmp_path / "model.gguf")
     for prompt in PROMPTS:
         ids = tok.encode(prompt, bos=True)

@@ -15,8 +15,14 @@ def make(**kw):
     return GPT(ModelConfig(**base))
 
 
-@pytest.mark.parametrize("kw", [{}, {"positions": "sinusoidal"}, {"positions": "rope", "norm": "rmsnorm", "ffn": "swiglu",
-                                                                  "bias": False, "n_kv_heads": 2}])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {},
+        {"positions": "sinusoidal"},
+        {"positions": "rope", "norm": "rmsnorm", "ffn": "swiglu", "bias": False, "n_kv_heads": 2},
+    ],
+)
 @pytest.mark.parametrize("attention", ["manual", "sdpa"])
 def test_causality(kw, attention):
     model = make(attention=attention, **kw).eval()
@@ -52,8 +58,10 @@ def test_attention_equals_torch_reference_directly():
     attn = model.blocks[0].attn
     x = torch.randn(2, 10, 32, dtype=torch.double)
     # q, k and v as three separate products with the rows of the fused weight
-    q, k, v = (F.linear(x, w, b).view(2, 10, 4, 8).transpose(1, 2)
-               for w, b in zip(attn.qkv.weight.split(32), attn.qkv.bias.split(32)))
+    q, k, v = (
+        F.linear(x, w, b).view(2, 10, 4, 8).transpose(1, 2)
+        for w, b in zip(attn.qkv.weight.split(32), attn.qkv.bias.split(32))
+    )
     ref = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(2, 10, 32)
     assert torch.allclose(attn(x), attn.out_proj(ref), atol=1e-12)
 
@@ -154,7 +162,9 @@ def test_relu_feed_forward_is_relu_and_gelu_is_gpt2s_tanh_gelu():
     torch.manual_seed(0)
     x = torch.randn(2, 5, 16)
     for ffn, act in (("relu", torch.relu), ("gelu", lambda h: torch.nn.functional.gelu(h, approximate="tanh"))):
-        block = GPT(ModelConfig(vocab_size=50, context_length=8, d_model=16, n_layers=1, n_heads=2, ffn=ffn)).blocks[0].ffn
+        block = (
+            GPT(ModelConfig(vocab_size=50, context_length=8, d_model=16, n_layers=1, n_heads=2, ffn=ffn)).blocks[0].ffn
+        )
         expected = block.down(act(block.up(x)))
         assert torch.allclose(block(x), expected, atol=1e-6)
 
@@ -215,7 +225,8 @@ def test_a_state_dict_from_before_the_fusion_loads_with_equal_logits(shape):
     x = torch.randint(0, 50, (2, 12))
     assert torch.equal(loaded(x)[0], model(x)[0])
     assert set(old) == set(state_dict_by_parts(loaded)) and all(
-        torch.equal(old[k], v) for k, v in state_dict_by_parts(loaded).items())
+        torch.equal(old[k], v) for k, v in state_dict_by_parts(loaded).items()
+    )
 
 
 def test_a_state_dict_with_only_some_parts_is_refused_naming_them():
@@ -236,6 +247,8 @@ def test_fused_qkv_with_grouped_query_heads_is_the_three_separate_projections():
     wq, wk, wv = attn.qkv.weight.split((32, 16, 16))
     bq, bk, bv = attn.qkv.bias.split((32, 16, 16))
     q = F.linear(x, wq, bq).view(2, 10, 4, 8).transpose(1, 2)
-    k, v = (F.linear(x, w, b).view(2, 10, 2, 8).transpose(1, 2).repeat_interleave(2, dim=1) for w, b in ((wk, bk), (wv, bv)))
+    k, v = (
+        F.linear(x, w, b).view(2, 10, 2, 8).transpose(1, 2).repeat_interleave(2, dim=1) for w, b in ((wk, bk), (wv, bv))
+    )
     ref = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(2, 10, 32)
     torch.testing.assert_close(attn(x), attn.out_proj(ref), rtol=0, atol=1e-12)

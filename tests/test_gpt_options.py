@@ -1,6 +1,7 @@
 """The speedrun-era block options (QK-norm, ReLU^2, logit soft-capping, zero-initialised output
 projections, value embeddings): each changes what it should and nothing else, on the training,
 inference and KV-cache paths alike."""
+
 import dataclasses
 
 import pytest
@@ -11,8 +12,17 @@ from tinylm.config import ModelConfig, build_config
 from tinylm.errors import TinyLMError
 from tinylm.models.gpt import GPT
 
-BASE = ModelConfig(vocab_size=61, context_length=24, d_model=32, n_layers=2, n_heads=4, positions="rope",
-                   norm="rmsnorm", ffn="swiglu", bias=False)
+BASE = ModelConfig(
+    vocab_size=61,
+    context_length=24,
+    d_model=32,
+    n_layers=2,
+    n_heads=4,
+    positions="rope",
+    norm="rmsnorm",
+    ffn="swiglu",
+    bias=False,
+)
 
 
 def _pair(**change):
@@ -54,7 +64,9 @@ def test_qk_norm_same_logits_on_every_path():
     torch.testing.assert_close(fast, slow, rtol=1e-5, atol=1e-5)
     cache = model.new_kv_cache(2)
     with torch.no_grad():
-        steps = [model(x[:, :12], kv_cache=cache)[0]] + [model(x[:, t : t + 1], kv_cache=cache)[0] for t in range(12, 20)]
+        steps = [model(x[:, :12], kv_cache=cache)[0]] + [
+            model(x[:, t : t + 1], kv_cache=cache)[0] for t in range(12, 20)
+        ]
     torch.testing.assert_close(torch.cat(steps, 1), fast, rtol=1e-5, atol=1e-5)
 
 
@@ -108,8 +120,10 @@ def _tables(model) -> dict[int, torch.Tensor]:
     return {i: b.attn.value_embed.weight for i, b in enumerate(model.blocks) if b.attn.value_embed is not None}
 
 
-@pytest.mark.parametrize("mode, n_layers, layers", [("alternate", 3, [0, 2]), ("alternate", 4, [1, 3]),
-                                                     ("alternate", 1, [0]), ("all", 3, [0, 1, 2])])
+@pytest.mark.parametrize(
+    "mode, n_layers, layers",
+    [("alternate", 3, [0, 2]), ("alternate", 4, [1, 3]), ("alternate", 1, [0]), ("all", 3, [0, 1, 2])],
+)
 def test_value_embedding_tables_sit_on_the_right_layers_and_add_their_parameters(mode, n_layers, layers):
     cfg = dataclasses.replace(BASE, n_layers=n_layers, n_kv_heads=2)  # kv width 2 heads x 8 = 16
     torch.manual_seed(0)
@@ -140,13 +154,16 @@ def test_value_embeddings_change_the_logits_only_through_their_tables(mode):
 @pytest.mark.parametrize("attention", ["sdpa", "manual"])
 def test_value_embeddings_same_logits_with_and_without_the_kv_cache(attention):
     torch.manual_seed(0)
-    model = GPT(dataclasses.replace(BASE, n_layers=3, n_kv_heads=2, value_embeddings="alternate",
-                                    attention=attention)).eval()
+    model = GPT(
+        dataclasses.replace(BASE, n_layers=3, n_kv_heads=2, value_embeddings="alternate", attention=attention)
+    ).eval()
     x = torch.randint(0, 61, (2, 20))
     full = _logits(model, x)
     cache = model.new_kv_cache(2)
     with torch.no_grad():
-        steps = [model(x[:, :12], kv_cache=cache)[0]] + [model(x[:, t : t + 1], kv_cache=cache)[0] for t in range(12, 20)]
+        steps = [model(x[:, :12], kv_cache=cache)[0]] + [
+            model(x[:, t : t + 1], kv_cache=cache)[0] for t in range(12, 20)
+        ]
     torch.testing.assert_close(torch.cat(steps, 1), full, rtol=1e-5, atol=1e-5)
 
 

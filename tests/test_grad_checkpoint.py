@@ -1,13 +1,13 @@
 """Hand-written gradient checkpointing: same gradients as the plain model (dropout on), same RNG
 stream afterwards, and far fewer bytes kept for backward."""
+
 import pytest
 import torch
 
 from tinylm.config import ModelConfig, TrainConfig, check_config
 from tinylm.errors import TinyLMError
 from tinylm.models.gpt import GPT
-from tinylm.training.grad_checkpoint import (CheckpointedBlock, disable_grad_checkpointing,
-                                             enable_grad_checkpointing)
+from tinylm.training.grad_checkpoint import CheckpointedBlock, disable_grad_checkpointing, enable_grad_checkpointing
 from tinylm.training.memory import measure_step_activation_bytes
 
 
@@ -32,9 +32,15 @@ def _batch(vocab=61, B=3, T=24):
     return torch.randint(0, vocab, (B, T), generator=g), torch.randint(0, vocab, (B, T), generator=g)
 
 
-@pytest.mark.parametrize("kw", [dict(), dict(attention="manual"),
-                                 dict(positions="rope", norm="rmsnorm", ffn="swiglu", n_kv_heads=2, bias=False),
-                                 dict(value_embeddings="alternate", n_kv_heads=2)])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(),
+        dict(attention="manual"),
+        dict(positions="rope", norm="rmsnorm", ffn="swiglu", n_kv_heads=2, bias=False),
+        dict(value_embeddings="alternate", n_kv_heads=2),
+    ],
+)
 @pytest.mark.parametrize("impl", ["tinylm", "torch"])
 def test_checkpointed_gradients_equal_plain_with_dropout(kw, impl):
     model = _model(**kw)
@@ -72,8 +78,9 @@ def test_recompute_without_restoring_rng_would_differ():
             ctx.cpu_rng = torch.get_rng_state()  # pretend: take whatever state the generator has now
             return CheckpointedBlock.backward(ctx, grad_out)
 
-    model.checkpoint_fn = lambda block, x, rope, mask, idx: NoRestore.apply(block, rope, mask, idx, x,
-                                                                            *block.parameters())
+    model.checkpoint_fn = lambda block, x, rope, mask, idx: NoRestore.apply(
+        block, rope, mask, idx, x, *block.parameters()
+    )
     broken, _, _ = _grads(model, x, y)
     assert (broken["blocks.0.ffn.up.weight"] - plain["blocks.0.ffn.up.weight"]).abs().max() > 1e-6
 

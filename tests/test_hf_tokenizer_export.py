@@ -1,6 +1,7 @@
 """tinylm tokenizers as Hugging Face tokenizer directories: `AutoTokenizer.from_pretrained` loads what
 `save_hf_tokenizer` (and `tinylm export-tokenizer --hf`, `tinylm export-hf`) write and gives the
 same ids on any text; what HF cannot represent exactly is refused, saying why."""
+
 from __future__ import annotations
 
 import json
@@ -21,13 +22,23 @@ from tinylm.tokenizers.word_bpe import WordBPETokenizer
 
 pytestmark = pytest.mark.slow  # transformers takes seconds to import
 
-CORPUS = make_stories(120, seed=7) + ["naïve café, 日本語のテキスト, emoji \U0001F600 1234567 it's"]
-SAMPLES = CORPUS[:20] + ["", " ", "a<eos>b <pad>x <sos><unk>", "héllo 日本 ☃ \U0001F600 ǅ", "  \n\n  x\t\ty\r\n",
-                         "it's 12345 don't", "zzqqj ÆØÅ ﬁ", "<0x41> <s>"]
-KINDS = {"bpe-gpt2": lambda: BPETokenizer().train(CORPUS, 420),
-         "bpe-gpt4": lambda: BPETokenizer(pattern="gpt4").train(CORPUS, 420),
-         "bpe-custom": lambda: BPETokenizer(pattern=r"\p{L}+| ?\p{N}").train(CORPUS, 400),
-         "char": lambda: CharTokenizer().train(CORPUS, 300)}
+CORPUS = make_stories(120, seed=7) + ["naïve café, 日本語のテキスト, emoji \U0001f600 1234567 it's"]
+SAMPLES = CORPUS[:20] + [
+    "",
+    " ",
+    "a<eos>b <pad>x <sos><unk>",
+    "héllo 日本 ☃ \U0001f600 ǅ",
+    "  \n\n  x\t\ty\r\n",
+    "it's 12345 don't",
+    "zzqqj ÆØÅ ﬁ",
+    "<0x41> <s>",
+]
+KINDS = {
+    "bpe-gpt2": lambda: BPETokenizer().train(CORPUS, 420),
+    "bpe-gpt4": lambda: BPETokenizer(pattern="gpt4").train(CORPUS, 420),
+    "bpe-custom": lambda: BPETokenizer(pattern=r"\p{L}+| ?\p{N}").train(CORPUS, 400),
+    "char": lambda: CharTokenizer().train(CORPUS, 300),
+}
 
 
 @pytest.fixture(scope="module", params=list(KINDS))
@@ -83,10 +94,14 @@ def test_the_raw_tokenizer_json_recognises_special_strings(exported):
 def test_what_hf_cannot_represent_is_refused(tmp_path):
     word = WordTokenizer().train(CORPUS, 200)
     word_bpe = WordBPETokenizer().train(CORPUS, merges=50)
-    llama = Llama2cTokenizer([b"<unk>", b"<s>", b"</s>"] + [f"<0x{b:02X}>".encode() for b in range(256)] + [b" ", b"a"],
-                             [0.0] * 261)
-    for tok, reason in ((word, "drops the text's spacing"), (word_bpe, "normalises the text"),
-                        (llama, "no exact Hugging Face equivalent")):
+    llama = Llama2cTokenizer(
+        [b"<unk>", b"<s>", b"</s>"] + [f"<0x{b:02X}>".encode() for b in range(256)] + [b" ", b"a"], [0.0] * 261
+    )
+    for tok, reason in (
+        (word, "drops the text's spacing"),
+        (word_bpe, "normalises the text"),
+        (llama, "no exact Hugging Face equivalent"),
+    ):
         with pytest.raises(TinyLMError, match=f"the {tok.type_name} tokenizer cannot be exported.*{reason}"):
             save_hf_tokenizer(tok, tmp_path / tok.type_name)
         assert not (tmp_path / tok.type_name / "tokenizer.json").exists()
@@ -103,8 +118,11 @@ def test_export_commands_write_what_autotokenizer_loads(tmp_path, capsys):
     tok = BPETokenizer().train(CORPUS, 300)
     torch.manual_seed(0)
     # QK-norm and ReLU²: no Hugging Face model class, but its tokenizer exports all the same
-    model = GPT(ModelConfig(vocab_size=tok.vocab_size, context_length=32, d_model=32, n_layers=1, n_heads=4,
-                            qk_norm=True, ffn="relu2"))
+    model = GPT(
+        ModelConfig(
+            vocab_size=tok.vocab_size, context_length=32, d_model=32, n_layers=1, n_heads=4, qk_norm=True, ffn="relu2"
+        )
+    )
     save_checkpoint(tmp_path / "run" / "checkpoints" / "best", model, tok)
     ckpt = str(tmp_path / "run" / "checkpoints" / "best")
     assert main(["export-hf", "--checkpoint", ckpt, "--out", str(tmp_path / "hf")]) == 2

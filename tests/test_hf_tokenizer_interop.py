@@ -1,5 +1,6 @@
 """tinylm BPE <-> Hugging Face tokenizers: exported files encode identically in `tokenizers`,
 imported HF byte-level BPE files split text into the same pieces."""
+
 from __future__ import annotations
 
 import json
@@ -16,8 +17,8 @@ from tinylm.tokenizers.hf_interop import byte_to_unicode, export_hf, import_hf
 
 tokenizers = pytest.importorskip("tokenizers")
 
-CORPUS = make_stories(120, seed=5) + ["naïve café, 日本語のテキスト, emoji \U0001F600\U0001F600 1234567"]
-SAMPLES = CORPUS[:30] + ["a<eos>b <pad>x", "héllo 日本 ☃ \U0001F600", "  \n\n  x\t\ty", "it's 12345 don't"]
+CORPUS = make_stories(120, seed=5) + ["naïve café, 日本語のテキスト, emoji \U0001f600\U0001f600 1234567"]
+SAMPLES = CORPUS[:30] + ["a<eos>b <pad>x", "héllo 日本 ☃ \U0001f600", "  \n\n  x\t\ty", "it's 12345 don't"]
 
 
 def hf_pieces(hf, text):
@@ -62,8 +63,12 @@ def _hf_trained(special_tokens=()):
     hf = Tokenizer(models.BPE())
     hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     hf.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=500, show_progress=False, special_tokens=list(special_tokens),
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=500,
+        show_progress=False,
+        special_tokens=list(special_tokens),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     hf.train_from_iterator(CORPUS, trainer)
     return hf
 
@@ -106,12 +111,28 @@ def test_import_repeats_merges_for_duplicate_spellings(tmp_path):
     merges = [("b", "c"), ("a", "bc"), ("x", "a"), ("a", "b"), ("ab", "c"), ("abc", "d")]
     for left, right in merges:
         vocab.setdefault(left + right, len(vocab))
-    data = {"version": "1.0", "truncation": None, "padding": None, "added_tokens": [], "normalizer": None,
-            "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True},
-            "post_processor": None, "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
-            "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
-                      "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
-                      "vocab": vocab, "merges": [list(m) for m in merges]}}
+    data = {
+        "version": "1.0",
+        "truncation": None,
+        "padding": None,
+        "added_tokens": [],
+        "normalizer": None,
+        "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True},
+        "post_processor": None,
+        "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
+        "model": {
+            "type": "BPE",
+            "dropout": None,
+            "unk_token": None,
+            "continuing_subword_prefix": None,
+            "end_of_word_suffix": None,
+            "fuse_unk": False,
+            "byte_fallback": False,
+            "ignore_merges": False,
+            "vocab": vocab,
+            "merges": [list(m) for m in merges],
+        },
+    }
     path = tmp_path / "dup.json"
     path.write_text(json.dumps(data))
     hf = Tokenizer.from_file(str(path))

@@ -1,4 +1,5 @@
 """llama2.c .bin reader checked against transformers' LlamaForCausalLM written in llama2.c format."""
+
 import json
 import struct
 
@@ -18,17 +19,30 @@ from tinylm.interop.llama2c import load_llama2c, save_llama2c  # noqa: E402
 from tinylm.tokenizers.llama2c import Llama2cTokenizer  # noqa: E402
 
 
-pytestmark = [pytest.mark.slow,  # imports transformers and its model code: ~5 s before the first test
-              pytest.mark.usefixtures("one_thread")]  # see conftest.one_thread
+pytestmark = [
+    pytest.mark.slow,  # imports transformers and its model code: ~5 s before the first test
+    pytest.mark.usefixtures("one_thread"),
+]  # see conftest.one_thread
 
 transformers.logging.set_verbosity_error()
 
 
 def hf_llama(vocab=300, tie=False, seed=0):
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=44, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                      rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=tie, bos_token_id=1, eos_token_id=2)
+    cfg = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=44,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        tie_word_embeddings=tie,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     model = LlamaForCausalLM(cfg).eval()
     with torch.no_grad():  # non-trivial norm weights, so a swapped norm would show
         for name, p in model.named_parameters():
@@ -49,19 +63,37 @@ def write_llama2c(hf, path):
 
     L = c.num_hidden_layers
     layer = lambda name: [sd[f"model.layers.{i}.{name}"] for i in range(L)]  # noqa: E731
-    tensors = [sd["model.embed_tokens.weight"], *layer("input_layernorm.weight"),
-               *[unpermute(w, c.num_attention_heads) for w in layer("self_attn.q_proj.weight")],
-               *[unpermute(w, c.num_key_value_heads) for w in layer("self_attn.k_proj.weight")],
-               *layer("self_attn.v_proj.weight"), *layer("self_attn.o_proj.weight"),
-               *layer("post_attention_layernorm.weight"), *layer("mlp.gate_proj.weight"),
-               *layer("mlp.down_proj.weight"), *layer("mlp.up_proj.weight"), sd["model.norm.weight"],
-               torch.zeros(c.max_position_embeddings, head // 2), torch.zeros(c.max_position_embeddings, head // 2)]
+    tensors = [
+        sd["model.embed_tokens.weight"],
+        *layer("input_layernorm.weight"),
+        *[unpermute(w, c.num_attention_heads) for w in layer("self_attn.q_proj.weight")],
+        *[unpermute(w, c.num_key_value_heads) for w in layer("self_attn.k_proj.weight")],
+        *layer("self_attn.v_proj.weight"),
+        *layer("self_attn.o_proj.weight"),
+        *layer("post_attention_layernorm.weight"),
+        *layer("mlp.gate_proj.weight"),
+        *layer("mlp.down_proj.weight"),
+        *layer("mlp.up_proj.weight"),
+        sd["model.norm.weight"],
+        torch.zeros(c.max_position_embeddings, head // 2),
+        torch.zeros(c.max_position_embeddings, head // 2),
+    ]
     if not c.tie_word_embeddings:
         tensors.append(sd["lm_head.weight"])
     vocab = c.vocab_size if c.tie_word_embeddings else -c.vocab_size
     with open(path, "wb") as fh:
-        fh.write(struct.pack("<7i", c.hidden_size, c.intermediate_size, L, c.num_attention_heads,
-                             c.num_key_value_heads, vocab, c.max_position_embeddings))
+        fh.write(
+            struct.pack(
+                "<7i",
+                c.hidden_size,
+                c.intermediate_size,
+                L,
+                c.num_attention_heads,
+                c.num_key_value_heads,
+                vocab,
+                c.max_position_embeddings,
+            )
+        )
         for t in tensors:
             fh.write(t.numpy().astype("<f4").tobytes())
     return path
@@ -80,14 +112,27 @@ def test_reader_logits_equal_transformers_llama(tmp_path, tie):
     hf = hf_llama(tie=tie)
     model = load_llama2c(write_llama2c(hf, tmp_path / "m.bin"))
     cfg = model.config
-    assert (cfg.n_kv_heads, cfg.tie_weights, cfg.norm, cfg.ffn, cfg.positions, cfg.bias) == (2, tie, "rmsnorm", "swiglu", "rope", False)
+    assert (cfg.n_kv_heads, cfg.tie_weights, cfg.norm, cfg.ffn, cfg.positions, cfg.bias) == (
+        2,
+        tie,
+        "rmsnorm",
+        "swiglu",
+        "rope",
+        False,
+    )
     x = torch.randint(0, 300, (2, 50))
     with torch.no_grad():
         assert torch.allclose(model(x)[0], hf(x).logits, atol=1e-5, rtol=0)
     # greedy decoding with the cache is identical to transformers' generate
     with torch.no_grad():
-        out = hf.generate(torch.tensor([[1, 50, 60, 70]]), attention_mask=torch.ones(1, 4, dtype=torch.long),
-                          max_new_tokens=40, do_sample=False, eos_token_id=None, pad_token_id=0)
+        out = hf.generate(
+            torch.tensor([[1, 50, 60, 70]]),
+            attention_mask=torch.ones(1, 4, dtype=torch.long),
+            max_new_tokens=40,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
     ours = generate_many(model, [[1, 50, 60, 70]], GenerationConfig(max_new_tokens=40, temperature=0))[0].tokens
     assert ours == out[0, 4:].tolist()
 
@@ -116,19 +161,53 @@ def test_cli_generate_llama2c_prints_decoded_prompt_and_greedy_continuation(tmp_
     prompt = "hi the cat"
     ids = [1] + tokenizer.encode(prompt)
     with torch.no_grad():
-        out = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                          max_new_tokens=20, do_sample=False, eos_token_id=[1, 2], pad_token_id=0)
-    new = out[0, len(ids):].tolist()
+        out = hf.generate(
+            torch.tensor([ids]),
+            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            max_new_tokens=20,
+            do_sample=False,
+            eos_token_id=[1, 2],
+            pad_token_id=0,
+        )
+    new = out[0, len(ids) :].tolist()
     new = new[: min([new.index(s) for s in (1, 2) if s in new], default=len(new))]
-    code = main(["generate", "--checkpoint", str(tmp_path / "m.bin"), "--tokenizer", str(tmp_path / "tok.bin"),
-                 "--prompt", prompt, "--temperature", "0", "--max-new-tokens", "20", "--json"])
+    code = main(
+        [
+            "generate",
+            "--checkpoint",
+            str(tmp_path / "m.bin"),
+            "--tokenizer",
+            str(tmp_path / "tok.bin"),
+            "--prompt",
+            prompt,
+            "--temperature",
+            "0",
+            "--max-new-tokens",
+            "20",
+            "--json",
+        ]
+    )
     assert code == 0
     row = json.loads(capsys.readouterr().out.strip())
     assert row["token_ids"] == new and row["text"] == tokenizer.decode(ids + new)
     assert row["text"].startswith(prompt)
     # streaming prints the same text
-    main(["generate", "--checkpoint", str(tmp_path / "m.bin"), "--tokenizer", str(tmp_path / "tok.bin"),
-          "--prompt", prompt, "--temperature", "0", "--max-new-tokens", "20", "--stream"])
+    main(
+        [
+            "generate",
+            "--checkpoint",
+            str(tmp_path / "m.bin"),
+            "--tokenizer",
+            str(tmp_path / "tok.bin"),
+            "--prompt",
+            prompt,
+            "--temperature",
+            "0",
+            "--max-new-tokens",
+            "20",
+            "--stream",
+        ]
+    )
     assert capsys.readouterr().out.strip("\n") == row["text"].strip("\n")
 
 

@@ -1,4 +1,5 @@
 """KV cache: logits with and without the cache agree at every step, for every position scheme."""
+
 import pytest
 import torch
 
@@ -22,13 +23,14 @@ ARCHS = {
 
 def tiny(ctx=256, attention="sdpa", **arch):
     torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=61, context_length=ctx, d_model=32, n_layers=2, n_heads=4,
-                      attention=attention, **arch)
+    cfg = ModelConfig(vocab_size=61, context_length=ctx, d_model=32, n_layers=2, n_heads=4, attention=attention, **arch)
     return GPT(cfg).eval()
 
 
 @pytest.mark.slow  # ~1 s each; the fast tier keeps the shorter with/without-cache comparisons below
-@pytest.mark.parametrize("arch, attention", [(a, "sdpa") for a in ARCHS] + [("learned", "manual"), ("llama_gqa", "manual")])
+@pytest.mark.parametrize(
+    "arch, attention", [(a, "sdpa") for a in ARCHS] + [("learned", "manual"), ("llama_gqa", "manual")]
+)
 def test_cached_logits_equal_full_recompute_for_200_steps(arch, attention):
     model = tiny(attention=attention, **ARCHS[arch])
     seq = [2, 7, 11, 5, 9]

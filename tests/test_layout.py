@@ -1,6 +1,7 @@
 """The package's layout, read from the source with `ast` (nothing under tinylm/ is imported):
 no import cycles between modules, argparse only in the CLI, a small top level, tinylm imports at
 the top of their module, and every deferred third-party import saying why it is deferred."""
+
 from __future__ import annotations
 
 import ast
@@ -51,11 +52,22 @@ def _imports_in(tree: ast.AST, importer: str) -> list[Import]:
     def visit(node: ast.AST, in_function: bool) -> None:
         for child in ast.iter_child_nodes(node):
             if isinstance(child, ast.Import):
-                found.append(Import(importer, child.lineno, child.end_lineno, tuple(a.name for a in child.names), (),
-                                    in_function))
+                found.append(
+                    Import(
+                        importer, child.lineno, child.end_lineno, tuple(a.name for a in child.names), (), in_function
+                    )
+                )
             elif isinstance(child, ast.ImportFrom):
-                found.append(Import(importer, child.lineno, child.end_lineno, (_absolute(child, importer),),
-                                    tuple(a.name for a in child.names), in_function))
+                found.append(
+                    Import(
+                        importer,
+                        child.lineno,
+                        child.end_lineno,
+                        (_absolute(child, importer),),
+                        tuple(a.name for a in child.names),
+                        in_function,
+                    )
+                )
             elif isinstance(child, (ast.stmt, ast.excepthandler, ast.match_case)):  # imports are statements
                 visit(child, in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)))
 
@@ -70,7 +82,9 @@ def source(name: str) -> str:
 
 @cache
 def imports() -> tuple[Import, ...]:
-    return tuple(i for name in modules() for i in _imports_in(ast.parse(source(name), filename=str(modules()[name])), name))
+    return tuple(
+        i for name in modules() for i in _imports_in(ast.parse(source(name), filename=str(modules()[name])), name)
+    )
 
 
 @cache
@@ -183,11 +197,17 @@ def test_the_checker_finds_cycles_and_resolves_imports():
     assert sorted(strongly_connected(graph)) == [["a", "b", "c"], ["e"]]
     assert one_cycle(graph, ["a", "b", "c"]) == ["a", "b", "c", "a"]
     assert strongly_connected({"a": {"b": fake}, "b": {}}) == []
-    tree = ast.parse("from . import gpt, nothing\nfrom ..config import X\nimport tinylm.errors\n"
-                     "def f():\n    import numpy  # deferred: heavy\n")
+    tree = ast.parse(
+        "from . import gpt, nothing\nfrom ..config import X\nimport tinylm.errors\n"
+        "def f():\n    import numpy  # deferred: heavy\n"
+    )
     found = _imports_in(tree, "tinylm.models.checkpoint")
-    assert [targets(i) for i in found] == [["tinylm.models.gpt", "tinylm.models"], ["tinylm.config"],
-                                           ["tinylm.errors"], []]
+    assert [targets(i) for i in found] == [
+        ["tinylm.models.gpt", "tinylm.models"],
+        ["tinylm.config"],
+        ["tinylm.errors"],
+        [],
+    ]
     assert [i.in_function for i in found] == [False, False, False, True]
     init = _imports_in(ast.parse("from .gpt import GPT\nfrom . import checkpoint\n"), "tinylm.models")
     assert [targets(i) for i in init] == [["tinylm.models.gpt"], ["tinylm.models.checkpoint"]]
@@ -218,14 +238,18 @@ def test_no_import_cycles_through_package_inits():
 
 def test_every_tinylm_import_names_a_module_that_exists():
     known = modules()
-    missing = [f"{_where(i)}: {n}" for i in imports() for n in i.names
-               if n.split(".")[0] == "tinylm" and n not in known]
+    missing = [
+        f"{_where(i)}: {n}" for i in imports() for n in i.names if n.split(".")[0] == "tinylm" and n not in known
+    ]
     assert not missing, "\n".join(missing)
 
 
 def test_only_the_cli_imports_argparse():
-    offenders = [_where(i) for i in imports() if i.module != "tinylm.cli"
-                 and any(n == "argparse" or n.startswith("argparse.") for n in i.names)]
+    offenders = [
+        _where(i)
+        for i in imports()
+        if i.module != "tinylm.cli" and any(n == "argparse" or n.startswith("argparse.") for n in i.names)
+    ]
     assert not offenders, "argparse outside tinylm/cli.py: " + ", ".join(offenders)
 
 
@@ -253,8 +277,21 @@ def test_deferred_third_party_imports_say_why():
 
 
 # Bottom to top: a module may import tinylm modules of its own layer and of the layers before it.
-LAYERS = ("errors constants", "config", "tokenizers", "data", "models", "training", "generation", "evaluation",
-          "interop", "serving", "pipeline", "studies", "cli")
+LAYERS = (
+    "errors constants",
+    "config",
+    "tokenizers",
+    "data",
+    "models",
+    "training",
+    "generation",
+    "evaluation",
+    "interop",
+    "serving",
+    "pipeline",
+    "studies",
+    "cli",
+)
 LAYER_OF = {name: rank for rank, names in enumerate(LAYERS) for name in names.split()}
 MAX_FUNCTION_LINES = 100
 
@@ -270,8 +307,12 @@ def test_every_module_has_a_layer():
 
 
 def test_each_layer_imports_only_the_layers_below_it():
-    upward = [f"{_where(i)}: {i.module} imports {target}" for i in imports() for target in targets(i)
-              if target != "tinylm" and layer(target) > layer(i.module)]
+    upward = [
+        f"{_where(i)}: {i.module} imports {target}"
+        for i in imports()
+        for target in targets(i)
+        if target != "tinylm" and layer(target) > layer(i.module)
+    ]
     assert not upward, "imports of a higher layer:\n" + "\n".join(upward)
 
 
@@ -282,12 +323,18 @@ def test_the_layer_check_sees_an_upward_import():
 
 
 def long_functions(tree: ast.AST, limit: int) -> list[tuple[str, int, int]]:
-    return [(node.name, node.lineno, node.end_lineno - node.lineno + 1) for node in ast.walk(tree)
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno + 1 > limit]
+    return [
+        (node.name, node.lineno, node.end_lineno - node.lineno + 1)
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno + 1 > limit
+    ]
 
 
 def test_no_function_is_longer_than_the_limit():
     assert long_functions(ast.parse("def f():\n" + "    x = 1\n" * 5), 5) == [("f", 1, 6)]
-    found = [f"{modules()[m].relative_to(ROOT)}:{line} {name} ({n} lines)" for m in modules()
-             for name, line, n in long_functions(ast.parse(source(m)), MAX_FUNCTION_LINES)]
+    found = [
+        f"{modules()[m].relative_to(ROOT)}:{line} {name} ({n} lines)"
+        for m in modules()
+        for name, line, n in long_functions(ast.parse(source(m)), MAX_FUNCTION_LINES)
+    ]
     assert not found, f"functions over {MAX_FUNCTION_LINES} lines:\n" + "\n".join(found)

@@ -1,5 +1,6 @@
 """The logit lens: its last row is the model's own prediction, its first the embeddings read out
 directly, and a model without layers is refused by name."""
+
 import pytest
 import torch
 

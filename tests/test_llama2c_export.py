@@ -1,5 +1,6 @@
 """export-llama2c: the version-0/1 checkpoint layouts, a tinylm BPE as a llama2.c tokenizer.bin, and
 llama2.c's own run.c (tests/vendor/llama2c, compiled here) printing what `tinylm generate` prints."""
+
 import json
 import shutil
 import struct
@@ -27,8 +28,20 @@ RUN_C = Path(__file__).parent / "vendor" / "llama2c" / "run.c"
 
 def llama_gpt(tie=False, seed=0, **overrides) -> GPT:
     torch.manual_seed(seed)
-    cfg = dict(vocab_size=330, context_length=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=44,
-               positions="rope", norm="rmsnorm", ffn="swiglu", bias=False, tie_weights=tie)
+    cfg = dict(
+        vocab_size=330,
+        context_length=64,
+        d_model=32,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        d_ff=44,
+        positions="rope",
+        norm="rmsnorm",
+        ffn="swiglu",
+        bias=False,
+        tie_weights=tie,
+    )
     model = GPT(ModelConfig(**{**cfg, **overrides})).eval()
     with torch.no_grad():  # norm gains away from 1, so a swapped norm shows
         for name, p in model.named_parameters():
@@ -41,12 +54,31 @@ def version1_bytes(model: GPT) -> bytes:
     """llama2.c export.py's version1_export layout, written out independently of tinylm's writer."""
     cfg, sd = model.config, separate_matrices(model)
     layers = lambda name: [sd[f"blocks.{i}.{name}"] for i in range(cfg.n_layers)]  # noqa: E731
-    head = struct.pack("<Ii7i", 0x616B3432, 1, cfg.d_model, cfg.d_ff, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads,
-                       cfg.vocab_size, cfg.context_length) + struct.pack("B", int(cfg.tie_weights))
-    weights = [*layers("norm1.weight"), *layers("norm2.weight"), sd["norm_f.weight"], sd["tok_emb.weight"],
-               *layers("attn.q_proj.weight"), *layers("attn.k_proj.weight"), *layers("attn.v_proj.weight"),
-               *layers("attn.out_proj.weight"), *layers("ffn.gate.weight"), *layers("ffn.down.weight"),
-               *layers("ffn.up.weight")] + ([] if cfg.tie_weights else [sd["lm_head.weight"]])
+    head = struct.pack(
+        "<Ii7i",
+        0x616B3432,
+        1,
+        cfg.d_model,
+        cfg.d_ff,
+        cfg.n_layers,
+        cfg.n_heads,
+        cfg.n_kv_heads,
+        cfg.vocab_size,
+        cfg.context_length,
+    ) + struct.pack("B", int(cfg.tie_weights))
+    weights = [
+        *layers("norm1.weight"),
+        *layers("norm2.weight"),
+        sd["norm_f.weight"],
+        sd["tok_emb.weight"],
+        *layers("attn.q_proj.weight"),
+        *layers("attn.k_proj.weight"),
+        *layers("attn.v_proj.weight"),
+        *layers("attn.out_proj.weight"),
+        *layers("ffn.gate.weight"),
+        *layers("ffn.down.weight"),
+        *layers("ffn.up.weight"),
+    ] + ([] if cfg.tie_weights else [sd["lm_head.weight"]])
     return head.ljust(256, b"\0") + b"".join(w.astype("<f4").tobytes() for w in weights)
 
 
@@ -92,9 +124,15 @@ def test_bpe_becomes_llama2c_layout_with_the_same_ids_and_function(tmp_path):
 
 def test_refusals_name_what_llama2c_lacks(tmp_path):
     bpe = BPETokenizer().train(make_stories(), 300)
-    cases = {"qk_norm": dict(qk_norm=True), "logit_softcap": dict(logit_softcap=30.0),
-             "rope_theta": dict(rope_theta=500000.0), "norm_eps": dict(norm_eps=1e-6), "d_attn": dict(d_attn=64),
-             "model.ffn=relu2": dict(ffn="relu2"), "model.value_embeddings=all": dict(value_embeddings="all")}
+    cases = {
+        "qk_norm": dict(qk_norm=True),
+        "logit_softcap": dict(logit_softcap=30.0),
+        "rope_theta": dict(rope_theta=500000.0),
+        "norm_eps": dict(norm_eps=1e-6),
+        "d_attn": dict(d_attn=64),
+        "model.ffn=relu2": dict(ffn="relu2"),
+        "model.value_embeddings=all": dict(value_embeddings="all"),
+    }
     for name, overrides in cases.items():
         with pytest.raises(TinyLMError, match=name):
             export_llama2c(llama_gpt(**overrides), bpe, tmp_path / "m.bin", tmp_path / "t.bin")
@@ -137,6 +175,9 @@ def test_run_c_prints_what_tinylm_generate_prints(tmp_path, run_c, capsys):
         assert exported["text"] == ours["text"][1:]
         # run.c prints one token per step, the prompt's (after BOS) included, and stops before a BOS
         steps = len(tok.encode(prompt, bos=True)) - 1 + len(exported["token_ids"])
-        result = subprocess.run([str(run_c), str(model_bin), "-z", str(tok_bin), "-t", "0", "-n", str(steps),
-                                 "-i", prompt], capture_output=True, check=True)
+        result = subprocess.run(
+            [str(run_c), str(model_bin), "-z", str(tok_bin), "-t", "0", "-n", str(steps), "-i", prompt],
+            capture_output=True,
+            check=True,
+        )
         assert result.stdout.decode() == exported["text"] + "\n"

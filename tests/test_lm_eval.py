@@ -10,6 +10,7 @@ as log p(" " + choice | context) with no start token before the context. Every d
 one window (the harness's max_length is the model's context + 1), so the harness and `tinylm
 evaluate` score the same tokens with the same model: they agree to float32 rounding.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -66,20 +67,50 @@ def harness(trained, tmp_path_factory):
     """lm_eval's command line on the three local tasks against `tinylm serve`: (results, samples by task)."""
     run, tokenizer = trained
     out = tmp_path_factory.mktemp("lm_eval_out")
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_DATASETS_CACHE": str(out / "cache"),
-           "TOKENIZERS_PARALLELISM": "false"}
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "HF_DATASETS_CACHE": str(out / "cache"),
+        "TOKENIZERS_PARALLELISM": "false",
+    }
     with live_server("--checkpoint", str(run / "checkpoints" / "best"), "--threads", "1") as url:
-        args = f"model=tinyrun,base_url={url}/v1/completions,tokenizer={tokenizer},tokenizer_backend=huggingface," \
-               f"max_length={CONTEXT + 1}"
-        done = subprocess.run([sys.executable, "-m", "lm_eval", "--model", "local-completions", "--model_args", args,
-                               "--tasks", "tinylm_cloze,tinylm_rolling,tinylm_continue", "--include_path", ".",
-                               "--batch_size", "8", "--output_path", str(out), "--log_samples"],
-                              cwd=TASKS, env=env, capture_output=True, text=True, timeout=600)
+        args = (
+            f"model=tinyrun,base_url={url}/v1/completions,tokenizer={tokenizer},tokenizer_backend=huggingface,"
+            f"max_length={CONTEXT + 1}"
+        )
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "lm_eval",
+                "--model",
+                "local-completions",
+                "--model_args",
+                args,
+                "--tasks",
+                "tinylm_cloze,tinylm_rolling,tinylm_continue",
+                "--include_path",
+                ".",
+                "--batch_size",
+                "8",
+                "--output_path",
+                str(out),
+                "--log_samples",
+            ],
+            cwd=TASKS,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
     assert done.returncode == 0, done.stderr[-3000:]
     folder = out / "tinyrun"
     results = json.loads(next(folder.glob("results_*.json")).read_text())["results"]
-    samples = {task: [json.loads(line) for line in next(folder.glob(f"samples_{task}_*.jsonl")).open()]
-               for task in ("tinylm_cloze", "tinylm_rolling", "tinylm_continue")}
+    samples = {
+        task: [json.loads(line) for line in next(folder.glob(f"samples_{task}_*.jsonl")).open()]
+        for task in ("tinylm_cloze", "tinylm_rolling", "tinylm_continue")
+    }
     return results, samples
 
 

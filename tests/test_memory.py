@@ -1,4 +1,5 @@
 """ActivationMeter: bytes autograd saves for backward, counted by storage, released as freed."""
+
 import torch
 
 from tinylm.training.memory import ActivationMeter

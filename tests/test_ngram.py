@@ -1,5 +1,6 @@
 """n-gram LMs: normalisation, NLTK references (Laplace/Lidstone exactly; Kneser-Ney term by term),
 modified Kneser-Ney adjusted counts and discounts, interpolation EM, sampling, save/load, errors."""
+
 from __future__ import annotations
 
 from collections import Counter, defaultdict
@@ -32,8 +33,19 @@ def make_stream(n_docs: int, length: int, seed: int) -> np.ndarray:
 
 TRAIN = make_stream(6, 50, 0)
 VALID = make_stream(3, 40, 1)
-CONTEXTS = [[], [SOS_ID], [SOS_ID, 4], [4, 5], [5, 6, 7], [8, 8, 8, 8], [13, 12, 11, 10], [EOS_ID], [6, EOS_ID],
-            [1, 1], [9, SOS_ID, 4]]
+CONTEXTS = [
+    [],
+    [SOS_ID],
+    [SOS_ID, 4],
+    [4, 5],
+    [5, 6, 7],
+    [8, 8, 8, 8],
+    [13, 12, 11, 10],
+    [EOS_ID],
+    [6, EOS_ID],
+    [1, 1],
+    [9, SOS_ID, 4],
+]
 
 
 def events(x: np.ndarray, order: int) -> list[tuple[str, ...]]:
@@ -53,7 +65,7 @@ def truncated_context(x: np.ndarray, t: int, order: int) -> list[int]:
     start = max(0, t - order + 1)
     ctx = list(x[start:t])
     if SOS_ID in ctx:
-        ctx = ctx[len(ctx) - 1 - ctx[::-1].index(SOS_ID):]
+        ctx = ctx[len(ctx) - 1 - ctx[::-1].index(SOS_ID) :]
     return ctx
 
 
@@ -242,8 +254,12 @@ def test_benchmark_quick_runs_and_matches_kenlm_when_built(tmp_path):
     repo = Path(__file__).resolve().parents[1]
     out = tmp_path / "bench.json"
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, str(repo / "benchmarks" / "bench_ngram.py"), "--quick", "--json", str(out)],
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, str(repo / "benchmarks" / "bench_ngram.py"), "--quick", "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     wall = time.perf_counter() - t0
     assert proc.returncode == 0, proc.stderr[-2000:]
     n_train = int(re.search(r"train ([\d,]+) tokens", proc.stdout).group(1).replace(",", ""))
@@ -282,7 +298,7 @@ def test_padding_with_order_minus_one_start_tokens_still_sums_to_one(smoothing, 
         assert np.all(p > 0) and p.sum() == pytest.approx(1.0, abs=1e-12), ctx
     assert lm.distribution([SOS_ID])[SOS_ID] < 0.1  # <sos> is never an event, padded or not
     targets, probs = lm.token_probs(VALID, score_eos=True)
-    expected = [lm.distribution(list(VALID[: t]))[VALID[t]] for t in targets]
+    expected = [lm.distribution(list(VALID[:t]))[VALID[t]] for t in targets]
     np.testing.assert_allclose(probs, expected, rtol=1e-12)
     single = NGramLM(order, V, smoothing, k=0.3).fit(TRAIN)
     if smoothing == "interpolated":

@@ -1,5 +1,6 @@
 """Muon: the same update as torch.optim.Muon, only the blocks' weight matrices, and a combined
 Muon + AdamW optimizer that saves and restores like one torch optimizer."""
+
 import copy
 import dataclasses
 
@@ -67,8 +68,19 @@ def test_orthogonalize_pushes_singular_values_towards_one():
 
 
 def _model():
-    return GPT(ModelConfig(vocab_size=50, context_length=16, d_model=16, n_layers=2, n_heads=2,
-                           positions="rope", norm="rmsnorm", ffn="swiglu", bias=False))
+    return GPT(
+        ModelConfig(
+            vocab_size=50,
+            context_length=16,
+            d_model=16,
+            n_layers=2,
+            n_heads=2,
+            positions="rope",
+            norm="rmsnorm",
+            ffn="swiglu",
+            bias=False,
+        )
+    )
 
 
 def test_muon_takes_only_the_blocks_weight_matrices():
@@ -93,8 +105,9 @@ def test_muon_takes_only_the_blocks_weight_matrices():
 
 def test_value_embedding_tables_go_to_adamw_with_weight_decay_like_tok_emb():
     torch.manual_seed(0)
-    model = GPT(ModelConfig(vocab_size=50, context_length=16, d_model=16, n_layers=3, n_heads=2,
-                            value_embeddings="alternate"))
+    model = GPT(
+        ModelConfig(vocab_size=50, context_length=16, d_model=16, n_layers=3, n_heads=2, value_embeddings="alternate")
+    )
     opt = make_optimizer(model, TrainConfig(optimizer="muon", lr=1e-3, muon_lr=0.02, weight_decay=0.1))
     muon, adamw = opt.parts
     tables = [model.blocks[i].attn.value_embed.weight for i in (0, 2)]

@@ -1,5 +1,6 @@
 """train.schedule_clock=wall: the learning-rate decay follows elapsed / max_minutes instead of
 step / max_steps (tinylm/training/optim.py lr_at, used by the trainer)."""
+
 import csv
 import math
 
@@ -11,7 +12,6 @@ from tinylm.data.prepare import prepare
 from tinylm.errors import TinyLMError
 from tinylm.training import trainer as trainer_module
 from tinylm.training.optim import lr_at, wall_schedule_enabled
-
 
 
 def test_wall_fraction_replaces_step_progress():
@@ -52,8 +52,19 @@ class FakeTime:
 def test_trainer_decays_over_the_wall_budget(tmp_path, monkeypatch):
     data = tmp_path / "stories.txt"
     data.write_text("".join(f"{s}\n<|endoftext|>\n" for s in make_stories()), encoding="utf-8")
-    cfg = tiny_run_config(tmp_path / "run", data, threads=1, max_steps=1000, max_minutes=1.0, warmup_steps=1,
-                          lr=1e-3, min_lr=1e-5, schedule_clock="wall", log_interval=1, eval_interval=1000)
+    cfg = tiny_run_config(
+        tmp_path / "run",
+        data,
+        threads=1,
+        max_steps=1000,
+        max_minutes=1.0,
+        warmup_steps=1,
+        lr=1e-3,
+        min_lr=1e-5,
+        schedule_clock="wall",
+        log_interval=1,
+        eval_interval=1000,
+    )
     prepared = prepare(cfg, tmp_path / "run")
     monkeypatch.setattr(trainer_module, "time", FakeTime())
     result = trainer_module.train(cfg, prepared, tmp_path / "run")

@@ -3,6 +3,7 @@ Playwright) against `tinylm serve` with a GPT, a Kneser-Ney n-gram and a neural 
 picked from a validation file, a row per model with its bits per byte (the API's numbers), the
 difference row, the spans where each model wins, a span's top-5 per model, by mouse and by
 keyboard. Screenshots go to the test's temporary directory."""
+
 import json
 
 import httpx
@@ -14,8 +15,10 @@ from test_serving_compare import make_count_models
 
 pytestmark = pytest.mark.slow  # a server process and a browser
 
-DOCUMENTS = ["The cat liked to play in the sun. Story number 1.",
-             "Tom had a red ball. He threw the ball to his dog, and the dog ran fast. Story number 2."]
+DOCUMENTS = [
+    "The cat liked to play in the sun. Story number 1.",
+    "Tom had a red ball. He threw the ball to his dog, and the dog ran fast. Story number 2.",
+]
 
 
 @pytest.fixture(scope="module")
@@ -25,8 +28,9 @@ def served(tmp_path_factory):
     ngram, bigram = make_count_models(root)
     valid = root / "valid.txt"
     valid.write_text("".join(f"{d}\n<|endoftext|>\n" for d in DOCUMENTS), encoding="utf-8")
-    with live_server("--checkpoint", str(run), "--checkpoint", str(ngram), "--checkpoint", str(bigram),
-                     "--threads", "1") as url:
+    with live_server(
+        "--checkpoint", str(run), "--checkpoint", str(ngram), "--checkpoint", str(bigram), "--threads", "1"
+    ) as url:
         yield url, valid
 
 

@@ -2,6 +2,7 @@
 Playwright), against `tinylm serve --runs DIR` while a `--quick` training writes into DIR, so the
 curves must grow without a reload; then the whole page with the keyboard alone, and axe-core's
 rules on every view. Screenshots go to the test's temporary directory."""
+
 import json
 import re
 import subprocess
@@ -32,11 +33,29 @@ def runs_dir(tmp_path_factory):
     root = tmp_path_factory.mktemp("runs")
     make_run(root)
     # a long wall budget and a row every 2 steps: the run trains (and logs) all through the tests
-    train = subprocess.Popen([sys.executable, "-m", "tinylm.cli", "train", "--config", "demo", "--quick", "--out",
-                              str(root / "live"), "train.max_steps=100000", "train.max_minutes=4",
-                              "train.log_interval=2", "train.eval_interval=10", "train.threads=1",
-                              "train.progress=false"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                             text=True)
+    train = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "tinylm.cli",
+            "train",
+            "--config",
+            "demo",
+            "--quick",
+            "--out",
+            str(root / "live"),
+            "train.max_steps=100000",
+            "train.max_minutes=4",
+            "train.log_interval=2",
+            "train.eval_interval=10",
+            "train.threads=1",
+            "train.progress=false",
+        ],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 180
         while _rows(root / "live" / "metrics.csv") < 2:
@@ -77,7 +96,10 @@ def show_lens(page, model_rows: int, positions: int) -> None:
 def test_logit_lens_view(page, tmp_path):
     show_lens(page, 3, len(TEXT) + 1)  # tinyrun: embeddings, layer 1, layer 2; the start token and each character
     assert [page.locator("#lens-grid tbody th").nth(i).inner_text() for i in range(3)] == [
-        "embeddings", "layer 1", "layer 2"]
+        "embeddings",
+        "layer 1",
+        "layer 2",
+    ]
     info = page.inner_text("#lens-info")
     hits = int(re.search(r"next one at (\d+) of 16 positions after the last layer", info).group(1))
     assert page.locator("#lens-grid tbody tr >> nth=2 >> .lens-cell.hit").count() == hits
@@ -87,8 +109,10 @@ def test_logit_lens_view(page, tmp_path):
     assert items.count() == 5
     probs = [float(t.rsplit(" ", 1)[1].rstrip("%")) for t in items.all_inner_texts()]
     assert probs == sorted(probs, reverse=True) and 0 < sum(probs) <= 100.0001
-    assert re.search(r"layer 2, position 4 \(after \"e\"\): the next token \" \" has p = [\d.]+%",
-                     page.inner_text("#lens-cell-where"))
+    assert re.search(
+        r"layer 2, position 4 \(after \"e\"\): the next token \" \" has p = [\d.]+%",
+        page.inner_text("#lens-cell-where"),
+    )
     page.screenshot(path=str(tmp_path / "lens.png"), full_page=True)
 
 
@@ -106,8 +130,9 @@ def test_runs_view_follows_a_training_run(page, server, runs_dir, tmp_path):
     first = _shown_rows(page)
     assert "\u2014 training (last row" in page.inner_text("#runs-info")
     # the curves grow while the run trains: more rows arrive by polling, the page is never reloaded
-    page.wait_for_function(f"Number(document.querySelector('#runs-info').textContent.match(/(\\d+) rows/)[1]) > {first}",
-                           timeout=90_000)
+    page.wait_for_function(
+        f"Number(document.querySelector('#runs-info').textContent.match(/(\\d+) rows/)[1]) > {first}", timeout=90_000
+    )
     assert page.evaluate("window.notReloaded === true")
     assert _shown_rows(page) <= _rows(runs_dir / "live" / "metrics.csv")
     assert painted(page, "#runs-loss, #runs-ppl") == 2
@@ -127,13 +152,17 @@ def test_runs_view_follows_a_training_run(page, server, runs_dir, tmp_path):
     page.wait_for_selector(best, timeout=120_000)
     page.click(f"{best} button.samples")
     page.wait_for_selector("#runs-samples section[data-checkpoint=best] li", timeout=60_000)
-    prompts = [t.split("\n")[0] for t in page.locator("#runs-samples section[data-checkpoint=best] li b").all_inner_texts()]
+    prompts = [
+        t.split("\n")[0] for t in page.locator("#runs-samples section[data-checkpoint=best] li b").all_inner_texts()
+    ]
     assert prompts == ["ROMEO:", "To be, or not to be"]  # the demo preset's quick prompts
     # the samples the trainer wrote at each evaluation arrive by polling too, the newest open
     page.wait_for_selector("#runs-eval-samples details[open] li", timeout=60_000)
     newest = page.inner_text("#runs-eval-samples details[open] summary")
     assert re.fullmatch(r"step \d+0 \([\d,]+ tokens\): samples at this evaluation", newest), newest  # eval_interval 10
-    assert [t.split("\n")[0] for t in page.locator("#runs-eval-samples details[open] li b").all_inner_texts()] == prompts
+    assert [
+        t.split("\n")[0] for t in page.locator("#runs-eval-samples details[open] li b").all_inner_texts()
+    ] == prompts
     page.click(f"{best} button.load")
     page.wait_for_function("document.querySelector('#model').value === 'live-best'", timeout=60_000)
     assert "as model live-best" in page.inner_text("#runs-info")
@@ -191,7 +220,9 @@ def test_the_whole_page_by_keyboard_and_axe(page, tmp_path):
     page.keyboard.press("Enter")
     page.wait_for_selector("#lens-grid .lens-cell")
     page.keyboard.press("Tab")  # the grid is one Tab stop, right after the button: its first cell
-    assert page.evaluate("document.activeElement.dataset.layer + ',' + document.activeElement.dataset.position") == "0,0"
+    assert (
+        page.evaluate("document.activeElement.dataset.layer + ',' + document.activeElement.dataset.position") == "0,0"
+    )
     for key in ("ArrowDown", "ArrowDown", "ArrowRight", "End", "ArrowLeft", "Enter"):
         page.keyboard.press(key)
     assert page.locator("#lens-cell li").count() == 5
@@ -217,6 +248,8 @@ def test_the_whole_page_by_keyboard_and_axe(page, tmp_path):
         page.wait_for_timeout(300)
         violations = Axe().run(page).response["violations"]
         if violations:
-            found[tab.inner_text()] = [(v["id"], v["impact"], [n["target"] for n in v["nodes"]][:3]) for v in violations]
+            found[tab.inner_text()] = [
+                (v["id"], v["impact"], [n["target"] for n in v["nodes"]][:3]) for v in violations
+            ]
     page.screenshot(path=str(tmp_path / "keyboard.png"), full_page=True)
     assert not found, json.dumps(found, indent=1)

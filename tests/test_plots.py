@@ -1,4 +1,5 @@
 """Attention maps (weights, PNG grid, self-contained HTML, CLI) and training curves."""
+
 from __future__ import annotations
 
 import json
@@ -24,8 +25,17 @@ TEXT = "Tom had a red ball. He threw the ball to his dog."
 @pytest.fixture
 def model_and_tokenizer():
     tok = WordTokenizer(lowercase=True).train(make_stories(30), 120)
-    model = GPT(ModelConfig(vocab_size=tok.vocab_size, context_length=24, d_model=32, n_layers=2, n_heads=4,
-                            attention="sdpa", positions="rope"))
+    model = GPT(
+        ModelConfig(
+            vocab_size=tok.vocab_size,
+            context_length=24,
+            d_model=32,
+            n_layers=2,
+            n_heads=4,
+            attention="sdpa",
+            positions="rope",
+        )
+    )
     return model.eval(), tok
 
 
@@ -116,9 +126,11 @@ def test_eight_heads_fit_a_page_and_the_sentence_is_the_title(tmp_path):
 @pytest.mark.slow  # draws a PNG
 def test_curves_from_metrics_csv(tmp_path):
     csv_path = tmp_path / "metrics.csv"
-    csv_path.write_text("step,tokens,lr,train_loss,val_loss,val_ppl,tokens_per_s,elapsed_s\n"
-                        "10,100,1e-3,5.0,,,10,1\n20,200,1e-3,4.0,4.5,90.0,10,2\n30,300,1e-3,3.5,,,10,3\n"
-                        "40,400,1e-3,3.0,3.6,36.6,10,4\n")
+    csv_path.write_text(
+        "step,tokens,lr,train_loss,val_loss,val_ppl,tokens_per_s,elapsed_s\n"
+        "10,100,1e-3,5.0,,,10,1\n20,200,1e-3,4.0,4.5,90.0,10,2\n30,300,1e-3,3.5,,,10,3\n"
+        "40,400,1e-3,3.0,3.6,36.6,10,4\n"
+    )
     rows = read_metrics(csv_path)
     assert [(r["step"], r["train_loss"]) for r in rows] == [(10, 5.0), (20, 4.0), (30, 3.5), (40, 3.0)]
     assert [(r["step"], r["val_loss"]) for r in rows if r["val_loss"] is not None] == [(20, 4.5), (40, 3.6)]

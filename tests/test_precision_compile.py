@@ -13,6 +13,7 @@
 - `tinylm train --precision bf16 --compile` runs and writes those keys into config.yaml;
 - CUDA variants run where a GPU is present and are skipped otherwise.
 """
+
 import math
 import os
 import shutil
@@ -101,8 +102,9 @@ def _accumulation_gap(prepared, precision: str, device: str) -> float:
     """max over parameters of |grad(2 x B/2) - grad(B)| / |grad(B)| (norms), one step, stories batching."""
     batches = Batches(prepared.splits["train"], 32, "stories", seed=3)
     torch.manual_seed(0)
-    model = GPT(ModelConfig(vocab_size=prepared.tokenizer.vocab_size, context_length=32, d_model=32, n_layers=2,
-                            n_heads=4)).to(device)
+    model = GPT(
+        ModelConfig(vocab_size=prepared.tokenizer.vocab_size, context_length=32, d_model=32, n_layers=2, n_heads=4)
+    ).to(device)
     dev = torch.device(device)
     grads = []
     for batch, accum in ((8, 1), (4, 2)):
@@ -156,22 +158,40 @@ def test_bf16_two_gloo_processes_match_one_process_with_doubled_batch(tmp_path):
 
     data = tmp_path / "stories.txt"
     data.write_text("".join(f"{s}\n<|endoftext|>\n" for s in make_stories()), encoding="utf-8")
-    cfg = tiny_run_config(tmp_path / "prep", data, max_steps=3, eval_interval=3, threads=1, global_batch_size=8,
-                          lr=3e-3, precision="bf16")
+    cfg = tiny_run_config(
+        tmp_path / "prep", data, max_steps=3, eval_interval=3, threads=1, global_batch_size=8, lr=3e-3, precision="bf16"
+    )
     cfg.data.batching = "stories"
     prepared = prepare(cfg, tmp_path / "prep")
     cfg.save(tmp_path / "cfg.yaml")
     (tmp_path / "worker.py").write_text(WORKER)
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     env.pop("WORLD_SIZE", None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "2",
-           "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
-           str(tmp_path / "worker.py"), str(tmp_path / "cfg.yaml"), str(tmp_path / "prep"), str(tmp_path / "ddp")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "1",
+        "--nproc_per_node",
+        "2",
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(_free_port()),
+        str(tmp_path / "worker.py"),
+        str(tmp_path / "cfg.yaml"),
+        str(tmp_path / "prep"),
+        str(tmp_path / "ddp"),
+    ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     train(cfg, prepared, tmp_path / "single")
     ddp, single = _weights(tmp_path / "ddp"), _weights(tmp_path / "single")
-    (ddp_row,), (single_row,) = read_metrics(tmp_path / "ddp/metrics.csv"), read_metrics(tmp_path / "single/metrics.csv")
+    (ddp_row,), (single_row,) = (
+        read_metrics(tmp_path / "ddp/metrics.csv"),
+        read_metrics(tmp_path / "single/metrics.csv"),
+    )
     for column in ("train_loss", "val_loss"):
         assert ddp_row[column] == pytest.approx(single_row[column], rel=1e-4)  # measured: 3e-6
     # AdamW turns bf16 rounding in a tiny gradient into a step of lr whatever its sign, so the
@@ -234,7 +254,9 @@ def test_compiled_checkpointing_compiles_each_block_and_keeps_the_gradients(monk
         torch.testing.assert_close(grads[1][k], grads[0][k], rtol=0, atol=1e-6, msg=k)
     calls = []
     real = CheckpointedBlock.apply
-    monkeypatch.setattr(CheckpointedBlock, "apply", lambda block, *a: calls.append(type(block).__name__) or real(block, *a))
+    monkeypatch.setattr(
+        CheckpointedBlock, "apply", lambda block, *a: calls.append(type(block).__name__) or real(block, *a)
+    )
     model(x, x)
     assert calls == ["OptimizedModule"] * 2  # each block ran compiled inside our Function
 
@@ -243,8 +265,16 @@ def test_compiled_checkpointing_compiles_each_block_and_keeps_the_gradients(monk
 def test_compiled_bf16_resume_is_bit_for_bit(prepared_run, tmp_path):
     torch._dynamo.reset()
     base, prepared = prepared_run
-    cfg = _cfg(base, model={"dropout": 0.1}, max_steps=4, save_interval=2, eval_interval=2, keep_last=5,
-               precision="bf16", compile=True)
+    cfg = _cfg(
+        base,
+        model={"dropout": 0.1},
+        max_steps=4,
+        save_interval=2,
+        eval_interval=2,
+        keep_last=5,
+        precision="bf16",
+        compile=True,
+    )
     train(cfg, prepared, tmp_path / "full")
     shutil.copytree(tmp_path / "full", tmp_path / "resumed")
     train(cfg, prepared, tmp_path / "resumed", resume=tmp_path / "resumed/checkpoints/step-0000002")
@@ -269,10 +299,25 @@ def test_compile_makes_adamw_fused(prepared_run):
 
 # -------------------------------------------------------------------------------------------- CLI
 def _cli_args(tmp_path: Path, stories: Path, *extra: str) -> list[str]:
-    return ["train", "--out", str(tmp_path / "run"), *extra, "data.source=tinystories", f"data.train={stories}",
-            "tokenizer.vocab_size=300", "model.context_length=32", "model.d_model=32", "model.n_layers=1",
-            "model.n_heads=4", "train.progress=false", "train.max_steps=3", "train.eval_interval=3",
-            "train.eval_batches=1", "train.threads=1", "sample.max_new_tokens=2"]
+    return [
+        "train",
+        "--out",
+        str(tmp_path / "run"),
+        *extra,
+        "data.source=tinystories",
+        f"data.train={stories}",
+        "tokenizer.vocab_size=300",
+        "model.context_length=32",
+        "model.d_model=32",
+        "model.n_layers=1",
+        "model.n_heads=4",
+        "train.progress=false",
+        "train.max_steps=3",
+        "train.eval_interval=3",
+        "train.eval_batches=1",
+        "train.threads=1",
+        "sample.max_new_tokens=2",
+    ]
 
 
 def test_cli_precision_option_trains_in_bf16(tmp_path, stories_file, capsys):

@@ -51,11 +51,29 @@ def test_on_a_terminal_a_bar_and_no_lines():
 @pytest.mark.slow  # a real `tinylm train` with its stderr piped, as under nohup or CI
 def test_train_prints_progress_lines_when_stderr_is_not_a_terminal(tmp_path, stories_file):
     proc = subprocess.run(
-        [sys.executable, "-m", "tinylm.cli", "train", "--out", str(tmp_path / "run"), "data.source=tinystories",
-         f"data.train={stories_file}", "tokenizer.vocab_size=300", "model.context_length=32", "model.d_model=32",
-         "model.n_layers=1", "model.n_heads=4", "train.max_steps=6", "train.log_interval=3",
-         "train.eval_interval=6", "train.threads=1"],
-        capture_output=True, text=True, timeout=300)
+        [
+            sys.executable,
+            "-m",
+            "tinylm.cli",
+            "train",
+            "--out",
+            str(tmp_path / "run"),
+            "data.source=tinystories",
+            f"data.train={stories_file}",
+            "tokenizer.vocab_size=300",
+            "model.context_length=32",
+            "model.d_model=32",
+            "model.n_layers=1",
+            "model.n_heads=4",
+            "train.max_steps=6",
+            "train.log_interval=3",
+            "train.eval_interval=6",
+            "train.threads=1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr
     lines = [line for line in proc.stderr.splitlines() if "train: step" in line]
     assert [line.split(" | ")[0].split("train: step ")[1] for line in lines] == ["3/6", "6/6"], proc.stderr

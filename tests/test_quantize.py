@@ -1,6 +1,7 @@
 """Int8 weights: the round trip within half a step per row, int8 layers and models close to
 float32, the decoding step on the same integers as the model's forward, greedy tokens mostly the
 float model's, and the compiled int8 step equal to the eager one token for token."""
+
 import copy
 import json
 
@@ -17,8 +18,14 @@ from tinylm.generation import GenerationConfig, generate_many
 from tinylm.generation.core import prefill
 from tinylm.generation.decode import decode_step, prepare_for_inference
 from tinylm.models.gpt import GPT
-from tinylm.models.quantize import (Int8Linear, dequantize_rows, int8_kernel_of, is_quantized, quantize_gpt,
-                                    quantize_rows)
+from tinylm.models.quantize import (
+    Int8Linear,
+    dequantize_rows,
+    int8_kernel_of,
+    is_quantized,
+    quantize_gpt,
+    quantize_rows,
+)
 from tinylm.serving.app import create_app
 from tinylm.serving.completions import Limits
 from tinylm.serving.models import load_models
@@ -89,8 +96,9 @@ def test_quantize_gpt_converts_every_linear_and_refuses_non_float32():
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
-@pytest.mark.parametrize("arch", [dict(), dict(positions="rope", norm="rmsnorm", ffn="swiglu", bias=False,
-                                               n_kv_heads=2, tie_weights=False)])
+@pytest.mark.parametrize(
+    "arch", [dict(), dict(positions="rope", norm="rmsnorm", ffn="swiglu", bias=False, n_kv_heads=2, tie_weights=False)]
+)
 def test_int8_logits_are_close_to_float32(kernel, arch):
     model = trained_tiny(**arch)
     int8 = quantize_gpt(copy.deepcopy(model), kernel)
@@ -138,11 +146,23 @@ def test_compiled_int8_step_equals_the_eager_one_token_for_token():
     assert [r.tokens for r in compiled] == [r.tokens for r in eager]
 
 
-
-
 def test_cli_generate_and_serve_load_int8_weights(saved_model, capsys):
-    code = main(["generate", "--checkpoint", str(saved_model), "--prompt", "Once upon", "--max-new-tokens", "12",
-                 "--temperature", "0", "--json", "--dtype", "int8"])
+    code = main(
+        [
+            "generate",
+            "--checkpoint",
+            str(saved_model),
+            "--prompt",
+            "Once upon",
+            "--max-new-tokens",
+            "12",
+            "--temperature",
+            "0",
+            "--json",
+            "--dtype",
+            "int8",
+        ]
+    )
     out, err = capsys.readouterr()
     assert code == 0, err
     result = json.loads(out.splitlines()[0])
@@ -155,8 +175,10 @@ def test_cli_generate_and_serve_load_int8_weights(saved_model, capsys):
         assert card["dtype"] == "int8" and card["parameters"] == GPT(served.model.config).num_parameters()
         with TestClient(create_app(models, Limits(max_tokens=64, max_choices=4, max_body_bytes=20_000))) as client:
             for extra in ({}, {"beam_width": 3}):
-                r = client.post("/v1/completions", json={"model": "model", "prompt": "Once upon", "max_tokens": 12,
-                                                         "temperature": 0, **extra})
+                r = client.post(
+                    "/v1/completions",
+                    json={"model": "model", "prompt": "Once upon", "max_tokens": 12, "temperature": 0, **extra},
+                )
                 assert r.status_code == 200, r.text
                 assert r.json()["choices"][0]["text"]
     finally:

@@ -1,4 +1,5 @@
 """report.md / report.html: numbers come from the run's files, missing parts are said to be missing."""
+
 from __future__ import annotations
 
 import json
@@ -18,25 +19,53 @@ def write_training_run(run, metrics=True):
     cfg = RunConfig()
     cfg.model.vocab_size, cfg.model.d_attn, cfg.model.d_ff, cfg.model.n_kv_heads = 777, 128, 512, 4
     (run / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict()))
-    (run / "prepare.json").write_text(json.dumps({"splits": ["train", "valid"], "documents": {"train": 90, "valid": 10},
-                                                  "tokens": {"train": 12345, "valid": 1234},
-                                                  "bytes": {"train": 54321, "valid": 5432}}))
-    (run / "eval.json").write_text(json.dumps({
-        "parameters": 424242, "steps": 60, "train_seconds": 12.5, "tokens_per_s": 3210.0, "stopped_because": "max_steps",
-        "best_val_loss": 2.3456, "final_train_loss": 2.1111,
-        "eval": {"valid": {"token_ppl": 10.4321, "bpb": 1.2345, "word_ppl": 20.9876, "tokens": 1234}}}))
+    (run / "prepare.json").write_text(
+        json.dumps(
+            {
+                "splits": ["train", "valid"],
+                "documents": {"train": 90, "valid": 10},
+                "tokens": {"train": 12345, "valid": 1234},
+                "bytes": {"train": 54321, "valid": 5432},
+            }
+        )
+    )
+    (run / "eval.json").write_text(
+        json.dumps(
+            {
+                "parameters": 424242,
+                "steps": 60,
+                "train_seconds": 12.5,
+                "tokens_per_s": 3210.0,
+                "stopped_because": "max_steps",
+                "best_val_loss": 2.3456,
+                "final_train_loss": 2.1111,
+                "eval": {"valid": {"token_ppl": 10.4321, "bpb": 1.2345, "word_ppl": 20.9876, "tokens": 1234}},
+            }
+        )
+    )
     (run / "samples.json").write_text(json.dumps([{"prompt": "Once", "continuation": " upon a time", "new_tokens": 3}]))
     if metrics:
-        (run / "metrics.csv").write_text("step,tokens,lr,train_loss,val_loss,val_ppl,tokens_per_s,elapsed_s\n"
-                                         "30,100,1e-3,3.00000,3.10000,22.198,100,1\n60,200,1e-3,2.11110,2.34560,10.441,100,2\n")
+        (run / "metrics.csv").write_text(
+            "step,tokens,lr,train_loss,val_loss,val_ppl,tokens_per_s,elapsed_s\n"
+            "30,100,1e-3,3.00000,3.10000,22.198,100,1\n60,200,1e-3,2.11110,2.34560,10.441,100,2\n"
+        )
 
 
 def test_training_run_report_reads_every_number_from_files(tmp_path):
     write_training_run(tmp_path)
     path = write_report(tmp_path)[0]
     md = path.read_text()
-    for expected in ("| vocabulary | 777 |", "| parameters (total) | 424,242 |", "| valid | 10 | 1,234 | 5,432 |",
-                     "10.4321", "1.2345", "20.9876", "| 60 | 2.1111 | 2.3456 | 10.44 |", "upon a time", "## Machine"):
+    for expected in (
+        "| vocabulary | 777 |",
+        "| parameters (total) | 424,242 |",
+        "| valid | 10 | 1,234 | 5,432 |",
+        "10.4321",
+        "1.2345",
+        "20.9876",
+        "| 60 | 2.1111 | 2.3456 | 10.44 |",
+        "upon a time",
+        "## Machine",
+    ):
         assert expected in md, expected
     assert "INCOMPLETE" not in md and "missing" not in md
     page = (tmp_path / "report.html").read_text()
@@ -47,8 +76,9 @@ def test_training_run_report_reads_every_number_from_files(tmp_path):
 @pytest.mark.slow  # draws the curves PNG
 def test_html_is_one_page_with_tables_embedded_curves_and_escaped_text(tmp_path):
     write_training_run(tmp_path)
-    (tmp_path / "samples.json").write_text(json.dumps([{"prompt": "Once <b>&", "continuation": " a <b>& b",
-                                                        "new_tokens": 3}]))
+    (tmp_path / "samples.json").write_text(
+        json.dumps([{"prompt": "Once <b>&", "continuation": " a <b>& b", "new_tokens": 3}])
+    )
     plot_curves(tmp_path / "metrics.csv", tmp_path / "curves.png")
     md, page, missing = write_report(tmp_path)
     assert missing == [] and "![loss and perplexity curves](curves.png)" in md.read_text()
@@ -94,11 +124,19 @@ def test_not_a_run_directory(tmp_path, capsys):
 
 def test_experiment_report_lists_every_missing_part(tmp_path):
     write_training_run(tmp_path)
-    (tmp_path / "experiments.json").write_text(json.dumps({"quick": True, "command": "tinylm experiments --quick",
-                                                           "parts": {}}))
+    (tmp_path / "experiments.json").write_text(
+        json.dumps({"quick": True, "command": "tinylm experiments --quick", "parts": {}})
+    )
     md = tinystories_report.write_report(tmp_path)[0].read_text()
-    for part in ("bleu.json", "decoding.json", "kv_cache.json", "accumulation.json", "checkpointing.json",
-                 "attention.json", "curves.png"):
+    for part in (
+        "bleu.json",
+        "decoding.json",
+        "kv_cache.json",
+        "accumulation.json",
+        "checkpointing.json",
+        "attention.json",
+        "curves.png",
+    ):
         assert part in md, part
     assert "INCOMPLETE REPORT" in md and "`tinylm experiments --quick` (quick)" in md
 
@@ -107,29 +145,105 @@ def test_experiment_tables_show_the_files_numbers(tmp_path):
     write_training_run(tmp_path)
     (tmp_path / "experiments.json").write_text(json.dumps({"quick": False, "parts": {}}))
     sacre = {"bleu": 3.1415, "signature": "nrefs:1|case:mixed|eff:no|tok:13a|smooth:exp|version:2.6.0"}
-    bleu_row = {"name": "T0.7", "bleu1": 0.4321, "bleu2": 0.2109, "bleu3": 0.1098, "bleu4": 0.0567, "sacrebleu": sacre,
-                "sentence_bleu": {"bleu1": 0.5, "bleu2": 0.3, "bleu3": 0.2, "bleu4": 0.0789},
-                "tokens_per_s": 456.0, "csv": "bleu_samples_T0.7.csv"}
-    (tmp_path / "bleu.json").write_text(json.dumps({
-        "protocol": {"prompt_tokens": 5, "max_continuation": 60, "seed": 0, "smoothing": "method1"}, "samples": 48,
-        "requested": 50, "notes": ["asked for 50 samples, only 48 usable stories exist; using them all"],
-        "reference_ppl": 17.25, "reference_tokens": 2000, "mean_per_sample_ppl": 19.5, "bleu_tokenization": "x",
-        "meaning": "BLEU: weak for stories", "settings": [bleu_row]}))
-    (tmp_path / "decoding.json").write_text(json.dumps({"samples": 48, "threads": 2, "settings": [
-        {**bleu_row, "name": "sample_T1", "speed_vs_sampling": 1.0},
-        {"name": "beam5", "beam_width": 5, "missing": "beam search is not available"}]}))
-    (tmp_path / "kv_cache.json").write_text(json.dumps({"threads": 1, "repeats": 3, "context_length": 64, "batch": 20,
-                                                        "rows": [
-        {"decoding": "greedy", "batch": 20, "prompt_tokens": 9, "new_tokens": 32, "cache_bytes": 5 * 2**20,
-         "cache_tokens_per_s": 812.0, "nocache_tokens_per_s": 203.0, "speedup": 4.0, "same_tokens": True,
-         "total_tokens": 41, "beyond_context": False},
-        {"decoding": "greedy", "batch": 20, "prompt_tokens": 9, "new_tokens": 503, "cache_bytes": 5 * 2**20,
-         "cache_tokens_per_s": 700.0, "nocache_tokens_per_s": 70.0, "speedup": 10.0, "same_tokens": False,
-         "total_tokens": 512, "beyond_context": True}]}))
-    (tmp_path / "accumulation.json").write_text(json.dumps({"threads": 2, "rows": [
-        {"accum_steps": 4, "effective_batch": 128, "optimizer_steps": 16, "micro_batches": 64, "micro_batch": 32,
-         "final_train_loss": 4.5678, "final_val_loss": 4.6789, "seconds": 33.3, "tokens_per_s": 999.0,
-         "projected_epoch_seconds": 123.0, "peak_activation_bytes": 3 * 2**20}]}))
+    bleu_row = {
+        "name": "T0.7",
+        "bleu1": 0.4321,
+        "bleu2": 0.2109,
+        "bleu3": 0.1098,
+        "bleu4": 0.0567,
+        "sacrebleu": sacre,
+        "sentence_bleu": {"bleu1": 0.5, "bleu2": 0.3, "bleu3": 0.2, "bleu4": 0.0789},
+        "tokens_per_s": 456.0,
+        "csv": "bleu_samples_T0.7.csv",
+    }
+    (tmp_path / "bleu.json").write_text(
+        json.dumps(
+            {
+                "protocol": {"prompt_tokens": 5, "max_continuation": 60, "seed": 0, "smoothing": "method1"},
+                "samples": 48,
+                "requested": 50,
+                "notes": ["asked for 50 samples, only 48 usable stories exist; using them all"],
+                "reference_ppl": 17.25,
+                "reference_tokens": 2000,
+                "mean_per_sample_ppl": 19.5,
+                "bleu_tokenization": "x",
+                "meaning": "BLEU: weak for stories",
+                "settings": [bleu_row],
+            }
+        )
+    )
+    (tmp_path / "decoding.json").write_text(
+        json.dumps(
+            {
+                "samples": 48,
+                "threads": 2,
+                "settings": [
+                    {**bleu_row, "name": "sample_T1", "speed_vs_sampling": 1.0},
+                    {"name": "beam5", "beam_width": 5, "missing": "beam search is not available"},
+                ],
+            }
+        )
+    )
+    (tmp_path / "kv_cache.json").write_text(
+        json.dumps(
+            {
+                "threads": 1,
+                "repeats": 3,
+                "context_length": 64,
+                "batch": 20,
+                "rows": [
+                    {
+                        "decoding": "greedy",
+                        "batch": 20,
+                        "prompt_tokens": 9,
+                        "new_tokens": 32,
+                        "cache_bytes": 5 * 2**20,
+                        "cache_tokens_per_s": 812.0,
+                        "nocache_tokens_per_s": 203.0,
+                        "speedup": 4.0,
+                        "same_tokens": True,
+                        "total_tokens": 41,
+                        "beyond_context": False,
+                    },
+                    {
+                        "decoding": "greedy",
+                        "batch": 20,
+                        "prompt_tokens": 9,
+                        "new_tokens": 503,
+                        "cache_bytes": 5 * 2**20,
+                        "cache_tokens_per_s": 700.0,
+                        "nocache_tokens_per_s": 70.0,
+                        "speedup": 10.0,
+                        "same_tokens": False,
+                        "total_tokens": 512,
+                        "beyond_context": True,
+                    },
+                ],
+            }
+        )
+    )
+    (tmp_path / "accumulation.json").write_text(
+        json.dumps(
+            {
+                "threads": 2,
+                "rows": [
+                    {
+                        "accum_steps": 4,
+                        "effective_batch": 128,
+                        "optimizer_steps": 16,
+                        "micro_batches": 64,
+                        "micro_batch": 32,
+                        "final_train_loss": 4.5678,
+                        "final_val_loss": 4.6789,
+                        "seconds": 33.3,
+                        "tokens_per_s": 999.0,
+                        "projected_epoch_seconds": 123.0,
+                        "peak_activation_bytes": 3 * 2**20,
+                    }
+                ],
+            }
+        )
+    )
     md = tinystories_report.write_report(tmp_path)[0].read_text()
     assert "| T0.7 | 0.4321 | 0.2109 | 0.1098 | 0.0567 | 0.0789 | 3.14 | 456 |" in md
     assert "tok:13a" in md and "only 48 usable" in md and "17.2500" in md
@@ -138,7 +252,9 @@ def test_experiment_tables_show_the_files_numbers(tmp_path):
     assert "re-filled with the last 32 tokens" in md  # what happens past the context of 64
     assert "greedy, batch 20 x 32: 4.00x" in md  # beside the reports' speed-ups
     # a file from before the two comparisons: its epoch time is marked as projected
-    assert "| equal micro-batches | 4 | 128 | - | 16 | 4.5678 | 4.6789 | 33.3 | 123 (projected) | 999 | 3.00 MiB |" in md
+    assert (
+        "| equal micro-batches | 4 | 128 | - | 16 | 4.5678 | 4.6789 | 33.3 | 123 (projected) | 999 | 3.00 MiB |" in md
+    )
     assert "decoding.json has no example continuations" in md
     assert "decoding beam5: beam search is not available" in md  # listed in the INCOMPLETE banner
 
@@ -155,12 +271,20 @@ def test_a_malformed_part_file_makes_only_its_section_missing(tmp_path):
 def test_beside_the_reports_gives_each_perplexity_its_training_budget():
     from tinylm.studies.tinystories_compare import comparison_table
 
-    eval_json = {"train_seconds": 2700.0, "steps": 450, "tokens_per_s": 1200.0, "eval": {"valid": {"token_ppl": 12.345}}}
+    eval_json = {
+        "train_seconds": 2700.0,
+        "steps": 450,
+        "tokens_per_s": 1200.0,
+        "eval": {"valid": {"token_ppl": 12.345}},
+    }
     headers, rows = comparison_table({"eval": eval_json})
     cells = {row[0]: row[1:] for row in rows}
     ours, r000, r001, r002, r003 = cells["validation perplexity"]
     assert ours == "12.35 (every validation story) (after: 45.0 min, 450 steps, 3.24M training positions)"
-    assert r002 == "final 9.41; epoch 3 (last of its epoch table) 7.49; on the 50 BLEU samples 9.41 (after: 3 epochs; batch 32)"
+    assert (
+        r002
+        == "final 9.41; epoch 3 (last of its epoch table) 7.49; on the 50 BLEU samples 9.41 (after: 3 epochs; batch 32)"
+    )
     assert r000.endswith("(after: 10.5 hours (50,000 steps; section 2.3 and 5.1); batch 32)")
     assert r003.endswith("(after: 1 hr 45 mins approx per epoch, 10 epochs (full dataset))")  # epochs not repeated
     assert cells["hardware"][2].startswith("a CPU, model not stated")  # report 001

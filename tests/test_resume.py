@@ -1,5 +1,6 @@
 """Exact resume: a run killed with SIGKILL and resumed logs the same losses, bit for bit, as an
 uninterrupted run; resumed configs are checked key by key."""
+
 import json
 import os
 import signal
@@ -27,8 +28,18 @@ def _config(root: Path) -> Path:
         "data": {"source": "tinystories", "train": str(data), "valid_fraction": 0.2, "test_fraction": 0.1},
         "tokenizer": {"type": "bpe", "vocab_size": 300},
         "model": {"context_length": 32, "d_model": 32, "n_layers": 2, "n_heads": 4, "dropout": 0.1},
-        "train": {"batch_size": 4, "max_steps": MAX_STEPS, "warmup_steps": 5, "eval_interval": 20, "eval_batches": 2,
-                  "log_interval": 1, "save_interval": 5, "keep_last": 2, "threads": 1, "progress": False},
+        "train": {
+            "batch_size": 4,
+            "max_steps": MAX_STEPS,
+            "warmup_steps": 5,
+            "eval_interval": 20,
+            "eval_batches": 2,
+            "log_interval": 1,
+            "save_interval": 5,
+            "keep_last": 2,
+            "threads": 1,
+            "progress": False,
+        },
         "sample": {"prompts": ["Once"], "max_new_tokens": 3},
     }
     path = root / "cfg.yaml"
@@ -93,14 +104,22 @@ def test_resumed_run_keeps_last_k_plus_best(killed_and_resumed):
 def test_checkpoint_holds_the_whole_training_state_without_pickle(killed_and_resumed):
     root = killed_and_resumed[0]
     ckpt = root / "killed/checkpoints/step-0000075"
-    assert sorted(p.suffix for p in ckpt.iterdir()) == [".json", ".json", ".json", ".safetensors", ".safetensors",
-                                                         ".safetensors", ".yaml"]
+    assert sorted(p.suffix for p in ckpt.iterdir()) == [
+        ".json",
+        ".json",
+        ".json",
+        ".safetensors",
+        ".safetensors",
+        ".safetensors",
+        ".yaml",
+    ]
     state = load_resume_state(ckpt)
     assert state.step == 75 and state.counters["data_position"] == 75
     assert state.counters["tokens_seen"] == 75 * 4 * 32
     assert state.rng_per_rank[0]["torch_cpu"].dtype.itemsize == 1  # uint8 bytes
     assert len(state.optimizer_state["state"]) == len(state.optimizer_state["param_groups"][0]["params"]) + len(
-        state.optimizer_state["param_groups"][1]["params"])
+        state.optimizer_state["param_groups"][1]["params"]
+    )
     assert find_resume_checkpoint(root / "killed") == root / "killed/checkpoints/last"
 
 

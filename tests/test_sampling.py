@@ -1,16 +1,17 @@
 """Decoding knobs: validation, and each processor against Hugging Face's implementation."""
+
 import pytest
 import torch
 
 from tinylm.config import ModelConfig
 from tinylm.errors import TinyLMError
 from tinylm.generation import GenerationConfig, generate, generate_many, select_next
-from tinylm.generation.processors import (HistoryProcessor, min_p_filter, shape_distribution, top_k_filter,
-                                          top_p_filter)
+from tinylm.generation.processors import HistoryProcessor, min_p_filter, shape_distribution, top_k_filter, top_p_filter
 from tinylm.models.gpt import GPT
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.one_thread
+
 
 @pytest.fixture(scope="module")
 def hf_lp():
@@ -23,13 +24,22 @@ def tiny_model(vocab=40):
     return GPT(ModelConfig(vocab_size=vocab, context_length=64, d_model=32, n_layers=2, n_heads=4)).eval()
 
 
-@pytest.mark.parametrize("kwargs, name", [
-    (dict(temperature=-0.1), "temperature"), (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"),
-    (dict(top_k=0), "top_k"), (dict(beam_width=0), "beam_width"), (dict(min_p=2.0), "min_p"),
-    (dict(repetition_penalty=0.0), "repetition_penalty"), (dict(min_new_tokens=5, max_new_tokens=2), "min_new_tokens"),
-    (dict(no_repeat_ngram_size=-1), "no_repeat_ngram_size"), (dict(num_return_sequences=3, beam_width=2), "num_return_sequences"),
-    (dict(beam_width=2, length_penalty=-1e308), "length_penalty"),
-])
+@pytest.mark.parametrize(
+    "kwargs, name",
+    [
+        (dict(temperature=-0.1), "temperature"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_p=1.5), "top_p"),
+        (dict(top_k=0), "top_k"),
+        (dict(beam_width=0), "beam_width"),
+        (dict(min_p=2.0), "min_p"),
+        (dict(repetition_penalty=0.0), "repetition_penalty"),
+        (dict(min_new_tokens=5, max_new_tokens=2), "min_new_tokens"),
+        (dict(no_repeat_ngram_size=-1), "no_repeat_ngram_size"),
+        (dict(num_return_sequences=3, beam_width=2), "num_return_sequences"),
+        (dict(beam_width=2, length_penalty=-1e308), "length_penalty"),
+    ],
+)
 def test_invalid_values_raise_tinylmerror_naming_the_argument(kwargs, name):
     with pytest.raises(TinyLMError, match=name):
         GenerationConfig(**kwargs).validate(vocab_size=40)
@@ -61,8 +71,10 @@ def test_filters_match_hugging_face_warpers(hf_lp):
         hf = hf_lp.TopPLogitsWarper(top_p=p)(None, logits.clone())
         ours = top_p_filter(logits, p)
         assert torch.equal(torch.isfinite(ours), torch.isfinite(hf))
-        assert torch.equal(top_p_filter(top_k_filter(logits, 50), p, candidates=50),
-                           hf_lp.TopPLogitsWarper(top_p=p)(None, hf_lp.TopKLogitsWarper(50)(None, logits.clone())))
+        assert torch.equal(
+            top_p_filter(top_k_filter(logits, 50), p, candidates=50),
+            hf_lp.TopPLogitsWarper(top_p=p)(None, hf_lp.TopKLogitsWarper(50)(None, logits.clone())),
+        )
     for mp in (0.05, 0.3):
         hf = hf_lp.MinPLogitsWarper(min_p=mp)(None, logits.clone())
         assert torch.equal(torch.isfinite(min_p_filter(logits, mp)), torch.isfinite(hf))
@@ -135,8 +147,9 @@ def test_generate_seed_reproducible_and_stop_controls():
     # stop strings: decode maps ids to letters
     decode = lambda ids: "".join(chr(97 + i % 26) for i in ids)  # noqa: E731
     target = decode(greedy[3:5])
-    r = generate_many(model, [[1, 2, 3]], GenerationConfig(max_new_tokens=20, temperature=0, stop_strings=(target,)),
-                      decode=decode)[0]
+    r = generate_many(
+        model, [[1, 2, 3]], GenerationConfig(max_new_tokens=20, temperature=0, stop_strings=(target,)), decode=decode
+    )[0]
     assert r.finish_reason == "stop_string" and target in decode(r.tokens) and len(r.tokens) <= 5
     with pytest.raises(ValueError, match="decode"):
         generate_many(model, [[1]], GenerationConfig(stop_strings=("x",)))

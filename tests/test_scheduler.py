@@ -1,6 +1,7 @@
 """The scheduler's bucketed cache (`tinylm serve --compile`): rows joining and leaving a batch whose
 shapes come from a few buckets still get, token for token, what `tinylm generate` gives them alone,
 eagerly and compiled; and the batched per-row draw is `select_next`'s."""
+
 import dataclasses
 import threading
 import time
@@ -16,22 +17,31 @@ from tinylm.models.gpt import GPT
 from tinylm.serving.scheduler import DoneEvent, Row, Scheduler, batch_buckets, slot_bucket
 
 PROMPTS = [[2, 5, 6, 7], [2, 9], list(range(2, 40)), [2, 11, 12, 13, 14, 15, 16]]
-CFGS = [GenerationConfig(max_new_tokens=40, temperature=0),
-        GenerationConfig(max_new_tokens=30, temperature=1.0, seed=5),
-        GenerationConfig(max_new_tokens=25, temperature=0.7, top_k=10, repetition_penalty=1.3,
-                         no_repeat_ngram_size=2, seed=9),
-        GenerationConfig(max_new_tokens=7, temperature=1.0, top_p=0.9, seed=3, stop_ids=(3,))]
+CFGS = [
+    GenerationConfig(max_new_tokens=40, temperature=0),
+    GenerationConfig(max_new_tokens=30, temperature=1.0, seed=5),
+    GenerationConfig(
+        max_new_tokens=25, temperature=0.7, top_k=10, repetition_penalty=1.3, no_repeat_ngram_size=2, seed=9
+    ),
+    GenerationConfig(max_new_tokens=7, temperature=1.0, top_p=0.9, seed=3, stop_ids=(3,)),
+]
 
 
 def small_model(positions: str = "learned") -> GPT:
     torch.manual_seed(1)
-    return GPT(ModelConfig(vocab_size=48, context_length=32, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
-                           positions=positions)).eval()
+    return GPT(
+        ModelConfig(
+            vocab_size=48, context_length=32, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, positions=positions
+        )
+    ).eval()
 
 
 def alone(model, prompts, cfgs) -> dict:
-    return {(i, j): generate_many(model, [p], dataclasses.replace(c, seed_per_row=True))[0].tokens
-            for i, p in enumerate(prompts) for j, c in enumerate(cfgs)}
+    return {
+        (i, j): generate_many(model, [p], dataclasses.replace(c, seed_per_row=True))[0].tokens
+        for i, p in enumerate(prompts)
+        for j, c in enumerate(cfgs)
+    }
 
 
 def served(scheduler: Scheduler, prompts, cfgs) -> dict:
@@ -45,6 +55,7 @@ def served(scheduler: Scheduler, prompts, cfgs) -> dict:
                 got[key] = event.tokens
                 if len(got) == len(keys):
                     done.set()
+
         return emit
 
     for n, (i, j) in enumerate(keys):
@@ -94,6 +105,7 @@ def test_bucketed_long_context_moves_between_slot_buckets():
     def watched(rows, new):
         merge(rows, new)
         sizes.append(scheduler.cache.max_len)
+
     scheduler._merge = watched
     got, first_token, done = {}, threading.Event(), threading.Semaphore(0)
 
@@ -103,7 +115,9 @@ def test_bucketed_long_context_moves_between_slot_buckets():
             if isinstance(event, DoneEvent):
                 got[key] = event.tokens
                 done.release()
+
         return emit
+
     try:
         scheduler.add(Row(*short, emitter(0)))
         assert first_token.wait(30)
@@ -130,7 +144,9 @@ def test_compiled_scheduler_equals_eager_and_generate(capfd):
     compiled = Scheduler(model, max_batch=4, compile=True)
     try:
         assert sorted(compiled.compile_seconds) == [(1, 32), (2, 32), (4, 32)]
-        assert "compiled the decoding step for 3 batch buckets (1, 2, 4 rows x 32 cache slots)" in capfd.readouterr().err
+        assert (
+            "compiled the decoding step for 3 batch buckets (1, 2, 4 rows x 32 cache slots)" in capfd.readouterr().err
+        )
         assert served(compiled, prompts, cfgs) == want
     finally:
         compiled.close()

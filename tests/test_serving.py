@@ -1,5 +1,6 @@
 """`tinylm serve` through FastAPI's test client: every endpoint, every bad request, and the
 scheduler's promise that a request gets, token for token, what `tinylm generate` gives it alone."""
+
 import asyncio
 import concurrent.futures
 import dataclasses
@@ -65,8 +66,11 @@ def test_models_health_page_and_card(client, models, run):
     assert card["card"]["parameters"] == models["tinyrun"].model.num_parameters()
     assert card["card"]["config"]["context_length"] == 32 and card["card"]["checkpoint"]["step"] == 30
     assert [row["val_loss"] for row in card["card"]["run"]["curves"]] == [3.8, 3.2, 2.8]
-    assert card["card"]["run"]["eval"] == {"steps": 30, "stopped_because": "max_steps",
-                                           "valid": {"token_ppl": 16.4, "bpb": 4.0}}
+    assert card["card"]["run"]["eval"] == {
+        "steps": 30,
+        "stopped_because": "max_steps",
+        "valid": {"token_ppl": 16.4, "bpb": 4.0},
+    }
     assert client.get("/v1/models/tinyrun/curves.png").status_code == 404  # this run has no curves.png
     page = client.get("/")
     assert page.status_code == 200 and 'src="/static/app.js"' in page.text
@@ -87,15 +91,24 @@ def test_routes_run_on_a_hand_made_state_without_an_app():
     rng = random.Random(0)
     fakes = {name: SimpleNamespace(name=name, created=rng.randrange(10**9)) for name in ("a", "b")}
     state = ServerState(fakes, Limits())
-    assert asyncio.run(list_models(state)) == {"object": "list", "data": [
-        {"id": name, "object": "model", "created": fakes[name].created, "owned_by": "tinylm"} for name in ("a", "b")]}
+    assert asyncio.run(list_models(state)) == {
+        "object": "list",
+        "data": [
+            {"id": name, "object": "model", "created": fakes[name].created, "owned_by": "tinylm"} for name in ("a", "b")
+        ],
+    }
     assert get_model(state, "b") is fakes["b"]
     assert get_model(ServerState({"a": fakes["a"]}, Limits()), None) is fakes["a"]  # the only model needs no name
     with pytest.raises(APIError) as unknown:
         get_model(state, "c")
-    assert unknown.value.status == 404 and unknown.value.body() == {"error": {
-        "message": "the model 'c' does not exist; served: a, b", "type": "invalid_request_error", "param": "model",
-        "code": "model_not_found"}}
+    assert unknown.value.status == 404 and unknown.value.body() == {
+        "error": {
+            "message": "the model 'c' does not exist; served: a, b",
+            "type": "invalid_request_error",
+            "param": "model",
+            "code": "model_not_found",
+        }
+    }
     with pytest.raises(APIError) as unnamed:
         get_model(state, None)
     assert (unnamed.value.status, unnamed.value.code) == (400, "model_required")
@@ -123,7 +136,9 @@ def test_score_is_tinylm_evaluate(client, models):
     long = "The cat liked to play in the sun. " * 3
     body = client.post("/v1/score", json={"text": long}).json()
     m = evaluate_texts(served.model, served.tokenizer, [long])
-    assert len(body["token_logprobs"]) == m["tokens"] and -sum(body["token_logprobs"]) == pytest.approx(m["nll"], rel=1e-5)
+    assert len(body["token_logprobs"]) == m["tokens"] and -sum(body["token_logprobs"]) == pytest.approx(
+        m["nll"], rel=1e-5
+    )
 
 
 def test_attention_is_tinylm_attention(client, models):
@@ -136,7 +151,9 @@ def test_attention_is_tinylm_attention(client, models):
     assert body["warnings"] == []
     # too long for the context: the last tokens after <sos>, with a warning
     body = client.post("/v1/attention", json={"text": "x" * 40}).json()
-    assert len(body["tokens"]) == 32 and body["tokens"][0] == "<sos>" and "longer than the context" in body["warnings"][0]
+    assert (
+        len(body["tokens"]) == 32 and body["tokens"][0] == "<sos>" and "longer than the context" in body["warnings"][0]
+    )
 
 
 def test_chat_completions_is_refused_honestly(client):
@@ -147,8 +164,9 @@ def test_chat_completions_is_refused_honestly(client):
 
 # ------------------------------------------------------------------------------- completions
 def test_completion_shape_usage_and_logprobs(client):
-    body = complete(client, prompt=["The dog", "A cat"], max_tokens=5, min_tokens=5, n=2, seed=3, logprobs=3,
-                    temperature=0.7)
+    body = complete(
+        client, prompt=["The dog", "A cat"], max_tokens=5, min_tokens=5, n=2, seed=3, logprobs=3, temperature=0.7
+    )
     assert [c["index"] for c in body["choices"]] == [0, 1, 2, 3]
     assert body["usage"] == {"prompt_tokens": 8 + 6, "completion_tokens": 20, "total_tokens": 34}
     for c in body["choices"]:
@@ -163,9 +181,19 @@ def test_completion_shape_usage_and_logprobs(client):
 
 def test_stream_joins_to_the_same_text(client):
     whole = complete(client, prompt="The dog", max_tokens=20, seed=5, temperature=0.9)
-    with client.stream("POST", "/v1/completions", json={"model": "tinyrun", "prompt": "The dog", "max_tokens": 20,
-                                                        "seed": 5, "temperature": 0.9, "stream": True,
-                                                        "stream_options": {"include_usage": True}}) as r:
+    with client.stream(
+        "POST",
+        "/v1/completions",
+        json={
+            "model": "tinyrun",
+            "prompt": "The dog",
+            "max_tokens": 20,
+            "seed": 5,
+            "temperature": 0.9,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
+    ) as r:
         lines = [line for line in r.iter_lines() if line]
     assert all(line.startswith("data: ") for line in lines) and lines[-1] == "data: [DONE]"
     chunks = [json.loads(line[6:]) for line in lines[:-1]]
@@ -186,13 +214,16 @@ def test_echo_and_stop(client):
     assert lp["token_logprobs"][0] is None and len(lp["tokens"]) == 1 + 7 + 3  # <sos>, the prompt, 3 new
 
 
-@pytest.mark.parametrize("stops, text, final, shown", [
-    (("END",), "abc EN", False, "abc "),  # "EN" may become the stop string: held back
-    (("END",), "abc EN", True, "abc EN"),
-    (("END",), "abc ENDxyz", False, "abc "),
-    (("\n\n", "."), "one. two", True, "one"),
-    ((), "caf\ufffd", False, "caf"),  # an incomplete character waits for its next byte
-])
+@pytest.mark.parametrize(
+    "stops, text, final, shown",
+    [
+        (("END",), "abc EN", False, "abc "),  # "EN" may become the stop string: held back
+        (("END",), "abc EN", True, "abc EN"),
+        (("END",), "abc ENDxyz", False, "abc "),
+        (("\n\n", "."), "one. two", True, "one"),
+        ((), "caf\ufffd", False, "caf"),  # an incomplete character waits for its next byte
+    ],
+)
 def test_visible_text(stops, text, final, shown):
     assert visible_text(text, stops, final) == shown
 
@@ -212,8 +243,13 @@ def test_beam_search_equals_generate_many(client, models):
     served = models["tinyrun"]
     body = complete(client, prompt="The dog", max_tokens=8, beam_width=3, n=2, logprobs=1)
     ids = encode_prompt(served.tokenizer, "The dog")
-    cfg = GenerationConfig(max_new_tokens=8, temperature=1.0, beam_width=3, num_return_sequences=2,
-                           stop_ids=tuple(served.tokenizer.stop_ids))
+    cfg = GenerationConfig(
+        max_new_tokens=8,
+        temperature=1.0,
+        beam_width=3,
+        num_return_sequences=2,
+        stop_ids=tuple(served.tokenizer.stop_ids),
+    )
     want = generate_many(served.model, [ids], cfg, served.tokenizer.decode)
     assert [c["tinylm"]["token_ids"] for c in body["choices"]] == [g.tokens for g in want]
     assert all(len(c["logprobs"]["token_logprobs"]) == len(c["tinylm"]["token_ids"]) for c in body["choices"])
@@ -262,7 +298,9 @@ def test_bad_completion_requests(client, change, status, param):
 
 
 def test_invalid_json_and_oversized_bodies(client):
-    r = client.post("/v1/completions", content=b'{"model": "tinyrun", "prompt": ', headers={"content-type": "application/json"})
+    r = client.post(
+        "/v1/completions", content=b'{"model": "tinyrun", "prompt": ', headers={"content-type": "application/json"}
+    )
     assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
     r = client.post("/v1/completions", json=[1, 2, 3])
     assert r.status_code == 422 and "error" in r.json()
@@ -275,8 +313,13 @@ def test_invalid_json_and_oversized_bodies(client):
 
     r = client.post("/v1/completions", content=chunked(), headers={"content-type": "application/json"})
     assert r.status_code == 413
-    for path, body in (("/v1/tokenize", {}), ("/v1/detokenize", {"tokens": [-1]}), ("/v1/score", {"text": ""}),
-                       ("/v1/attention", {"text": ""}), ("/v1/tokenize", {"text": "a", "model": "x"})):
+    for path, body in (
+        ("/v1/tokenize", {}),
+        ("/v1/detokenize", {"tokens": [-1]}),
+        ("/v1/score", {"text": ""}),
+        ("/v1/attention", {"text": ""}),
+        ("/v1/tokenize", {"text": "a", "model": "x"}),
+    ):
         r = client.post(path, json=body)
         assert r.status_code in (400, 404, 422) and set(r.json()["error"]) == {"message", "type", "param", "code"}
     assert client.get("/v1/nothing").status_code == 404
@@ -286,12 +329,53 @@ def test_invalid_json_and_oversized_bodies(client):
 def test_nothing_a_client_sends_crashes_the_server(client):
     """Random values of random types in every field: always an answer (never a 500), then healthy."""
     rng = random.Random(0)
-    values = [None, -1, 0, 1, 2.5, -1e308, 1e308, "", "x", "\x00\ud7ff", [], [1], ["a"], [[1, 2]], {}, {"a": 1},
-              True, 10**30, [-(10**20)], "🙂" * 50]
-    fields = ["model", "prompt", "max_tokens", "temperature", "top_p", "n", "stream", "stop", "seed", "echo",
-              "logprobs", "top_k", "min_p", "min_tokens", "min_new_tokens", "stop_ids", "early_stopping",
-              "repetition_penalty", "no_repeat_ngram_size",
-              "beam_width", "length_penalty", "stream_options", "best_of"]
+    values = [
+        None,
+        -1,
+        0,
+        1,
+        2.5,
+        -1e308,
+        1e308,
+        "",
+        "x",
+        "\x00\ud7ff",
+        [],
+        [1],
+        ["a"],
+        [[1, 2]],
+        {},
+        {"a": 1},
+        True,
+        10**30,
+        [-(10**20)],
+        "🙂" * 50,
+    ]
+    fields = [
+        "model",
+        "prompt",
+        "max_tokens",
+        "temperature",
+        "top_p",
+        "n",
+        "stream",
+        "stop",
+        "seed",
+        "echo",
+        "logprobs",
+        "top_k",
+        "min_p",
+        "min_tokens",
+        "min_new_tokens",
+        "stop_ids",
+        "early_stopping",
+        "repetition_penalty",
+        "no_repeat_ngram_size",
+        "beam_width",
+        "length_penalty",
+        "stream_options",
+        "best_of",
+    ]
     statuses = set()
     for _ in range(examples(200)):  # 50 in the fast tier
         body = {"model": "tinyrun", "prompt": "The dog", "max_tokens": 3}
@@ -328,8 +412,20 @@ PROMPTS = ["The dog", "Once upon a time there was", "A"]
 
 def generate_cli(capsys, run, prompt, knobs, max_tokens, seed):
     """Token ids of `tinylm generate --json` with the same knobs."""
-    args = ["generate", "--checkpoint", str(run), "--prompt", prompt, "--seed", str(seed), "--json",
-            "--max-new-tokens", str(max_tokens), "--temperature", str(knobs["temperature"])]
+    args = [
+        "generate",
+        "--checkpoint",
+        str(run),
+        "--prompt",
+        prompt,
+        "--seed",
+        str(seed),
+        "--json",
+        "--max-new-tokens",
+        str(max_tokens),
+        "--temperature",
+        str(knobs["temperature"]),
+    ]
     for key in ("top_k", "top_p", "min_p", "repetition_penalty", "no_repeat_ngram_size"):
         if key in knobs:
             args += ["--" + key.replace("_", "-"), str(knobs[key])]
@@ -349,8 +445,9 @@ def test_server_equals_tinylm_generate_alone_and_batched(client, models, run, ca
     scheduler = models["tinyrun"].scheduler
     scheduler.max_rows_seen = 0
     with concurrent.futures.ThreadPoolExecutor(len(cases)) as pool:
-        together = list(pool.map(lambda case: complete(client, **body(*case))["choices"][0]["tinylm"]["token_ids"],
-                                 cases))
+        together = list(
+            pool.map(lambda case: complete(client, **body(*case))["choices"][0]["tinylm"]["token_ids"], cases)
+        )
     assert together == want
     assert scheduler.max_rows_seen >= 4  # they were decoded as one batch
 
@@ -364,19 +461,34 @@ def test_scheduler_rows_joining_and_leaving_get_their_tokens_alone(models, posit
     model = models["tinyrun"].model
     if positions == "rope":
         torch.manual_seed(1)
-        model = GPT(ModelConfig(vocab_size=model.config.vocab_size, context_length=32, d_model=32, n_layers=2,
-                                n_heads=4, n_kv_heads=2, positions="rope")).eval()
+        model = GPT(
+            ModelConfig(
+                vocab_size=model.config.vocab_size,
+                context_length=32,
+                d_model=32,
+                n_layers=2,
+                n_heads=4,
+                n_kv_heads=2,
+                positions="rope",
+            )
+        ).eval()
     ctx = model.config.context_length
     prompts = [[2, 5, 6, 7], [2, 9], list(range(2, 40)), [2, 11, 12, 13, 14, 15, 16]]
-    cfgs = [GenerationConfig(max_new_tokens=40, temperature=0),
-            GenerationConfig(max_new_tokens=30, temperature=1.0, seed=5),
-            GenerationConfig(max_new_tokens=25, temperature=0.7, top_k=10, repetition_penalty=1.3,
-                             no_repeat_ngram_size=2, seed=9),
-            GenerationConfig(max_new_tokens=7, temperature=1.0, top_p=0.9, seed=3, stop_ids=(3,))]
+    cfgs = [
+        GenerationConfig(max_new_tokens=40, temperature=0),
+        GenerationConfig(max_new_tokens=30, temperature=1.0, seed=5),
+        GenerationConfig(
+            max_new_tokens=25, temperature=0.7, top_k=10, repetition_penalty=1.3, no_repeat_ngram_size=2, seed=9
+        ),
+        GenerationConfig(max_new_tokens=7, temperature=1.0, top_p=0.9, seed=3, stop_ids=(3,)),
+    ]
     with pytest.warns(UserWarning, match="longer than the context"):
         fitted = fit_prompts(prompts, ctx)
-    alone = {(i, j): generate_many(model, [p], dataclasses.replace(c, seed_per_row=True))[0].tokens
-             for i, p in enumerate(fitted) for j, c in enumerate(cfgs)}
+    alone = {
+        (i, j): generate_many(model, [p], dataclasses.replace(c, seed_per_row=True))[0].tokens
+        for i, p in enumerate(fitted)
+        for j, c in enumerate(cfgs)
+    }
     scheduler = Scheduler(model, max_batch=6)  # fewer slots than rows: some wait for others to leave
     got, logprobs = {}, {}
     done = threading.Event()
@@ -389,6 +501,7 @@ def test_scheduler_rows_joining_and_leaving_get_their_tokens_alone(models, posit
                 got[key] = event.tokens
                 if len(got) == len(alone):
                     done.set()
+
         return emit
 
     torch.manual_seed(0)
@@ -405,8 +518,13 @@ def test_scheduler_rows_joining_and_leaving_get_their_tokens_alone(models, posit
 
 def test_serve_command_warns_off_loopback_and_passes_its_limits(run, monkeypatch, capsys):
     seen = {}
-    monkeypatch.setattr(tinylm.cli, "serve_models", lambda models, host, port, limits, key, runs: seen.update(
-        models=list(models), host=host, port=port, limits=limits, key=key))
+    monkeypatch.setattr(
+        tinylm.cli,
+        "serve_models",
+        lambda models, host, port, limits, key, runs: seen.update(
+            models=list(models), host=host, port=port, limits=limits, key=key
+        ),
+    )
     assert main(["serve", "--checkpoint", str(run), "--host", "0.0.0.0", "--port", "8123", "--max-tokens", "64"]) == 0
     assert "WITHOUT AUTHENTICATION" in capsys.readouterr().err
     assert seen["models"] == ["tinyrun"] and seen["host"] == "0.0.0.0" and seen["port"] == 8123
@@ -425,12 +543,18 @@ def test_a_knob_that_bans_every_token_fails_that_row_only():
     events = {"banned": [], "fine": []}
     finished = concurrent.futures.Future(), concurrent.futures.Future()
     for (name, cfg), future in zip(
-            (("banned", GenerationConfig(max_new_tokens=20, min_new_tokens=20, no_repeat_ngram_size=1, stop_ids=(3,))),
-             ("fine", GenerationConfig(max_new_tokens=20, temperature=0))), finished):
+        (
+            ("banned", GenerationConfig(max_new_tokens=20, min_new_tokens=20, no_repeat_ngram_size=1, stop_ids=(3,))),
+            ("fine", GenerationConfig(max_new_tokens=20, temperature=0)),
+        ),
+        finished,
+    ):
+
         def emit(event, name=name, future=future):
             events[name].append(event)
             if isinstance(event, (DoneEvent, ErrorEvent)) and not future.done():
                 future.set_result(event)
+
         scheduler.add(Row([2, 4], cfg, emit))
     banned, fine = (f.result(timeout=30) for f in finished)
     scheduler.close()

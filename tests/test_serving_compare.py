@@ -1,6 +1,7 @@
 """POST /v1/tinylm/score: a GPT (character tokenizer), a Kneser-Ney n-gram and a neural bigram (BPE)
 served together, scored on the same text: per-byte bits that sum to `tinylm evaluate`'s bits per
 byte, character bits on the same characters whatever the tokenizer, top predictions, refusals."""
+
 from __future__ import annotations
 
 import math
@@ -92,20 +93,24 @@ def test_every_model_on_the_same_bytes_sums_to_tinylm_evaluate(client, models):
 
 
 def test_a_subset_of_models_and_top_0(client):
-    body = client.post("/v1/tinylm/score", json={"models": ["bigram", "bigram"], "text": "The dog ran.",
-                                                 "top": 0}).json()
+    body = client.post(
+        "/v1/tinylm/score", json={"models": ["bigram", "bigram"], "text": "The dog ran.", "top": 0}
+    ).json()
     assert [m["model"] for m in body["models"]] == ["bigram"]
     assert all(t["top"] == [] for t in body["models"][0]["tokens"])
 
 
-@pytest.mark.parametrize("body, status, param", [
-    ({"text": ""}, 400, "text"),
-    ({"text": "x", "top": 21}, 400, "top"),
-    ({"text": "x", "models": []}, 400, "models"),
-    ({"text": "x", "models": ["nope"]}, 404, "model"),
-    ({"text": "x", "temperature": 1}, 400, "temperature"),
-    ({"text": 3}, 422, "text"),
-])
+@pytest.mark.parametrize(
+    "body, status, param",
+    [
+        ({"text": ""}, 400, "text"),
+        ({"text": "x", "top": 21}, 400, "top"),
+        ({"text": "x", "models": []}, 400, "models"),
+        ({"text": "x", "models": ["nope"]}, 404, "model"),
+        ({"text": "x", "temperature": 1}, 400, "temperature"),
+        ({"text": 3}, 422, "text"),
+    ],
+)
 def test_bad_requests_name_the_field(client, body, status, param):
     r = client.post("/v1/tinylm/score", json=body)
     assert r.status_code == status and r.json()["error"]["param"] == param, r.text

@@ -1,6 +1,7 @@
 """`tinylm serve` as a real process: the official `openai` client against it, a client that goes
 away mid-stream, and the playground page driven in a real browser (Debian's Chromium through
 Playwright), screenshots saved to the test's temporary directory."""
+
 import json
 import time
 
@@ -41,8 +42,9 @@ def test_openai_client_completions(server):
     assert many.choices[1].text == shifted.choices[0].text
 
     # logprobs: the top-5 alternatives per token, the chosen token among them when greedy
-    greedy = client.completions.create(model="tinyrun", prompt="The dog", max_tokens=6, temperature=0, logprobs=5,
-                                       extra_body={"min_tokens": 6})
+    greedy = client.completions.create(
+        model="tinyrun", prompt="The dog", max_tokens=6, temperature=0, logprobs=5, extra_body={"min_tokens": 6}
+    )
     lp = greedy.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 6
     for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
@@ -135,8 +137,7 @@ def test_the_page_in_a_real_browser(server, tmp_path):
         page.click("#compare-run")
         page.wait_for_function("document.querySelectorAll('#compare .column').length === 3", timeout=60_000)
         columns = page.locator("#compare .column")
-        assert [columns.nth(i).get_attribute("data-setting") for i in range(3)] == ["greedy", "sampling",
-                                                                                     "beam search"]
+        assert [columns.nth(i).get_attribute("data-setting") for i in range(3)] == ["greedy", "sampling", "beam search"]
         for i in range(3):
             assert "tokens/s" in columns.nth(i).inner_text()
             assert float(columns.nth(i).locator(".mean-logprob").inner_text()) < 0

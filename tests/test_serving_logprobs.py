@@ -1,6 +1,7 @@
 """/v1/completions as likelihood tools call it (lm-evaluation-harness's local-completions model):
 ``echo`` with ``max_tokens`` 0 or 1 and ``logprobs``, a log probability for every prompt token,
 prompts in every shape OpenAI takes and several in one request; and how served models are named."""
+
 from __future__ import annotations
 
 import pytest
@@ -30,8 +31,18 @@ def client(served):
 
 
 def score(client, prompt, max_tokens=0, logprobs=3, **extra):
-    r = client.post("/v1/completions", json={"model": "tinyrun", "prompt": prompt, "max_tokens": max_tokens,
-                                             "echo": True, "logprobs": logprobs, "temperature": 0, **extra})
+    r = client.post(
+        "/v1/completions",
+        json={
+            "model": "tinyrun",
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "echo": True,
+            "logprobs": logprobs,
+            "temperature": 0,
+            **extra,
+        },
+    )
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -81,8 +92,9 @@ def test_the_harness_request_scores_the_prompt_then_one_new_token(client, served
     lp = body["choices"][0]["logprobs"]
     assert len(lp["token_logprobs"]) == len(context + continuation) + 1
     scored = served.sequence_logprobs(context + continuation)
-    assert sum(lp["token_logprobs"][len(context):-1]) == pytest.approx(sum(x for x, _ in scored[len(context) - 1:]),
-                                                                       abs=1e-4)
+    assert sum(lp["token_logprobs"][len(context) : -1]) == pytest.approx(
+        sum(x for x, _ in scored[len(context) - 1 :]), abs=1e-4
+    )
     greedy = lp["top_logprobs"][-1]  # temperature 0: the new token is the most likely one
     assert lp["token_logprobs"][-1] == pytest.approx(max(greedy.values()))
 
@@ -132,21 +144,31 @@ def test_a_prompt_longer_than_the_context_is_scored_whole(client, served):
 
 @pytest.mark.parametrize("extra, param", [({"echo": False}, "max_tokens"), ({"stream": True}, "stream")])
 def test_max_tokens_zero_only_scores_an_echoed_prompt(client, extra, param):
-    r = client.post("/v1/completions", json={"model": "tinyrun", "prompt": "The dog", "max_tokens": 0, "echo": True,
-                                             **extra})
+    r = client.post(
+        "/v1/completions", json={"model": "tinyrun", "prompt": "The dog", "max_tokens": 0, "echo": True, **extra}
+    )
     assert r.status_code == 400 and r.json()["error"]["param"] == param
 
 
 def test_echo_without_logprobs_gives_the_prompt_back(client):
-    body = client.post("/v1/completions", json={"model": "tinyrun", "prompt": "The dog", "max_tokens": 0,
-                                                "echo": True}).json()
+    body = client.post(
+        "/v1/completions", json={"model": "tinyrun", "prompt": "The dog", "max_tokens": 0, "echo": True}
+    ).json()
     assert body["choices"][0]["text"] == "The dog" and body["choices"][0]["logprobs"] is None
 
 
 # ----------------------------------------------------------------------------------- names
-@pytest.mark.parametrize("path, name", [("runs/x/checkpoints/ema", "x"), ("runs/x/checkpoints/step-0000100", "x"),
-                                        ("runs/x/checkpoints/best", "x"), ("runs/x", "x"),
-                                        ("stories260K.bin", "stories260K"), ("out/hf-model", "hf-model")])
+@pytest.mark.parametrize(
+    "path, name",
+    [
+        ("runs/x/checkpoints/ema", "x"),
+        ("runs/x/checkpoints/step-0000100", "x"),
+        ("runs/x/checkpoints/best", "x"),
+        ("runs/x", "x"),
+        ("stories260K.bin", "stories260K"),
+        ("out/hf-model", "hf-model"),
+    ],
+)
 def test_a_served_model_is_named_after_its_run(path, name):
     assert model_name(path, set()) == name
     assert model_name(path, {name}) == f"{name}-2"
@@ -161,7 +183,10 @@ def test_names_can_be_chosen(tmp_path):
     finally:
         for m in models.values():
             m.scheduler.close()
-    for names, message in ((["a"], "1 --name for 2 --checkpoint"), (["a", "a"], "distinct"),
-                           (["a", "b/c"], "without '/'")):
+    for names, message in (
+        (["a"], "1 --name for 2 --checkpoint"),
+        (["a", "a"], "distinct"),
+        (["a", "b/c"], "without '/'"),
+    ):
         with pytest.raises(TinyLMError, match=message):
             load_models([ema, ema], [], max_batch=2, names=names)

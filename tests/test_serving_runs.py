@@ -1,6 +1,7 @@
 """`tinylm serve --runs DIR` through FastAPI's test client: the runs listed, a metrics file read
 while it grows (and while its last line is half written), checkpoints loaded into the server and
 reloaded, samples per checkpoint, and the logit lens route against the model's own scores."""
+
 import json
 import math
 import shutil
@@ -24,8 +25,9 @@ def root(tmp_path_factory):
     nested = make_run(root / "study")  # root/study/tinyrun
     (nested / "samples.json").write_text(json.dumps([{"prompt": "Once", "continuation": " upon"}]))
     (nested / "config.yaml").write_text("sample:\n  prompts: ['Once upon', 'The dog']\n  seed: 3\n")
-    rows = [{"step": s, "tokens": 64 * s, "samples": [{"prompt": "Once", "continuation": f" at {s}"}]}
-            for s in (10, 20, 10)]  # a resumed run wrote step 10 again
+    rows = [
+        {"step": s, "tokens": 64 * s, "samples": [{"prompt": "Once", "continuation": f" at {s}"}]} for s in (10, 20, 10)
+    ]  # a resumed run wrote step 10 again
     (nested / "eval_samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 3')
     return root
 
@@ -101,8 +103,10 @@ def test_a_loaded_checkpoint_is_served_and_a_second_load_reloads_it(client, root
     assert r.json() == {"model": "study-tinyrun-best", "reloaded": False, "step": 30}
     assert [m["id"] for m in client.get("/v1/models").json()["data"]] == ["tinyrun", "study-tinyrun-best"]
     first = client.app.state.server.models["study-tinyrun-best"]
-    done = client.post("/v1/completions", json={"model": "study-tinyrun-best", "prompt": "Once", "max_tokens": 4,
-                                                "min_tokens": 4, "temperature": 0}).json()
+    done = client.post(
+        "/v1/completions",
+        json={"model": "study-tinyrun-best", "prompt": "Once", "max_tokens": 4, "min_tokens": 4, "temperature": 0},
+    ).json()
     assert done["usage"]["completion_tokens"] == 4
     again = client.post("/v1/tinylm/runs/load", json={"run": "study/tinyrun", "checkpoint": "best"}).json()
     assert again["reloaded"] and again["model"] == "study-tinyrun-best"
@@ -186,8 +190,11 @@ def test_a_server_of_runs_alone_starts_with_no_model_and_says_so(root):
 
 def test_the_serve_command_takes_a_runs_directory(root, tmp_path, monkeypatch, capsys):
     seen = {}
-    monkeypatch.setattr(tinylm.cli, "serve_models", lambda models, host, port, limits, key, runs: seen.update(
-        models=list(models), runs=runs))
+    monkeypatch.setattr(
+        tinylm.cli,
+        "serve_models",
+        lambda models, host, port, limits, key, runs: seen.update(models=list(models), runs=runs),
+    )
     assert main(["serve", "--runs", str(root)]) == 0  # no --checkpoint: models come from the Runs view
     assert seen["models"] == [] and seen["runs"].root == root and seen["runs"].max_batch == 32
     assert main(["serve", "--runs", str(root), "--checkpoint", str(root / "tinyrun"), "--max-batch", "3"]) == 0

@@ -1,5 +1,6 @@
 """N-gram and neural bigram models behind the GPT's forward: the same probabilities as their own
 scoring, `tinylm evaluate` on their files, and clear refusals (generation, attention, a wrong tokenizer)."""
+
 from __future__ import annotations
 
 import json
@@ -80,8 +81,9 @@ def test_bigram_logits_and_evaluate(tok, bigram):
     assert model.num_parameters() == bigram.num_parameters() == tok.vocab_size * 16 * 2 + tok.vocab_size
 
 
-def test_files_load_with_the_tokenizer_beside_them_and_tinylm_evaluate_scores_them(tmp_path, tok, ngram, bigram,
-                                                                                   capsys):
+def test_files_load_with_the_tokenizer_beside_them_and_tinylm_evaluate_scores_them(
+    tmp_path, tok, ngram, bigram, capsys
+):
     tok.save(tmp_path / "tokenizer.json")
     ngram.save(tmp_path / "ngram-3.npz")
     bigram.save(tmp_path / "bigram.pt")

@@ -36,11 +36,12 @@ def test_overlap_check_finds_a_planted_overlap():
     valid = ["\n".join(f"valid line {i} of the play" for i in range(50))]
     clean = line_overlap(train, valid, sample=100)
     assert (clean["sampled"], clean["sampled_found"], clean["distinct_found"]) == (50, 0, 0)
-    planted = ["\n".join([f"train line {i} of the play" for i in range(10)] + ["Exit.", "", "  valid line 3 of the play  "])]
+    planted = [
+        "\n".join([f"train line {i} of the play" for i in range(10)] + ["Exit.", "", "  valid line 3 of the play  "])
+    ]
     out = line_overlap(train, valid + planted, sample=1000)
     assert out["distinct_lines"] == 61 and out["distinct_found"] == 10  # "Exit." is not in train
     assert out["sampled"] == 62 and out["sampled_found"] == 10
     assert line_overlap(train + ["Exit."], planted, min_words=2)["distinct_lines"] == 11  # "Exit." left out
     sample = line_overlap(train, valid + planted, sample=20, seed=3)
     assert sample == line_overlap(train, valid + planted, sample=20, seed=3) and sample["sampled"] == 20
-

@@ -1,4 +1,5 @@
 """The studies' cached stages: written atomically, reused under the same key, recomputed otherwise."""
+
 from __future__ import annotations
 
 import json
@@ -15,6 +16,7 @@ def counting(result: dict):
     def compute() -> dict:
         calls.append(1)
         return dict(result)
+
     return compute, calls
 
 
@@ -55,6 +57,7 @@ def test_an_interrupted_write_leaves_the_old_file_whole(tmp_path, monkeypatch):
 
     def interrupted(src, dst):
         raise OSError("the machine went down before the rename")
+
     monkeypatch.setattr(stages.os, "replace", interrupted)
     with pytest.raises(OSError, match="went down"):
         Stage(path, "new").compute(lambda: {"valid_ppl": 9.0})

@@ -2,6 +2,7 @@
 its refusal of a split shorter than one context window, the report preset's quick mode on
 Shakespeare (every stage, under 90 s), the study config's sections (old flat keys still load) and
 the `tinylm study` command line."""
+
 from __future__ import annotations
 
 import copy
@@ -20,28 +21,47 @@ from tinylm.errors import TinyLMError
 from tinylm.studies.shakespeare import run_study
 from tinylm.studies.study_config import FLAT_KEYS, StudyConfig, load_study_config, study_config
 
-LINES = ["ROMEO. But soft, what light through yonder window breaks?", "JULIET. O Romeo, Romeo, wherefore art thou Romeo?",
-         "HAMLET. To be, or not to be, that is the question.", "KING. Once more unto the breach, dear friends, once more.",
-         "PUCK. If we shadows have offended, think but this, and all is mended.", "LEAR. Nothing will come of nothing."]
+LINES = [
+    "ROMEO. But soft, what light through yonder window breaks?",
+    "JULIET. O Romeo, Romeo, wherefore art thou Romeo?",
+    "HAMLET. To be, or not to be, that is the question.",
+    "KING. Once more unto the breach, dear friends, once more.",
+    "PUCK. If we shadows have offended, think but this, and all is mended.",
+    "LEAR. Nothing will come of nothing.",
+]
 
 
 @pytest.fixture
 def corpus(tmp_path):
     rng = random.Random(0)
     path = tmp_path / "plays.jsonl"
-    docs = ["\n\n".join(" ".join(rng.choice(LINES) for _ in range(3)) for _ in range(8)) + f"\n\nEnd of play {i}." for i in range(30)]
+    docs = [
+        "\n\n".join(" ".join(rng.choice(LINES) for _ in range(3)) for _ in range(8)) + f"\n\nEnd of play {i}."
+        for i in range(30)
+    ]
     path.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs), encoding="utf-8")
     return path
 
 
 def tiny_config(out_dir, corpus, *overrides: str) -> StudyConfig:
-    base = {"out_dir": str(out_dir),
-            "data": {"source": "text", "train": str(corpus), "valid_fraction": 0.15, "test_fraction": 0.15},
-            "tokenizers": {"bpe_merges": [40], "word_vocab": 40}, "ngram": {"orders": [1, 2]},
-            "bigram": {"d_embeds": [8], "weight_decays": [0.0, 0.1], "max_steps": 40, "max_seconds": 5.0},
-            "gpt": {"context_length": 16, "sizes": ["t=1x16x2"], "dropout": 0.0, "batch_size": 4, "max_steps": 4,
-                    "minutes": 0.5, "eval_interval": 2, "eval_batches": 1},
-            "sampling": {"prompts": ["ROMEO."], "max_new_tokens": 5}}
+    base = {
+        "out_dir": str(out_dir),
+        "data": {"source": "text", "train": str(corpus), "valid_fraction": 0.15, "test_fraction": 0.15},
+        "tokenizers": {"bpe_merges": [40], "word_vocab": 40},
+        "ngram": {"orders": [1, 2]},
+        "bigram": {"d_embeds": [8], "weight_decays": [0.0, 0.1], "max_steps": 40, "max_seconds": 5.0},
+        "gpt": {
+            "context_length": 16,
+            "sizes": ["t=1x16x2"],
+            "dropout": 0.0,
+            "batch_size": 4,
+            "max_steps": 4,
+            "minutes": 0.5,
+            "eval_interval": 2,
+            "eval_batches": 1,
+        },
+        "sampling": {"prompts": ["ROMEO."], "max_new_tokens": 5},
+    }
     return study_config(base, parse_overrides(list(overrides)))
 
 
@@ -61,7 +81,9 @@ def test_study_writes_one_table_for_every_model_and_tokenizer(tmp_path, corpus):
         # bits per byte and token perplexity describe the same NLL: tokens x ln(ppl) = bytes x ln 2 x bpb,
         # and every row, whatever its tokenizer, scores the same test text, so the same number of bytes
         assert float(r["test_ppl"]) > 1.0
-        test_bytes.add(round(int(r["test_tokens"]) * math.log(float(r["test_ppl"])) / (math.log(2) * float(r["test_bpb"])), 6))
+        test_bytes.add(
+            round(int(r["test_tokens"]) * math.log(float(r["test_ppl"])) / (math.log(2) * float(r["test_bpb"])), 6)
+        )
     assert len(test_bytes) == 1 and float(test_bytes.pop()).is_integer()
     kn = {(r["tokenizer"], r["order"]): float(r["test_bpb"]) for r in rows if r["smoothing"] == "kneser_ney"}
     assert kn[("char", "2")] < kn[("char", "1")]  # a bigram context helps on text
@@ -85,7 +107,8 @@ def test_study_writes_one_table_for_every_model_and_tokenizer(tmp_path, corpus):
     assert f"at {float(gpt_bpe['test_bpb']):.3f} test bits per byte" in md
     assert yaml.safe_load((out / "bpe-40" / "gpt-t" / "config.yaml").read_text())["model"]["norm"] == "rmsnorm"
     assert study["gpt_runs"][0]["tokens_per_parameter"] == pytest.approx(
-        study["gpt_runs"][0]["train_tokens"] / study["gpt_runs"][0]["parameters"])
+        study["gpt_runs"][0]["train_tokens"] / study["gpt_runs"][0]["parameters"]
+    )
 
 
 @pytest.mark.slow
@@ -104,36 +127,56 @@ def test_a_rerun_resumes_by_stage(tmp_path, corpus, caplog):
 
 
 def test_a_split_shorter_than_the_context_is_an_error_not_infinity(tmp_path, corpus):
-    cfg = tiny_config(tmp_path / "study", corpus, "gpt.context_length=100000", "tokenizers.char=false",
-                      "tokenizers.word=false")
+    cfg = tiny_config(
+        tmp_path / "study", corpus, "gpt.context_length=100000", "tokenizers.char=false", "tokenizers.word=false"
+    )
     with pytest.raises(TinyLMError, match="fewer than one context window"):
         run_study(cfg)
     # the report's 1% GPT run: its validation stream is shorter than the context
-    cfg = tiny_config(tmp_path / "frac", corpus, "gpt.context_length=64", "gpt.data_fraction=0.01",
-                      "tokenizers.char=false", "tokenizers.word=false")
+    cfg = tiny_config(
+        tmp_path / "frac",
+        corpus,
+        "gpt.context_length=64",
+        "gpt.data_fraction=0.01",
+        "tokenizers.char=false",
+        "tokenizers.word=false",
+    )
     with pytest.raises(TinyLMError, match="fewer than one context window"):
         run_study(cfg)
 
 
 def test_grids_and_sizes_come_from_the_command_line():
-    cfg = load_study_config("shakespeare-report", ['gpt.sizes=["tiny=2x32x2"]', "bigram.lrs=[1e-3]",
-                                                   "tokenizers.bpe_merges=[50,60]", "tokenizers.model_merges=[50]",
-                                                   "ngram.start_padding=single"])
+    cfg = load_study_config(
+        "shakespeare-report",
+        [
+            'gpt.sizes=["tiny=2x32x2"]',
+            "bigram.lrs=[1e-3]",
+            "tokenizers.bpe_merges=[50,60]",
+            "tokenizers.model_merges=[50]",
+            "ngram.start_padding=single",
+        ],
+    )
     assert cfg.gpt.sizes == ["tiny=2x32x2"] and cfg.bigram.lrs == [1e-3] and cfg.ngram.start_padding == "single"
-    assert cfg.tokenizers.bpe_type == "word_bpe" and cfg.bigram.d_embeds == [64, 128] and cfg.data.valid_fraction == 0.05
+    assert (
+        cfg.tokenizers.bpe_type == "word_bpe" and cfg.bigram.d_embeds == [64, 128] and cfg.data.valid_fraction == 0.05
+    )
     with pytest.raises(TinyLMError, match="gpt.sizes: 'big' is not of the form name=LAYERSxD_MODELxHEADS"):
         load_study_config("shakespeare-report", ['gpt.sizes=["big"]', "out_dir=/nonexistent/x"])
 
 
-@pytest.mark.parametrize("overrides, message", [
-    ("bigram.mode=minibatch", "bigram.mode='minibatch' is not one of auto, counts, pairs"),
-    ("tokenizers.bpe_type=sentencepiece", "tokenizers.bpe_type='sentencepiece' is not one of bpe, word_bpe"),
-    ('ngram.smoothings=["witten_bell"]', "ngram.smoothings='witten_bell' is not one of laplace, add_0.1"),
-    ("gpt.data_fraction=1.5", "gpt.data_fraction must be in (0, 1] (got 1.5)"),
-    ("tokenizers.model_merges=[5000]", "tokenizers.model_merges [5000] must be among bpe_merges"),
-    ("ngram.fixed_weights=[0.5,0.5]", "ngram.fixed_weights needs 5 weights"),
-    ('gpt.tokenizers=["char"]', "gpt.tokenizers ['char'] are not modelled tokenizers"),
-    ("bigram.lrs=[] bigram.d_embeds=[]", "bigram.lrs is empty and so is d_embeds x weight_decays")])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ("bigram.mode=minibatch", "bigram.mode='minibatch' is not one of auto, counts, pairs"),
+        ("tokenizers.bpe_type=sentencepiece", "tokenizers.bpe_type='sentencepiece' is not one of bpe, word_bpe"),
+        ('ngram.smoothings=["witten_bell"]', "ngram.smoothings='witten_bell' is not one of laplace, add_0.1"),
+        ("gpt.data_fraction=1.5", "gpt.data_fraction must be in (0, 1] (got 1.5)"),
+        ("tokenizers.model_merges=[5000]", "tokenizers.model_merges [5000] must be among bpe_merges"),
+        ("ngram.fixed_weights=[0.5,0.5]", "ngram.fixed_weights needs 5 weights"),
+        ('gpt.tokenizers=["char"]', "gpt.tokenizers ['char'] are not modelled tokenizers"),
+        ("bigram.lrs=[] bigram.d_embeds=[]", "bigram.lrs is empty and so is d_embeds x weight_decays"),
+    ],
+)
 def test_a_bad_setting_is_one_error_naming_the_key_before_any_work(overrides, message):
     with pytest.raises(TinyLMError) as info:
         load_study_config("shakespeare-report", overrides.split())
@@ -146,6 +189,7 @@ def test_gpt_run_overrides_must_name_a_model_or_train_key():
         study_config(parse_overrides(['gpt.run_overrides=["data.train=x"]']))
     with pytest.raises(TinyLMError, match="norm"):  # checked by the run config when the GPT is built
         from tinylm.config import RunConfig, apply_updates
+
         apply_updates(RunConfig(), parse_overrides(["model.norm=batchnorm"]))
 
 
@@ -153,11 +197,25 @@ def test_the_verdict_names_each_reference_and_the_gap():
     from tinylm.studies.shakespeare_summary import answer_lines
 
     def row(model, order, smoothing, bpb, converged=True):
-        return {"tokenizer": "bpe-10", "model": model, "order": order, "smoothing": smoothing, "test_bpb": bpb,
-                "converged": converged}
-    run = {"rows": [row("ngram", 2, "kneser_ney", 2.0), row("ngram", 4, "kneser_ney", 1.8),
-                    row("ngram", 4, "laplace", 3.0), row("neural_bigram", 2, "d=8", 2.4, False),
-                    row("gpt", None, "small", 1.62), row("gpt", None, "big", 1.9, False)]}
+        return {
+            "tokenizer": "bpe-10",
+            "model": model,
+            "order": order,
+            "smoothing": smoothing,
+            "test_bpb": bpb,
+            "converged": converged,
+        }
+
+    run = {
+        "rows": [
+            row("ngram", 2, "kneser_ney", 2.0),
+            row("ngram", 4, "kneser_ney", 1.8),
+            row("ngram", 4, "laplace", 3.0),
+            row("neural_bigram", 2, "d=8", 2.4, False),
+            row("gpt", None, "small", 1.62),
+            row("gpt", None, "big", 1.9, False),
+        ]
+    }
     text = "\n".join(answer_lines(None, run))
     assert "the best GPT, small at 1.620 test bits per byte" in text
     assert "beats the 4-gram kneser_ney (1.800) by 0.180 bits per byte (10.0%)" in text
@@ -174,21 +232,57 @@ def test_the_verdict_names_each_reference_and_the_gap():
 
 
 def test_old_flat_keys_load_into_their_sections():
-    flat = {"source": "text", "train_path": "plays.jsonl", "valid_fraction": 0.2, "bpe_type": "word_bpe",
-            "bpe_merges": [10, 20], "normalizations": ["aggressive"], "word_vocab": 300, "orders": [1, 2],
-            "smoothings": ["laplace"], "start_padding": "order", "bigram_lrs": [0.5], "bigram_max_steps": 7,
-            "bigram_sweep_on": "all", "gpt": False, "gpt_sizes": ["a=1x8x2"], "gpt_minutes": 0.25, "context_length": 32,
-            "dropout": 0.0, "prompts": ["HAMLET."], "sample_tokens": 9, "temperature": 0.5, "seed": 7, "threads": 2}
+    flat = {
+        "source": "text",
+        "train_path": "plays.jsonl",
+        "valid_fraction": 0.2,
+        "bpe_type": "word_bpe",
+        "bpe_merges": [10, 20],
+        "normalizations": ["aggressive"],
+        "word_vocab": 300,
+        "orders": [1, 2],
+        "smoothings": ["laplace"],
+        "start_padding": "order",
+        "bigram_lrs": [0.5],
+        "bigram_max_steps": 7,
+        "bigram_sweep_on": "all",
+        "gpt": False,
+        "gpt_sizes": ["a=1x8x2"],
+        "gpt_minutes": 0.25,
+        "context_length": 32,
+        "dropout": 0.0,
+        "prompts": ["HAMLET."],
+        "sample_tokens": 9,
+        "temperature": 0.5,
+        "seed": 7,
+        "threads": 2,
+    }
     cfg = study_config(flat)
     assert (cfg.data.source, cfg.data.train, cfg.data.valid_fraction, cfg.data.split_by) == (
-        "text", "plays.jsonl", 0.2, "chunk")
+        "text",
+        "plays.jsonl",
+        0.2,
+        "chunk",
+    )
     assert (cfg.tokenizers.bpe_type, cfg.tokenizers.bpe_merges, cfg.tokenizers.normalizations) == (
-        "word_bpe", [10, 20], ["aggressive"])
+        "word_bpe",
+        [10, 20],
+        ["aggressive"],
+    )
     assert (cfg.tokenizers.word_vocab, cfg.ngram.orders, cfg.ngram.smoothings, cfg.ngram.start_padding) == (
-        300, [1, 2], ["laplace"], "order")
+        300,
+        [1, 2],
+        ["laplace"],
+        "order",
+    )
     assert (cfg.bigram.lrs, cfg.bigram.max_steps, cfg.bigram.sweep_on) == ([0.5], 7, "all")
     assert (cfg.gpt.enabled, cfg.gpt.sizes, cfg.gpt.minutes, cfg.gpt.context_length, cfg.gpt.dropout) == (
-        False, ["a=1x8x2"], 0.25, 32, 0.0)
+        False,
+        ["a=1x8x2"],
+        0.25,
+        32,
+        0.0,
+    )
     assert (cfg.sampling.prompts, cfg.sampling.max_new_tokens, cfg.sampling.temperature) == (["HAMLET."], 9, 0.5)
     assert (cfg.seed, cfg.threads) == (7, 2)
     # a flat key on the command line too, and a flat file with a section beside it
@@ -208,7 +302,8 @@ def test_the_report_preset_quick_mode_covers_every_stage_under_90_s(tmp_path):
     names = [t["tokenizer"] for t in state["tokenizers"]]
     assert names == ["word_bpe-100", "word_bpe-200", "word_bpe-100-aggressive", "word_bpe-200-aggressive"]
     assert {(r["model"], r["smoothing"]) for r in state["rows"] if r["model"] == "ngram" and r["order"] == 3} == {
-        ("ngram", s) for s in ("laplace", "add_0.1", "interpolated", "interpolated_fixed", "kneser_ney")}
+        ("ngram", s) for s in ("laplace", "add_0.1", "interpolated", "interpolated_fixed", "kneser_ney")
+    }
     assert [r["label"] for r in state["bigram_runs"]] == ["lr=0.0005 d=64", "d=16 wd=0.0001"]
     assert state["gpt_runs"][0]["size"] == "tiny" and state["gpt_runs"][0]["parameters"] > 0
     assert len(list((out / "bigram_curves").glob("*.png"))) == 2

@@ -1,4 +1,5 @@
 """`tinylm tokenizer-stats`: numbers checked against direct computation, JSON output, errors."""
+
 from __future__ import annotations
 
 import json
@@ -15,8 +16,11 @@ from tinylm.tokenizers.stats import split_stats
 def split_files(tmp_path):
     stories = make_stories(60, seed=2)
     paths = {}
-    for name, part in (("train", stories[:40]), ("valid", stories[40:50] + ["Zebras quietly ate kiwis."]),
-                       ("test", stories[50:])):
+    for name, part in (
+        ("train", stories[:40]),
+        ("valid", stories[40:50] + ["Zebras quietly ate kiwis."]),
+        ("test", stories[50:]),
+    ):
         paths[name] = tmp_path / f"{name}.txt"
         paths[name].write_text("".join(f"{s}\n<|endoftext|>\n" for s in part), encoding="utf-8")
     return paths, stories
@@ -26,21 +30,46 @@ def test_split_stats_by_hand():
     tok = WordTokenizer().train(["the cat sat . the dog"], 8)  # the . cat dog
     stats = split_stats(tok, ["the cat ran .", "the cat"])
     # 6 tokens, 6 words, 1 <unk> (ran); bytes 13 + 7; "the cat" decodes exactly, the other is "the cat <unk>."
-    assert stats == {"vocab_size": 8, "documents": 2, "words": 6, "tokens": 6, "tokens_per_word": 1.0,
-                     "bytes_per_token": 20 / 6, "unk_rate": 1 / 6, "roundtrip_exact": 0.5}
+    assert stats == {
+        "vocab_size": 8,
+        "documents": 2,
+        "words": 6,
+        "tokens": 6,
+        "tokens_per_word": 1.0,
+        "bytes_per_token": 20 / 6,
+        "unk_rate": 1 / 6,
+        "roundtrip_exact": 0.5,
+    }
 
 
 def test_cli_json_matches_direct_computation(split_files, capsys, tmp_path):
     paths, stories = split_files
     tok = BPETokenizer().train(stories[:40], 400)
     tok.save(tmp_path / "bpe.json")
-    args = ["tokenizer-stats", "--tokenizer", str(tmp_path / "bpe.json"), "--train", "word:60",
-            "--data", f"train={paths['train']}", "--data", f"valid={paths['valid']}", "--data", str(paths["test"]), "--json"]
+    args = [
+        "tokenizer-stats",
+        "--tokenizer",
+        str(tmp_path / "bpe.json"),
+        "--train",
+        "word:60",
+        "--data",
+        f"train={paths['train']}",
+        "--data",
+        f"valid={paths['valid']}",
+        "--data",
+        str(paths["test"]),
+        "--json",
+    ]
     assert main(args) == 0
     rows = json.loads(capsys.readouterr().out)
     assert [(r["tokenizer"].split("/")[-1], r["split"]) for r in rows] == [
-        ("bpe.json", "train"), ("bpe.json", "valid"), ("bpe.json", "test"),
-        ("word:60", "train"), ("word:60", "valid"), ("word:60", "test")]
+        ("bpe.json", "train"),
+        ("bpe.json", "valid"),
+        ("bpe.json", "test"),
+        ("word:60", "train"),
+        ("word:60", "valid"),
+        ("word:60", "test"),
+    ]
     valid_docs = stories[40:50] + ["Zebras quietly ate kiwis."]
     ids = [tok.encode(d) for d in valid_docs]
     bpe_valid = rows[1]

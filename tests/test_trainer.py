@@ -1,4 +1,5 @@
 """Trainer guard rails and options: NaN stop, early stopping, TensorBoard, precision, compile."""
+
 import copy
 import math
 
@@ -12,7 +13,6 @@ from tinylm.models.checkpoint import load_checkpoint, model_state, save_checkpoi
 from tinylm.training.precision import make_grad_scaler
 from tinylm.training.metrics import read_metrics
 from tinylm.training.trainer import build_model, train
-
 
 
 @pytest.fixture(scope="module")
@@ -132,13 +132,26 @@ def test_compiled_model_checkpoints_store_plain_weight_names(prepared_run, tmp_p
 def test_cli_bad_training_inputs_are_one_line_errors(tmp_path, stories_file, capsys):
     from tinylm.cli import main
 
-    common = ["train", "--out", str(tmp_path / "run"), "data.source=tinystories", f"data.train={stories_file}",
-              "tokenizer.vocab_size=300", "model.context_length=32", "model.d_model=32", "model.n_layers=1",
-              "model.n_heads=4", "train.progress=false", "train.max_steps=2"]
-    for extra, match in ((["train.precision=fp16", "train.device=cpu"], "fp16 needs a CUDA device"),
-                         (["train.grad_accum_steps=0"], "grad_accum_steps must be >= 1"),
-                         (["train.global_batch_size=7", "train.grad_accum_steps=2"], "not divisible by world size 1"),
-                         (["train.batch_size=100000"], "larger than the train split")):
+    common = [
+        "train",
+        "--out",
+        str(tmp_path / "run"),
+        "data.source=tinystories",
+        f"data.train={stories_file}",
+        "tokenizer.vocab_size=300",
+        "model.context_length=32",
+        "model.d_model=32",
+        "model.n_layers=1",
+        "model.n_heads=4",
+        "train.progress=false",
+        "train.max_steps=2",
+    ]
+    for extra, match in (
+        (["train.precision=fp16", "train.device=cpu"], "fp16 needs a CUDA device"),
+        (["train.grad_accum_steps=0"], "grad_accum_steps must be >= 1"),
+        (["train.global_batch_size=7", "train.grad_accum_steps=2"], "not divisible by world size 1"),
+        (["train.batch_size=100000"], "larger than the train split"),
+    ):
         assert main(common + extra) == 2
         err = capsys.readouterr().err
         errors = [line for line in err.splitlines() if ": error: " in line]  # after the prepare lines
@@ -177,8 +190,12 @@ def test_an_epoch_visits_every_story_once(prepared_run):
     batches = Batches(split, longest, "stories", seed=3, epoch_rows=4)  # whole stories, no windows
     per_epoch = batches.steps_per_epoch
     assert per_epoch == split.n_docs // 4
-    units = lambda epoch: torch.cat([batches.epoch_units(epoch * per_epoch + i, 0, 4)  # noqa: E731
-                                     for i in range(per_epoch)]).tolist()
+    units = lambda epoch: torch.cat(
+        [
+            batches.epoch_units(epoch * per_epoch + i, 0, 4)  # noqa: E731
+            for i in range(per_epoch)
+        ]
+    ).tolist()
     assert len(set(units(0))) == per_epoch * 4  # no story twice in an epoch
     assert units(0) != units(1)  # a new order each epoch
     # a step's rows are those stories, from their <sos>
@@ -200,8 +217,9 @@ def test_label_smoothing_trains_on_the_smoothed_loss_and_validates_on_the_plain_
     y = torch.randint(4, 100, (2, 16))
     y[0, -3:] = -100
     logits, loss = model(x, y, loss_reduction="sum", label_smoothing=0.1)
-    expected = torch.nn.functional.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1), ignore_index=-100,
-                                                 reduction="sum", label_smoothing=0.1)
+    expected = torch.nn.functional.cross_entropy(
+        logits.view(-1, logits.size(-1)), y.view(-1), ignore_index=-100, reduction="sum", label_smoothing=0.1
+    )
     assert torch.allclose(loss, expected)
     _, plain = model(x, y, loss_reduction="sum")
     assert not torch.allclose(loss, plain)
@@ -215,8 +233,9 @@ def test_label_smoothing_trains_on_the_smoothed_loss_and_validates_on_the_plain_
 
 @pytest.mark.slow  # three tiny runs
 def test_max_tokens_sets_the_step_count_stops_exactly_and_resume_keeps_it(tmp_path):
-    cfg, prepared = prepared_stories_run(tmp_path, threads=1, max_steps=1000, save_interval=3, eval_interval=3,
-                                         keep_last=5, log_interval=1)
+    cfg, prepared = prepared_stories_run(
+        tmp_path, threads=1, max_steps=1000, save_interval=3, eval_interval=3, keep_last=5, log_interval=1
+    )
     step_tokens = cfg.train.batch_size * cfg.model.context_length  # 4 rows of 32 positions
     cfg.train.max_tokens = 6 * step_tokens
     full = train(copy.deepcopy(cfg), prepared, tmp_path / "full")
@@ -227,8 +246,9 @@ def test_max_tokens_sets_the_step_count_stops_exactly_and_resume_keeps_it(tmp_pa
 
     resumed = train(copy.deepcopy(cfg), prepared, tmp_path / "resumed", resume=full.checkpoint_dir / "step-0000003")
     again = read_metrics(tmp_path / "resumed/metrics.csv")
-    assert resumed.steps == 6 and [(r["step"], r["train_loss"]) for r in again if int(r["step"]) > 3] == \
-        [(r["step"], r["train_loss"]) for r in rows if int(r["step"]) > 3]  # the same losses, bit for bit
+    assert resumed.steps == 6 and [(r["step"], r["train_loss"]) for r in again if int(r["step"]) > 3] == [
+        (r["step"], r["train_loss"]) for r in rows if int(r["step"]) > 3
+    ]  # the same losses, bit for bit
 
     cfg.train.max_tokens = 6 * step_tokens + 1  # a budget between steps: the step that reaches it is the last
     assert train(copy.deepcopy(cfg), prepared, tmp_path / "over").steps == 7
@@ -257,8 +277,14 @@ def test_on_evaluate_sees_each_evaluation_and_changes_nothing(tmp_path):
 
 def test_document_attention_reaches_the_training_and_validation_losses(prepared_run, tmp_path):
     base, prepared = prepared_run
-    runs = {on: train(_cfg(base, max_steps=2, log_interval=1, eval_interval=2, document_attention=on), prepared,
-                      tmp_path / str(on)) for on in (False, True)}
+    runs = {
+        on: train(
+            _cfg(base, max_steps=2, log_interval=1, eval_interval=2, document_attention=on),
+            prepared,
+            tmp_path / str(on),
+        )
+        for on in (False, True)
+    }
     logs = {on: read_metrics(tmp_path / str(on) / "metrics.csv") for on in runs}
     # the same seed, batches and weights: only the attention mask tells the two runs apart
     first = {on: float(logs[on][0]["train_loss"]) for on in runs}

@@ -2,6 +2,7 @@
 identical to applying the merges one after the other (the report's way), the normalisations on
 hand-written strings, tokens per word on a hand-checked text, lossless on normalised text,
 save/load."""
+
 from __future__ import annotations
 
 import random
@@ -18,9 +19,13 @@ from tinylm.tokenizers import load_tokenizer, train_from_config
 from tinylm.tokenizers.merges import merge_pair
 from tinylm.tokenizers.word_bpe import EOW_ID, FIRST_CHAR_ID, WordBPETokenizer, normalize_text
 
-CORPUS = ["To be, or not to be: that is the question.", "Whether 'tis nobler in the mind to suffer",
-          "The slings and arrows of outrageous fortune,", "Or to take arms against a sea of troubles",
-          "And by opposing end them. To die: to sleep; No more;"]
+CORPUS = [
+    "To be, or not to be: that is the question.",
+    "Whether 'tis nobler in the mind to suffer",
+    "The slings and arrows of outrageous fortune,",
+    "Or to take arms against a sea of troubles",
+    "And by opposing end them. To die: to sleep; No more;",
+]
 
 
 def reference_train(texts, n_merges, normalization="lower_nopunct"):
@@ -62,8 +67,10 @@ def report_encode(tok, text):
 def random_corpus(seed, n_words=300):
     rng = random.Random(seed)
     syllables = ["ba", "na", "an", "th", "e", "the", "ing", "a", "aa", "st", "o", "ro", "me"]
-    return [" ".join("".join(rng.choice(syllables) for _ in range(rng.randint(1, 4))) for _ in range(n_words // 10))
-            for _ in range(10)]
+    return [
+        " ".join("".join(rng.choice(syllables) for _ in range(rng.randint(1, 4))) for _ in range(n_words // 10))
+        for _ in range(10)
+    ]
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -128,8 +135,9 @@ def test_save_load_round_trip_and_config(tmp_path):
     text = "The mind of outrageous troubles, to sleep."
     assert back.encode(text) == tok.encode(text)
     assert back.decode(back.encode(text)) == "the mind of outrageous troubles to sleep"
-    by_size = train_from_config(TokenizerConfig(type="word_bpe", vocab_size=tok.vocab_size, normalization="aggressive"),
-                                CORPUS)
+    by_size = train_from_config(
+        TokenizerConfig(type="word_bpe", vocab_size=tok.vocab_size, normalization="aggressive"), CORPUS
+    )
     assert by_size.merges == tok.merges  # vocab_size instead of merges: the same tokenizer
     with pytest.raises(TinyLMError, match="smaller than the specials"):
         WordBPETokenizer().train(CORPUS, vocab_size=10)

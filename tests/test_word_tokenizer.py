@@ -1,4 +1,5 @@
 """Word-level tokenizer options: lowercase, punctuation, top-N / min-count, spaCy, coverage."""
+
 from __future__ import annotations
 
 import json
@@ -100,8 +101,9 @@ def test_config_options_reach_the_tokenizer():
     assert bpe.pattern == "gpt4" and bpe.vocab_size == 270
 
 
-@pytest.mark.parametrize("order,at", [(("<sos>", "<eos>", "<pad>", "<unk>"), "start"),
-                                      (("<pad>", "<unk>", "<sos>", "<eos>"), "end")])
+@pytest.mark.parametrize(
+    "order,at", [(("<sos>", "<eos>", "<pad>", "<unk>"), "start"), (("<pad>", "<unk>", "<sos>", "<eos>"), "end")]
+)
 def test_special_token_order_and_place_round_trip_through_save_and_load(tmp_path, order, at):
     from tinylm.tokenizers.io import load_tokenizer
 

@@ -1,2 +1,3 @@
 """tinylm: small language models from scratch."""
+
 __version__ = "0.1.0"

@@ -27,8 +27,16 @@ from typing import Any, Callable, Literal
 import torch
 
 from tinylm import __version__
-from tinylm.config import (GenerationConfig, build_config, check_range, config_value, field_types, knob_names,
-                           option, preset_names)
+from tinylm.config import (
+    GenerationConfig,
+    build_config,
+    check_range,
+    config_value,
+    field_types,
+    knob_names,
+    option,
+    preset_names,
+)
 from tinylm.data.corpora import load_text_file
 from tinylm.data.prepare import prepare as prepare_data
 from tinylm.errors import TinyLMError
@@ -60,13 +68,31 @@ log = logging.getLogger("tinylm")
 
 
 # --------------------------------------------------------------------------- options -> argparse
-def opt(help: str, default: Any = None, *, flag: str | None = None, positional: bool = False,
-        nargs: str | None = None, metavar: str | None = None, required: bool = False, group: str | None = None,
-        **bounds: float):
+def opt(
+    help: str,
+    default: Any = None,
+    *,
+    flag: str | None = None,
+    positional: bool = False,
+    nargs: str | None = None,
+    metavar: str | None = None,
+    required: bool = False,
+    group: str | None = None,
+    **bounds: float,
+):
     """A dataclass field that is also a command-line option (or positional argument); a ``Literal``
     type gives its choices, ``bounds`` (ge, gt, le, lt) its range, both checked as it is parsed."""
-    return option(default, help, flag=flag, positional=positional, nargs=nargs, metavar=metavar, required=required,
-                  group=group, **bounds)
+    return option(
+        default,
+        help,
+        flag=flag,
+        positional=positional,
+        nargs=nargs,
+        metavar=metavar,
+        required=required,
+        group=group,
+        **bounds,
+    )
 
 
 def _converter(kind: Any, name: str, bounds: tuple | None) -> Callable[[str], Any]:
@@ -77,6 +103,7 @@ def _converter(kind: Any, name: str, bounds: tuple | None) -> Callable[[str], An
         except TinyLMError as exc:
             raise argparse.ArgumentTypeError(str(exc)) from None
         return value
+
     return convert
 
 
@@ -95,14 +122,18 @@ def add_options(parser: argparse.ArgumentParser, options: type) -> None:
     groups: dict[str, Any] = {}
     for f in dataclasses.fields(options):
         meta = f.metadata
-        target = groups.setdefault(meta["group"], parser.add_argument_group(meta["group"])) if meta.get("group") \
-            else parser
+        target = (
+            groups.setdefault(meta["group"], parser.add_argument_group(meta["group"])) if meta.get("group") else parser
+        )
         item, is_list = _item_type(hints[f.name])
         flag = meta.get("flag") or "--" + f.name.replace("_", "-")
         shown = f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
         inverted = item is bool and flag.startswith("--no-")
-        suffix = f" (default: {shown})" if shown not in (None, False, [], (), "") and not meta["positional"] \
-            and not inverted else ""
+        suffix = (
+            f" (default: {shown})"
+            if shown not in (None, False, [], (), "") and not meta["positional"] and not inverted
+            else ""
+        )
         kw: dict[str, Any] = {"help": meta["help"] + suffix}
         if meta.get("metavar"):
             kw["metavar"] = meta["metavar"]
@@ -117,8 +148,9 @@ def add_options(parser: argparse.ArgumentParser, options: type) -> None:
         if item is bool:
             target.add_argument(flag, action="store_false" if inverted else "store_true", **kw)
         elif is_list:
-            target.add_argument(flag, **({"nargs": meta["nargs"]} if meta.get("nargs") else {"action": "append"}),
-                                default=None, **kw)
+            target.add_argument(
+                flag, **({"nargs": meta["nargs"]} if meta.get("nargs") else {"action": "append"}), default=None, **kw
+            )
         else:
             target.add_argument(flag, default=f.default, required=meta.get("required", False), **kw)
     parser.set_defaults(_options=options)
@@ -146,9 +178,11 @@ COMMANDS: dict[str, Callable[[Any], int]] = {}
 
 def command(name: str):
     """Register a subcommand; its options are the dataclass its parameter is annotated with."""
+
     def register(fn):
         COMMANDS[name] = fn
         return fn
+
     return register
 
 
@@ -217,8 +251,9 @@ class RunOptions:
     config: str | None = opt(f"preset ({', '.join(preset_names())}) or YAML/TOML file of RunConfig fields")
     out: str | None = opt("run directory (overrides out_dir)")
     quick: bool = opt("apply the preset's quick section: a smaller model and a short run")
-    overrides: list[str] = opt("e.g. model.d_model=128 train.max_steps=200", [], positional=True, nargs="*",
-                               metavar="section.key=value")
+    overrides: list[str] = opt(
+        "e.g. model.d_model=128 train.max_steps=200", [], positional=True, nargs="*", metavar="section.key=value"
+    )
 
 
 def _run_config(opts: RunOptions):
@@ -238,8 +273,10 @@ def demo(opts: DemoOptions) -> int:
     """Shakespeare end to end: corpus, tokenizer, GPT, perplexity, samples, report."""
     cfg = _run_config(opts)
     summary = run_pipeline(cfg, cfg.out_dir)
-    print(f"\ndemo finished in {summary['total_seconds']:.0f} s; everything is in {cfg.out_dir}/ "
-          f"(report.md, metrics.csv, samples.txt, checkpoints/)")
+    print(
+        f"\ndemo finished in {summary['total_seconds']:.0f} s; everything is in {cfg.out_dir}/ "
+        f"(report.md, metrics.csv, samples.txt, checkpoints/)"
+    )
     print(f"play with it in a browser: tinylm serve --checkpoint {cfg.out_dir}   (then open http://127.0.0.1:8000)")
     return 0
 
@@ -256,8 +293,9 @@ def prepare(opts: RunOptions) -> int:
 class TrainOptions(RunOptions):
     resume: str | None = opt("continue from a checkpoint (or the newest one in a run directory)", metavar="DIR")
     force: bool = opt("with --resume: accept changed keys such as train.max_steps")
-    precision: Literal["fp32", "bf16", "fp16"] | None = opt("the same as train.precision=... (bf16 autocast, fp16 on "
-                                                            "CUDA)")
+    precision: Literal["fp32", "bf16", "fp16"] | None = opt(
+        "the same as train.precision=... (bf16 autocast, fp16 on CUDA)"
+    )
     compile: bool = opt("the same as train.compile=true: torch.compile the training step")
 
 
@@ -283,8 +321,9 @@ def train(opts: TrainOptions) -> int:
 # ---------------------------------------------------------------------------------- generate
 @dataclass
 class ModelOptions:
-    checkpoint: str = opt("tinylm checkpoint or run directory, llama2.c .bin, or Hugging Face model directory",
-                          required=True)
+    checkpoint: str = opt(
+        "tinylm checkpoint or run directory, llama2.c .bin, or Hugging Face model directory", required=True
+    )
     tokenizer: str | None = opt("tokenizer file (required for a llama2.c .bin: its tokenizer.bin)")
 
 
@@ -296,15 +335,21 @@ def _decoding_field(f: dataclasses.Field) -> tuple[str, Any, Any]:
     """A GenerationConfig field as an option of `tinylm generate`: its help, range and flag."""
     bounds = {k: v for k, v in zip(("ge", "gt", "le", "lt"), f.metadata["range"]) if v is not None}
     flag = knob_names("cli")[f.name]
-    cli = opt(f.metadata["help"], GENERATE_DEFAULTS.get(f.name, f.default), flag=flag, group="decoding",
-              metavar="TEXT" if flag == "--stop" else None, **bounds)
+    cli = opt(
+        f.metadata["help"],
+        GENERATE_DEFAULTS.get(f.name, f.default),
+        flag=flag,
+        group="decoding",
+        metavar="TEXT" if flag == "--stop" else None,
+        **bounds,
+    )
     return f.name, field_types(GenerationConfig)[f.name], cli
 
 
 # Every GenerationConfig knob the command line offers (config.GENERATION_SURFACES names the exceptions)
 DecodingOptions = dataclasses.make_dataclass(
-    "DecodingOptions", [_decoding_field(f) for f in dataclasses.fields(GenerationConfig)
-                        if f.name in knob_names("cli")])
+    "DecodingOptions", [_decoding_field(f) for f in dataclasses.fields(GenerationConfig) if f.name in knob_names("cli")]
+)
 
 
 @dataclass
@@ -315,9 +360,12 @@ class GenerateOptions(ModelOptions, DecodingOptions):
     stream: bool = opt("print text as tokens arrive")
     json: bool = opt("one JSON object per result (text, tokens, tokens_per_s)")
     threads: int | None = opt("torch threads (default: torch's choice)", ge=1)
-    dtype: InferenceDtype = opt("weights for decoding: bfloat16 halves their memory, int8 quarters it (CPU; "
-                                "activations rounded to 8 bits per token too); both shift the numbers slightly "
-                                "(bits per byte: benchmarks/bench_generate.py)", "float32")
+    dtype: InferenceDtype = opt(
+        "weights for decoding: bfloat16 halves their memory, int8 quarters it (CPU; "
+        "activations rounded to 8 bits per token too); both shift the numbers slightly "
+        "(bits per byte: benchmarks/bench_generate.py)",
+        "float32",
+    )
 
 
 def decoding_config(opts: DecodingOptions, stop_ids=()) -> GenerationConfig:
@@ -358,8 +406,12 @@ def generate(opts: GenerateOptions) -> int:
             ids = encode_prompt(tokenizer, prompt)
             sys.stdout.write(prompt_head(tokenizer, prompt, ids))
             sys.stdout.flush()
-            stream = TextStream(model, lambda new, ids=ids: tokenizer.decode_continuation(ids, new), ids,
-                                dataclasses.replace(cfg, seed=opts.seed + i, seed_per_row=True))
+            stream = TextStream(
+                model,
+                lambda new, ids=ids: tokenizer.decode_continuation(ids, new),
+                ids,
+                dataclasses.replace(cfg, seed=opts.seed + i, seed_per_row=True),
+            )
             for piece in stream:
                 sys.stdout.write(piece)
                 sys.stdout.flush()
@@ -368,9 +420,19 @@ def generate(opts: GenerateOptions) -> int:
     for c in complete(model, tokenizer, prompts, cfg, batch_size=opts.batch_size):
         for i, r in enumerate(c.results):
             if opts.json:
-                print(json.dumps({"prompt": c.prompt, "text": c.text(tokenizer, i), "tokens": len(r.tokens),
-                                  "token_ids": r.tokens, "tokens_per_s": round(c.tokens_per_s, 1),
-                                  "finish_reason": r.finish_reason}, ensure_ascii=False))
+                print(
+                    json.dumps(
+                        {
+                            "prompt": c.prompt,
+                            "text": c.text(tokenizer, i),
+                            "tokens": len(r.tokens),
+                            "token_ids": r.tokens,
+                            "tokens_per_s": round(c.tokens_per_s, 1),
+                            "finish_reason": r.finish_reason,
+                        },
+                        ensure_ascii=False,
+                    )
+                )
             else:
                 print(c.text(tokenizer, i))
                 print()
@@ -386,23 +448,38 @@ class EvaluateOptions(ModelOptions):
     json: bool = opt("print one JSON object")
     bleu: bool = opt("prompt with the first tokens of each story, continue, score BLEU", group="BLEU protocol")
     samples: int = opt("stories to use", BleuProtocol.n_samples, ge=1, group="BLEU protocol")
-    prompt_tokens: int = opt("prompt = the story's first N tokens", BleuProtocol.prompt_tokens, ge=1,
-                             group="BLEU protocol")
-    max_continuation: int | None = opt("cap on reference/continuation tokens (default: the rest of the story)",
-                                       BleuProtocol.max_continuation, ge=1, group="BLEU protocol")
-    selection: Literal["random", "first"] = opt("which stories: drawn at random with --seed, or the first N",
-                                                BleuProtocol.selection, group="BLEU protocol")
-    temperature: list[float] = opt("sampling temperature, repeatable (default "
-                                   f"{', '.join(map(str, SAMPLING_TEMPERATURES))}); 0 is greedy", [], ge=0,
-                                   group="BLEU protocol")
+    prompt_tokens: int = opt(
+        "prompt = the story's first N tokens", BleuProtocol.prompt_tokens, ge=1, group="BLEU protocol"
+    )
+    max_continuation: int | None = opt(
+        "cap on reference/continuation tokens (default: the rest of the story)",
+        BleuProtocol.max_continuation,
+        ge=1,
+        group="BLEU protocol",
+    )
+    selection: Literal["random", "first"] = opt(
+        "which stories: drawn at random with --seed, or the first N", BleuProtocol.selection, group="BLEU protocol"
+    )
+    temperature: list[float] = opt(
+        f"sampling temperature, repeatable (default {', '.join(map(str, SAMPLING_TEMPERATURES))}); 0 is greedy",
+        [],
+        ge=0,
+        group="BLEU protocol",
+    )
     top_k: int | None = opt("sample from the k most likely tokens", ge=1, group="BLEU protocol")
-    beam_width: list[int] = opt("also decode with beam search of this width (repeatable)", [], ge=1,
-                                group="BLEU protocol")
+    beam_width: list[int] = opt(
+        "also decode with beam search of this width (repeatable)", [], ge=1, group="BLEU protocol"
+    )
     smoothing: Literal["method1", "exp", "none"] = opt("for BLEU-1..4", BleuProtocol.smoothing, group="BLEU protocol")
     seed: int = opt("draws the stories; sample k decodes with seed + k", BleuProtocol.seed, group="BLEU protocol")
     csv_dir: str = opt("where bleu_samples_<setting>.csv go", ".", group="BLEU protocol")
-    decode_threads: int = opt("torch threads while decoding (token-by-token decoding is many small ops, which "
-                              "slow down with more threads on a busy CPU)", 1, ge=1, group="BLEU protocol")
+    decode_threads: int = opt(
+        "torch threads while decoding (token-by-token decoding is many small ops, which "
+        "slow down with more threads on a busy CPU)",
+        1,
+        ge=1,
+        group="BLEU protocol",
+    )
 
 
 METRICS = ("token_ppl", "bpb", "word_ppl", "tokens", "bytes", "words")
@@ -415,8 +492,11 @@ def _finite_or_reason(m: dict) -> tuple[dict, dict]:
         v = m[k]
         if isinstance(v, float) and not math.isfinite(v):
             values[k] = None
-            reasons[k] = (f"{v} (the mean NLL per unit is too large for exp(); the model finds this text "
-                          "extremely unlikely)" if v == math.inf else f"{v} (nothing to average over)")
+            reasons[k] = (
+                f"{v} (the mean NLL per unit is too large for exp(); the model finds this text extremely unlikely)"
+                if v == math.inf
+                else f"{v} (nothing to average over)"
+            )
         else:
             values[k] = v
     return values, reasons
@@ -433,16 +513,20 @@ def evaluate(opts: EvaluateOptions) -> int:
     bleu = None
     if opts.bleu:
         torch.set_num_threads(opts.decode_threads)
-        protocol = BleuProtocol(opts.samples, opts.prompt_tokens, opts.max_continuation, opts.seed, opts.smoothing,
-                                opts.selection)
-        settings = [Decoding("greedy" if t == 0 else f"T{t:g}", temperature=t, top_k=opts.top_k)
-                    for t in (opts.temperature or SAMPLING_TEMPERATURES)]
+        protocol = BleuProtocol(
+            opts.samples, opts.prompt_tokens, opts.max_continuation, opts.seed, opts.smoothing, opts.selection
+        )
+        settings = [
+            Decoding("greedy" if t == 0 else f"T{t:g}", temperature=t, top_k=opts.top_k)
+            for t in (opts.temperature or SAMPLING_TEMPERATURES)
+        ]
         settings += [Decoding(f"beam{k}", beam_width=k) for k in opts.beam_width]
         bleu = run_bleu(model, tokenizer, docs, protocol, settings, csv_dir=Path(opts.csv_dir))
     if opts.json:
         values, reasons = _finite_or_reason(m)
-        print(json.dumps({**values, **({"not_finite": reasons} if reasons else {}),
-                          **({"bleu": bleu} if bleu else {})}))
+        print(
+            json.dumps({**values, **({"not_finite": reasons} if reasons else {}), **({"bleu": bleu} if bleu else {})})
+        )
         return 0
     print(f"documents        {len(docs):,}")
     print(f"token perplexity {m['token_ppl']:.4f}   (exp of mean NLL over {m['tokens']:,} tokens)")
@@ -478,8 +562,10 @@ def export_hf_dir(opts: ExportOptions) -> int:
 @dataclass
 class ExportTokenizerOptions(ModelOptions):
     out: str = opt("output directory", required=True)
-    hf: bool = opt("write Hugging Face files (tokenizer.json, tokenizer_config.json, special_tokens_map.json) that "
-                   "transformers' AutoTokenizer loads with the same ids; otherwise tinylm's own tokenizer file")
+    hf: bool = opt(
+        "write Hugging Face files (tokenizer.json, tokenizer_config.json, special_tokens_map.json) that "
+        "transformers' AutoTokenizer loads with the same ids; otherwise tinylm's own tokenizer file"
+    )
 
 
 @command("export-tokenizer")
@@ -497,16 +583,19 @@ def export_tokenizer(opts: ExportTokenizerOptions) -> int:
     else:
         out.mkdir(parents=True, exist_ok=True)
         tokenizer.save(out / ("tokenizer.bin" if tokenizer.type_name == "llama2c" else "tokenizer.json"))
-    print(f"wrote the {tokenizer.type_name} tokenizer ({tokenizer.vocab_size:,} ids) "
-          f"{'as Hugging Face files ' if opts.hf else ''}to {out}")
+    print(
+        f"wrote the {tokenizer.type_name} tokenizer ({tokenizer.vocab_size:,} ids) "
+        f"{'as Hugging Face files ' if opts.hf else ''}to {out}"
+    )
     return 0
 
 
 @dataclass
 class ExportGgufOptions(ModelOptions):
     out: str = opt("output .gguf file", required=True)
-    dtype: GgufDtype = opt("weight matrices in float32, float16 or llama.cpp's 8-bit Q8_0 (norm weights stay "
-                           "float32)", "f32")
+    dtype: GgufDtype = opt(
+        "weight matrices in float32, float16 or llama.cpp's 8-bit Q8_0 (norm weights stay float32)", "f32"
+    )
 
 
 @command("export-gguf")
@@ -531,8 +620,10 @@ def export_llama2c_files(opts: ExportLlama2cOptions) -> int:
     model, tokenizer, _ = load_any_checkpoint(opts.checkpoint, opts.tokenizer)
     tok_out = opts.tokenizer_out or Path(opts.out).with_name(f"tok{model.config.vocab_size}.bin")
     out, tok_out = export_llama2c(model, tokenizer, opts.out, tok_out, opts.version)
-    print(f"wrote a llama2.c version-{opts.version} model ({model.num_parameters():,} parameters) to {out} "
-          f"and its tokenizer to {tok_out}")
+    print(
+        f"wrote a llama2.c version-{opts.version} model ({model.num_parameters():,} parameters) to {out} "
+        f"and its tokenizer to {tok_out}"
+    )
     return 0
 
 
@@ -584,10 +675,16 @@ def attention(opts: AttentionOptions) -> int:
 @dataclass
 class ServeOptions:
     checkpoint: list[str] = opt("any checkpoint `tinylm generate` takes; repeatable (models are chosen by name)", [])
-    name: list[str] = opt("the i-th --checkpoint's model name in the API (default: its run's directory name, "
-                          "runs/x/checkpoints/ema -> x)", [])
-    tokenizer: list[str] = opt("the i-th goes with the i-th --checkpoint (a llama2.c .bin needs one; 'none' for a "
-                               "checkpoint that brings its own)", [])
+    name: list[str] = opt(
+        "the i-th --checkpoint's model name in the API (default: its run's directory name, "
+        "runs/x/checkpoints/ema -> x)",
+        [],
+    )
+    tokenizer: list[str] = opt(
+        "the i-th goes with the i-th --checkpoint (a llama2.c .bin needs one; 'none' for a "
+        "checkpoint that brings its own)",
+        [],
+    )
     host: str = opt("address to bind; anything but loopback exposes the API (use --api-key)", "127.0.0.1")
     port: int = opt("TCP port", 8000, ge=0, le=65535)
     api_key: str | None = opt("require `Authorization: Bearer KEY` on every /v1 call")
@@ -596,11 +693,15 @@ class ServeOptions:
     max_tokens: int = opt("refuse max_tokens above this", 512, ge=1)
     max_choices: int = opt("refuse requests asking for more choices (prompts x n)", 16, ge=1)
     max_body_bytes: int = opt("refuse bodies larger than this (413)", 1_000_000, ge=1)
-    runs: str | None = opt("a directory of runs (e.g. runs): the Runs view draws their curves as they train and "
-                           "loads their checkpoints", metavar="DIR")
+    runs: str | None = opt(
+        "a directory of runs (e.g. runs): the Runs view draws their curves as they train and loads their checkpoints",
+        metavar="DIR",
+    )
     dtype: InferenceDtype = opt("weights of the --checkpoint models, as for `tinylm generate --dtype`", "float32")
-    compile: bool = opt("torch.compile the decoding step of the --checkpoint models, its shapes in a few buckets "
-                        "(a context up to 256 compiles them all at start-up, ~10 s each on 2 cores; docs/serving.md)")
+    compile: bool = opt(
+        "torch.compile the decoding step of the --checkpoint models, its shapes in a few buckets "
+        "(a context up to 256 compiles them all at start-up, ~10 s each on 2 cores; docs/serving.md)"
+    )
 
 
 @command("serve")
@@ -609,14 +710,19 @@ def serve(opts: ServeOptions) -> int:
     if opts.threads:
         torch.set_num_threads(opts.threads)
     if opts.host not in ("127.0.0.1", "localhost", "::1"):
-        log.warning("WARNING: serving on %s, reachable from other machines, %s", opts.host,
-                    "API calls need the API key" if opts.api_key else "WITHOUT AUTHENTICATION (give --api-key)")
+        log.warning(
+            "WARNING: serving on %s, reachable from other machines, %s",
+            opts.host,
+            "API calls need the API key" if opts.api_key else "WITHOUT AUTHENTICATION (give --api-key)",
+        )
     if opts.runs is not None and not Path(opts.runs).is_dir():
         raise TinyLMError(f"--runs {opts.runs}: no such directory")
     # with --runs alone, models come from the Runs view's load buttons
-    models = (load_models(opts.checkpoint, opts.tokenizer, opts.max_batch, opts.name, opts.dtype,
-                          opts.compile)
-              if opts.checkpoint or not opts.runs else {})
+    models = (
+        load_models(opts.checkpoint, opts.tokenizer, opts.max_batch, opts.name, opts.dtype, opts.compile)
+        if opts.checkpoint or not opts.runs
+        else {}
+    )
     limits = Limits(opts.max_tokens, opts.max_choices, opts.max_body_bytes)
     runs = RunsRoot(Path(opts.runs), opts.max_batch) if opts.runs else None
     serve_models(models, opts.host, opts.port, limits, opts.api_key, runs)
@@ -627,8 +733,9 @@ def serve(opts: ServeOptions) -> int:
 @dataclass
 class ExperimentsOptions(RunOptions):
     config: str | None = opt("experiments preset or YAML file (e.g. tinystories-assignment)")
-    only: str | None = opt(f"comma-separated parts to (re)run, from {','.join(PARTS)}; the baseline is always "
-                           "run or cached")
+    only: str | None = opt(
+        f"comma-separated parts to (re)run, from {','.join(PARTS)}; the baseline is always run or cached"
+    )
 
 
 @command("experiments")
@@ -640,8 +747,9 @@ def experiments(opts: ExperimentsOptions) -> int:
     only = [p.strip() for p in opts.only.split(",") if p.strip()] if opts.only else None
     words = ([f"--config {opts.config}"] if opts.config else []) + (["--quick"] if opts.quick else [])
     words += ([f"--out {opts.out}"] if opts.out else []) + list(opts.overrides)
-    manifest = run_experiments(cfg, exp, cfg.out_dir, quick=opts.quick, only=only,
-                               command="tinylm experiments " + " ".join(words))
+    manifest = run_experiments(
+        cfg, exp, cfg.out_dir, quick=opts.quick, only=only, command="tinylm experiments " + " ".join(words)
+    )
     for name, status in manifest["parts"].items():
         print(f"  {name:<14} {status}")
     return 0
@@ -650,25 +758,34 @@ def experiments(opts: ExperimentsOptions) -> int:
 @dataclass
 class StudyOptions:
     corpus: Literal["shakespeare"] = opt("the corpus of the study", positional=True)
-    config: str = opt("study preset (shakespeare-study, shakespeare-report) or YAML file of StudyConfig fields",
-                      "shakespeare-study")
+    config: str = opt(
+        "study preset (shakespeare-study, shakespeare-report) or YAML file of StudyConfig fields", "shakespeare-study"
+    )
     quick: bool = opt("the preset's quick section (every stage on a few plays, under 90 s)")
     out: str | None = opt("run directory (default: the preset's out_dir)")
     gpt_minutes: float | None = opt("training budget of each GPT (gpt.minutes)", ge=0)
     gpt: bool = opt("the GPT stage; --no-gpt skips it (gpt.enabled=false)", True, flag="--no-gpt")
     bpe_merges: list[int] | None = opt("e.g. 1000 2000 3000", nargs="+", ge=1)
     threads: int | None = opt("torch threads", ge=1)
-    overrides: list[str] = opt("StudyConfig fields, e.g. ngram.orders=[1,2] tokenizers.word_vocab=4000", [],
-                               positional=True,
-                               nargs="*", metavar="key=value")
+    overrides: list[str] = opt(
+        "StudyConfig fields, e.g. ngram.orders=[1,2] tokenizers.word_vocab=4000",
+        [],
+        positional=True,
+        nargs="*",
+        metavar="key=value",
+    )
 
 
 @command("study")
 def study(opts: StudyOptions) -> int:
     """The four-stage Shakespeare study: tokenizers, n-grams, neural bigram, GPT."""
-    shortcuts = {"out_dir": opts.out, "gpt.minutes": opts.gpt_minutes, "threads": opts.threads,
-                 "tokenizers.bpe_merges": json.dumps(opts.bpe_merges) if opts.bpe_merges else None,
-                 "gpt.enabled": None if opts.gpt else "false"}
+    shortcuts = {
+        "out_dir": opts.out,
+        "gpt.minutes": opts.gpt_minutes,
+        "threads": opts.threads,
+        "tokenizers.bpe_merges": json.dumps(opts.bpe_merges) if opts.bpe_merges else None,
+        "gpt.enabled": None if opts.gpt else "false",
+    }
     words = [f"{key}={value}" for key, value in shortcuts.items() if value is not None]
     cfg = load_study_config(opts.config, list(opts.overrides) + words, quick=opts.quick)
     run_study(cfg)
@@ -677,12 +794,21 @@ def study(opts: StudyOptions) -> int:
 
 @dataclass
 class TokenizerStatsOptions:
-    tokenizer: list[str] = opt("tokenizer file (tinylm JSON, llama2.c tokenizer.bin, HF tokenizer.json) or run "
-                               "directory; repeatable", [], metavar="T")
-    train: list[str] = opt("train a tokenizer on the first --data split, e.g. bpe:1260 (1,000 merges); repeatable",
-                           [], metavar="TYPE:VOCAB")
-    data: list[str] = opt("a split's text file (.txt, .jsonl, TinyStories format); repeatable, e.g. "
-                          "--data train=opts.txt", [], metavar="[NAME=]FILE")
+    tokenizer: list[str] = opt(
+        "tokenizer file (tinylm JSON, llama2.c tokenizer.bin, HF tokenizer.json) or run directory; repeatable",
+        [],
+        metavar="T",
+    )
+    train: list[str] = opt(
+        "train a tokenizer on the first --data split, e.g. bpe:1260 (1,000 merges); repeatable",
+        [],
+        metavar="TYPE:VOCAB",
+    )
+    data: list[str] = opt(
+        "a split's text file (.txt, .jsonl, TinyStories format); repeatable, e.g. --data train=opts.txt",
+        [],
+        metavar="[NAME=]FILE",
+    )
     json: bool = opt("print the rows as JSON instead of a table")
 
 

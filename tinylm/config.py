@@ -41,8 +41,17 @@ class ConfigError(TinyLMError):
         self.key = key
 
 
-def option(default: Any = None, help: str = "", *, ge: float | None = None, gt: float | None = None,
-           le: float | None = None, lt: float | None = None, factory: Any = None, **extra: Any) -> Any:
+def option(
+    default: Any = None,
+    help: str = "",
+    *,
+    ge: float | None = None,
+    gt: float | None = None,
+    le: float | None = None,
+    lt: float | None = None,
+    factory: Any = None,
+    **extra: Any,
+) -> Any:
     """A config field with its help text and the range its number (or each number of a list) must
     lie in; ``extra`` holds what one surface needs beside it (the command line's flag, ...)."""
     meta = {"help": help, "range": (ge, gt, le, lt), **extra}  # extra wins: a field's metadata copied whole
@@ -63,8 +72,17 @@ def describe_range(bounds: tuple) -> str:
     ge, gt, le, lt = bounds
     low = f"[{ge:g}" if ge is not None else f"({gt:g}" if gt is not None else None
     high = f"{le:g}]" if le is not None else f"{lt:g})" if lt is not None else None
-    return f"in {low}, {high}" if low and high else f">= {ge:g}" if ge is not None else f"> {gt:g}" \
-        if gt is not None else f"<= {le:g}" if le is not None else f"< {lt:g}"
+    return (
+        f"in {low}, {high}"
+        if low and high
+        else f">= {ge:g}"
+        if ge is not None
+        else f"> {gt:g}"
+        if gt is not None
+        else f"<= {le:g}"
+        if le is not None
+        else f"< {lt:g}"
+    )
 
 
 def check_range(key: str, value: Any, bounds: tuple | None) -> None:
@@ -73,8 +91,12 @@ def check_range(key: str, value: Any, bounds: tuple | None) -> None:
         return
     ge, gt, le, lt = bounds
     for v in value if isinstance(value, (list, tuple)) else [value]:
-        if (ge is not None and v < ge) or (gt is not None and v <= gt) or (le is not None and v > le) \
-                or (lt is not None and v >= lt):
+        if (
+            (ge is not None and v < ge)
+            or (gt is not None and v <= gt)
+            or (le is not None and v > le)
+            or (lt is not None and v >= lt)
+        ):
             raise ConfigError(key, f"{key} must be {describe_range(bounds)} (got {v!r})")
 
 
@@ -231,22 +253,31 @@ class ModelConfig:
     def resolved(self) -> "ModelConfig":
         """Fill the derived widths and check that the shapes fit together."""
         cfg = dataclasses.replace(self)
-        derived = {"d_attn": cfg.d_model, "n_kv_heads": cfg.n_heads, "d_ff": 4 * cfg.d_model, "d_embed": cfg.d_model,
-                   "attn_dropout": cfg.dropout}  # the value of each width or rate left at None
+        derived = {
+            "d_attn": cfg.d_model,
+            "n_kv_heads": cfg.n_heads,
+            "d_ff": 4 * cfg.d_model,
+            "d_embed": cfg.d_model,
+            "attn_dropout": cfg.dropout,
+        }  # the value of each width or rate left at None
         for name, value in derived.items():
             if getattr(cfg, name) is None:
                 setattr(cfg, name, value)
         if cfg.d_embed != cfg.d_model and cfg.tie_weights:
-            raise TinyLMError(f"model.tie_weights=true needs the embedding width (d_embed={cfg.d_embed}) to equal "
-                              f"d_model={cfg.d_model}; set model.tie_weights=false (the embedding then goes through "
-                              f"a learned projection) or model.d_embed={cfg.d_model}")
+            raise TinyLMError(
+                f"model.tie_weights=true needs the embedding width (d_embed={cfg.d_embed}) to equal "
+                f"d_model={cfg.d_model}; set model.tie_weights=false (the embedding then goes through "
+                f"a learned projection) or model.d_embed={cfg.d_model}"
+            )
         check_fields(cfg, "model.")  # a config built in code is checked like a loaded one
         if cfg.vocab_size < 1:
             raise TinyLMError(f"model.vocab_size must be at least 1 (got {cfg.vocab_size})")
         if cfg.d_attn % cfg.n_heads:
             multiple = -(-cfg.d_attn // cfg.n_heads) * cfg.n_heads
-            raise TinyLMError(f"model.n_heads={cfg.n_heads} does not divide the attention width {cfg.d_attn}; set "
-                              f"model.d_attn to a multiple of {cfg.n_heads} (e.g. {multiple})")
+            raise TinyLMError(
+                f"model.n_heads={cfg.n_heads} does not divide the attention width {cfg.d_attn}; set "
+                f"model.d_attn to a multiple of {cfg.n_heads} (e.g. {multiple})"
+            )
         if cfg.n_heads % cfg.n_kv_heads:
             raise TinyLMError(f"model.n_kv_heads={cfg.n_kv_heads} must divide model.n_heads={cfg.n_heads}")
         if cfg.positions == "rope" and (cfg.d_attn // cfg.n_heads) % 2:
@@ -345,8 +376,9 @@ class GenerationConfig:
     # False: one generator for the whole batch (draws match HF's batched sampling); True: row i
     # samples from its own generator seeded seed + i, so a batch reproduces single-prompt runs
     seed_per_row: bool = option(False, "row i of a batch samples with seed + i")
-    use_cache: bool = option(True, "reuse the attention keys and values of earlier tokens (off: recompute the "
-                                   "whole context every step)")
+    use_cache: bool = option(
+        True, "reuse the attention keys and values of earlier tokens (off: recompute the whole context every step)"
+    )
     beam_width: int = option(1, "beam search with this many beams (1: sampling or greedy)", ge=1)
     # lengths ** huge exponents overflow to 0 or inf
     length_penalty: float = option(1.0, "beam score = sum log p / length ** penalty (0: none)", ge=-10, le=10)
@@ -362,20 +394,27 @@ class GenerationConfig:
         """Raise TinyLMError naming the first knob whose value is invalid."""
         check_fields(self)
         if self.min_new_tokens > self.max_new_tokens:
-            raise ConfigError("min_new_tokens", f"min_new_tokens must be between 0 and max_new_tokens "
-                                                f"(got {self.min_new_tokens})")
+            raise ConfigError(
+                "min_new_tokens", f"min_new_tokens must be between 0 and max_new_tokens (got {self.min_new_tokens})"
+            )
         if not (self.temperature == 0 or MIN_SCALE <= self.temperature):
-            raise ConfigError("temperature", f"temperature must be 0 (greedy) or a finite number >= {MIN_SCALE:g} "
-                                             f"(got {self.temperature!r})")
+            raise ConfigError(
+                "temperature",
+                f"temperature must be 0 (greedy) or a finite number >= {MIN_SCALE:g} (got {self.temperature!r})",
+            )
         if self.num_return_sequences > self.beam_width:
-            raise ConfigError("num_return_sequences", f"num_return_sequences must be between 1 and beam_width "
-                                                      f"({self.beam_width}) (got {self.num_return_sequences})")
+            raise ConfigError(
+                "num_return_sequences",
+                f"num_return_sequences must be between 1 and beam_width "
+                f"({self.beam_width}) (got {self.num_return_sequences})",
+            )
         if vocab_size is not None:
             check_range("beam_width", self.beam_width, (1, None, vocab_size, None))
             check_range("stop_ids", self.stop_ids, (0, None, None, vocab_size))
         if any(not s for s in self.stop_strings):
-            raise ConfigError("stop_strings", f"stop_strings must be non-empty strings "
-                                              f"(got {list(self.stop_strings)!r})")
+            raise ConfigError(
+                "stop_strings", f"stop_strings must be non-empty strings (got {list(self.stop_strings)!r})"
+            )
         return self
 
 
@@ -396,8 +435,10 @@ GENERATION_SURFACES: dict[str, tuple[str | None, str | None]] = {
 def knob_names(surface: Literal["cli", "http"]) -> dict[str, str]:
     """Each GenerationConfig knob a surface offers -> its name there (the flag, or the request's field)."""
     side = 0 if surface == "cli" else 1
-    names = {f.name: GENERATION_SURFACES.get(f.name, ("--" + f.name.replace("_", "-"), f.name))[side]
-             for f in dataclasses.fields(GenerationConfig)}
+    names = {
+        f.name: GENERATION_SURFACES.get(f.name, ("--" + f.name.replace("_", "-"), f.name))[side]
+        for f in dataclasses.fields(GenerationConfig)
+    }
     return {knob: name for knob, name in names.items() if name is not None}
 
 
@@ -435,8 +476,9 @@ class EmbeddingsConfig:
 
     def validate(self) -> None:
         if self.kind in ("none", "train") and self.path:
-            raise TinyLMError(f"embeddings.kind={self.kind!r} does not read a file; "
-                              "choose one of auto, vec, bin, gensim")
+            raise TinyLMError(
+                f"embeddings.kind={self.kind!r} does not read a file; choose one of auto, vec, bin, gensim"
+            )
         if self.kind in ("auto", "vec", "bin", "gensim") and not self.path:
             raise TinyLMError(f"embeddings.kind={self.kind} needs embeddings.path")
 
@@ -453,11 +495,15 @@ class RunConfig:
 
     def validate(self) -> None:
         if self.embeddings.freeze and self.model.tie_weights and self.embeddings.kind != "none":
-            raise TinyLMError("embeddings.freeze=true with model.tie_weights=true would freeze the output layer too; "
-                              "set model.tie_weights=false")
+            raise TinyLMError(
+                "embeddings.freeze=true with model.tie_weights=true would freeze the output layer too; "
+                "set model.tie_weights=false"
+            )
         if self.train.document_attention and self.data.batching != "packed":
-            raise TinyLMError("train.document_attention=true is for data.batching=packed: with stories batching each "
-                              "row already holds one story")
+            raise TinyLMError(
+                "train.document_attention=true is for data.batching=packed: with stories batching each "
+                "row already holds one story"
+            )
 
     def to_dict(self) -> dict[str, Any]:
         return json.loads(json.dumps(dataclasses.asdict(self)))  # tuples as lists, as YAML and JSON read back
@@ -525,8 +571,11 @@ def _scalar(annotation: type, value: Any) -> Any:
     if annotation is int and isinstance(value, float):
         return int(value) if value.is_integer() else None
     try:
-        return annotation(value.replace("_", "") if isinstance(value, str) else value) \
-            if isinstance(value, (str, int, float)) else None
+        return (
+            annotation(value.replace("_", "") if isinstance(value, str) else value)
+            if isinstance(value, (str, int, float))
+            else None
+        )
     except (ValueError, OverflowError):  # OverflowError: an int too large for a float
         return None
 

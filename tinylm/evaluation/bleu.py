@@ -35,8 +35,10 @@ BLEU_TOKEN_PATTERN = r"\w+(?:'\w+)*|[^\w\s]"
 _TOKEN_RE = re.compile(BLEU_TOKEN_PATTERN)
 SMOOTHINGS = ("method1", "exp", "none")
 METHOD1_EPSILON = 0.1
-BLEU_MEANING = ("BLEU: n-gram overlap (0-1) of each continuation with the story's own continuation; "
-                "a weak metric for stories (many good continuations exist), use it to compare decoders only.")
+BLEU_MEANING = (
+    "BLEU: n-gram overlap (0-1) of each continuation with the story's own continuation; "
+    "a weak metric for stories (many good continuations exist), use it to compare decoders only."
+)
 
 
 def bleu_tokens(text: str) -> list[str]:
@@ -58,8 +60,9 @@ class BleuStats:
     ref_len: int
 
 
-def corpus_stats(hypotheses: list[list[str]], references: list[list[str]], max_order: int = 4,
-                 min_one_total: bool = True) -> BleuStats:
+def corpus_stats(
+    hypotheses: list[list[str]], references: list[list[str]], max_order: int = 4, min_one_total: bool = True
+) -> BleuStats:
     """Clipped n-gram matches against one reference per hypothesis.
 
     ``min_one_total``: count at least one n-gram per sentence in the denominator even when the
@@ -116,15 +119,17 @@ def bleu_from_stats(stats: BleuStats, order: int, smoothing: str = "method1") ->
     return brevity_penalty(stats.hyp_len, stats.ref_len) * math.exp(sum(math.log(p) for p in precisions) / order)
 
 
-def corpus_bleu_n(hypotheses: list[str], references: list[str], smoothing: str = "method1",
-                  max_order: int = 4) -> dict[str, float]:
+def corpus_bleu_n(
+    hypotheses: list[str], references: list[str], smoothing: str = "method1", max_order: int = 4
+) -> dict[str, float]:
     """{"bleu1": ..., ..., "bleu4": ...} over detokenised strings (tokenised by ``bleu_tokens``)."""
     stats = corpus_stats([bleu_tokens(h) for h in hypotheses], [bleu_tokens(r) for r in references], max_order)
     return {f"bleu{n}": bleu_from_stats(stats, n, smoothing) for n in range(1, max_order + 1)}
 
 
-def sentence_bleu_n(hypothesis: str, reference: str, smoothing: str = "method1",
-                    max_order: int = 4) -> dict[str, float]:
+def sentence_bleu_n(
+    hypothesis: str, reference: str, smoothing: str = "method1", max_order: int = 4
+) -> dict[str, float]:
     """BLEU-1..4 of one hypothesis against its reference (NLTK's ``sentence_bleu``: corpus BLEU
     of a corpus of one pair, with the same smoothing)."""
     return corpus_bleu_n([hypothesis], [reference], smoothing, max_order)
@@ -138,5 +143,11 @@ def sacrebleu_score(hypotheses: list[str], references: list[str]) -> dict:
         raise TinyLMError("BLEU needs the `sacrebleu` package: pip install sacrebleu") from exc
     metric = BLEU()
     score = metric.corpus_score(hypotheses, [references])
-    return {"bleu": score.score, "precisions": list(score.precisions), "brevity_penalty": score.bp,
-            "hyp_len": score.sys_len, "ref_len": score.ref_len, "signature": str(metric.get_signature())}
+    return {
+        "bleu": score.score,
+        "precisions": list(score.precisions),
+        "brevity_penalty": score.bp,
+        "hyp_len": score.sys_len,
+        "ref_len": score.ref_len,
+        "signature": str(metric.get_signature()),
+    }

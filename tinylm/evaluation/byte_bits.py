@@ -96,8 +96,9 @@ def token_byte_spans(tokenizer, text: str, ids: list[int]) -> list[tuple[int, in
 
 
 @torch.no_grad()
-def predicted_logprobs(model, ids: list[int], top: int = 0,
-                       batch_size: int = 32) -> list[tuple[float, list[tuple[int, float]]]]:
+def predicted_logprobs(
+    model, ids: list[int], top: int = 0, batch_size: int = 32
+) -> list[tuple[float, list[tuple[int, float]]]]:
     """(log p(ids[t] | ids[:t]), the ``top`` most likely (id, log p)) for t >= 1, each token with the
     context ``tinylm evaluate`` gives it: the windows of ``score_token_documents``, batched as it
     batches them, so the logits are the same numbers."""

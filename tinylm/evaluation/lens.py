@@ -35,8 +35,10 @@ def check_layered(model) -> torch.nn.ModuleList:
     """The model's blocks, or a TinyLMError for a model the lens cannot read (no layers)."""
     blocks = getattr(model, "blocks", None)
     if blocks is None or not hasattr(model, "norm_f") or not hasattr(model, "lm_head"):
-        raise TinyLMError(f"the logit lens needs a transformer with layers (a GPT); this model is a "
-                          f"{type(model).__name__}, which has none")
+        raise TinyLMError(
+            f"the logit lens needs a transformer with layers (a GPT); this model is a "
+            f"{type(model).__name__}, which has none"
+        )
     return blocks
 
 
@@ -78,6 +80,11 @@ def logit_lens(model, ids: list[int], top: int = 5) -> LensGrid:
     values, top_ids = logp.topk(min(top, logp.shape[-1]), dim=-1)
     following = torch.tensor(ids[1:], dtype=torch.long)
     next_p = logp[:, :-1].gather(-1, following[None, :, None].expand(len(streams), -1, 1))[..., 0].exp()
-    return LensGrid(ids=list(ids), layers=["embeddings"] + [f"layer {i + 1}" for i in range(len(streams) - 1)],
-                    top_ids=top_ids.tolist(), top_probs=values.exp().tolist(),
-                    next_probs=[row + [None] for row in next_p.tolist()], logits=logits)
+    return LensGrid(
+        ids=list(ids),
+        layers=["embeddings"] + [f"layer {i + 1}" for i in range(len(streams) - 1)],
+        top_ids=top_ids.tolist(),
+        top_probs=values.exp().tolist(),
+        next_probs=[row + [None] for row in next_p.tolist()],
+        logits=logits,
+    )

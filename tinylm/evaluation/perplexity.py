@@ -39,8 +39,13 @@ def document_windows(ids: Sequence[int], context_length: int, stride: int | None
 
 
 @torch.no_grad()
-def score_token_documents(model: torch.nn.Module, documents: Iterable[Sequence[int]], context_length: int | None = None,
-                          batch_size: int = 32, stride: int | None = None) -> tuple[float, int]:
+def score_token_documents(
+    model: torch.nn.Module,
+    documents: Iterable[Sequence[int]],
+    context_length: int | None = None,
+    batch_size: int = 32,
+    stride: int | None = None,
+) -> tuple[float, int]:
     """Sum of NLL (nats) and count of scored tokens over documents that start with ``<sos>``."""
     context_length = context_length or model.config.context_length
     device = next(model.parameters()).device
@@ -68,10 +73,15 @@ def _perplexity(mean_nll: float) -> float:
 
 
 def metrics(total_nll: float, n_tokens: int, n_bytes: int, n_words: int) -> dict:
-    return {"token_ppl": _perplexity(total_nll / n_tokens) if n_tokens else float("nan"),
-            "bpb": total_nll / (math.log(2) * n_bytes) if n_bytes else float("nan"),
-            "word_ppl": _perplexity(total_nll / n_words) if n_words else float("nan"),
-            "nll": total_nll, "tokens": n_tokens, "bytes": n_bytes, "words": n_words}
+    return {
+        "token_ppl": _perplexity(total_nll / n_tokens) if n_tokens else float("nan"),
+        "bpb": total_nll / (math.log(2) * n_bytes) if n_bytes else float("nan"),
+        "word_ppl": _perplexity(total_nll / n_words) if n_words else float("nan"),
+        "nll": total_nll,
+        "tokens": n_tokens,
+        "bytes": n_bytes,
+        "words": n_words,
+    }
 
 
 def _strip_eos(ids: np.ndarray, score_eos: bool, eos_id: int = EOS_ID) -> list[int]:
@@ -81,8 +91,9 @@ def _strip_eos(ids: np.ndarray, score_eos: bool, eos_id: int = EOS_ID) -> list[i
     return ids
 
 
-def evaluate_split(model, split, batch_size: int = 32, score_eos: bool = False, max_docs: int | None = None,
-                   eos_id: int = EOS_ID) -> dict:
+def evaluate_split(
+    model, split, batch_size: int = 32, score_eos: bool = False, max_docs: int | None = None, eos_id: int = EOS_ID
+) -> dict:
     """Metrics over a prepared TokenSplit (documents stored as ``<sos> ... <eos>``; ``eos_id``: the
     tokenizer's, when it orders its special tokens its own way)."""
     n = split.n_docs if max_docs is None else min(max_docs, split.n_docs)

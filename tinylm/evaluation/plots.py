@@ -70,8 +70,10 @@ def attention_maps(model, tokenizer, text: str) -> AttentionMaps:
     ids = ([tokenizer.bos_id] if tokenizer.bos_id is not None else []) + ids
     context_length = model.config.context_length
     if len(ids) > context_length:
-        raise TinyLMError(f"the text is {len(ids)} tokens with <sos>, longer than the model's context of "
-                          f"{context_length}; give a shorter --text")
+        raise TinyLMError(
+            f"the text is {len(ids)} tokens with <sos>, longer than the model's context of "
+            f"{context_length}; give a shorter --text"
+        )
     return attention_maps_of_ids(model, tokenizer, ids, text)
 
 
@@ -130,8 +132,10 @@ def plot_attention_layer(maps: AttentionMaps, layer: int, path: str | Path) -> P
 
 
 def save_attention_pngs(maps: AttentionMaps, out_dir: str | Path, prefix: str = "attention") -> list[Path]:
-    return [plot_attention_layer(maps, layer, Path(out_dir) / f"{prefix}_layer{layer}.png")
-            for layer in range(maps.n_layers)]
+    return [
+        plot_attention_layer(maps, layer, Path(out_dir) / f"{prefix}_layer{layer}.png")
+        for layer in range(maps.n_layers)
+    ]
 
 
 def attention_html(maps: AttentionMaps, path: str | Path) -> Path:

@@ -36,8 +36,7 @@ from tinylm.config import check_fields, option
 from tinylm.constants import IGNORE_INDEX, PAD_ID
 from tinylm.data.tokens import pad_rows
 from tinylm.errors import TinyLMError
-from tinylm.evaluation.bleu import (BLEU_MEANING, BLEU_TOKEN_PATTERN, corpus_bleu_n, sacrebleu_score,
-                                   sentence_bleu_n)
+from tinylm.evaluation.bleu import BLEU_MEANING, BLEU_TOKEN_PATTERN, corpus_bleu_n, sacrebleu_score, sentence_bleu_n
 from tinylm.generation.generate import generate
 from tinylm.models.gpt import eval_mode
 
@@ -110,11 +109,14 @@ def select_samples(tokenizer, texts: list[str], protocol: BleuProtocol, context_
     if skipped:
         notes.append(f"skipped {skipped} stories of at most {P} tokens (prompt length >= story length)")
     if cut:
-        notes.append(f"{cut} of {len(samples)} references are longer than the context leaves after the prompt; "
-                     f"they are cut to {room} tokens")
+        notes.append(
+            f"{cut} of {len(samples)} references are longer than the context leaves after the prompt; "
+            f"they are cut to {room} tokens"
+        )
     if len(samples) < protocol.n_samples:
-        notes.append(f"asked for {protocol.n_samples} samples, only {len(samples)} usable stories exist; "
-                     "using them all")
+        notes.append(
+            f"asked for {protocol.n_samples} samples, only {len(samples)} usable stories exist; using them all"
+        )
     if not samples:
         raise TinyLMError(f"no story in the evaluation text is longer than the {P}-token prompt")
     return SampleSet(samples, protocol.n_samples, len(texts), skipped, cut, notes)
@@ -132,22 +134,39 @@ def reference_nll(model, samples: list[Sample], bos_id: int | None, batch_size: 
             seqs = [[*start_ids, *s.prompt_ids, *s.reference_ids] for s in chunk]
             x = pad_rows([q[:-1] for q in seqs], PAD_ID)
             # only the continuation is scored: the start token and prompt are context
-            y = pad_rows([[IGNORE_INDEX] * (len(q) - 1 - len(s.reference_ids)) + s.reference_ids
-                          for q, s in zip(seqs, chunk)], IGNORE_INDEX)
+            y = pad_rows(
+                [[IGNORE_INDEX] * (len(q) - 1 - len(s.reference_ids)) + s.reference_ids for q, s in zip(seqs, chunk)],
+                IGNORE_INDEX,
+            )
             _, nll = model(x.to(device), y.to(device), loss_reduction="none")
             nll = nll.view(x.shape).cpu()
             out += [(float(nll[r].sum()), len(s.reference_ids)) for r, s in enumerate(chunk)]
     return out
 
 
-def continue_sample(model, sample: Sample, setting: Decoding, max_new_tokens: int, seed: int,
-                    bos_id: int | None, stop_ids: tuple[int, ...]) -> list[int]:
+def continue_sample(
+    model,
+    sample: Sample,
+    setting: Decoding,
+    max_new_tokens: int,
+    seed: int,
+    bos_id: int | None,
+    stop_ids: tuple[int, ...],
+) -> list[int]:
     prompt = ([] if bos_id is None else [bos_id]) + sample.prompt_ids
     try:
         if setting.beam_width > 1:
             return generate(model, prompt, max_new_tokens, beam_width=setting.beam_width, stop_ids=stop_ids)
-        return generate(model, prompt, max_new_tokens, setting.temperature, setting.top_k, setting.top_p,
-                        seed=seed, stop_ids=stop_ids)
+        return generate(
+            model,
+            prompt,
+            max_new_tokens,
+            setting.temperature,
+            setting.top_k,
+            setting.top_p,
+            seed=seed,
+            stop_ids=stop_ids,
+        )
     except TinyLMError as exc:  # a bad knob (temperature < 0, top_p outside (0, 1], ...) names itself
         raise TinyLMError(f"decoding setting {setting.name}: {exc}") from exc
 
@@ -171,8 +190,15 @@ def decode_all(model, sample_set: SampleSet, settings: list[Decoding], seed: int
     return outs, seconds
 
 
-def run_bleu(model, tokenizer, texts: list[str], protocol: BleuProtocol, settings: list[Decoding],
-             csv_dir: str | Path | None = None, csv_prefix: str = "bleu_samples_") -> dict:
+def run_bleu(
+    model,
+    tokenizer,
+    texts: list[str],
+    protocol: BleuProtocol,
+    settings: list[Decoding],
+    csv_dir: str | Path | None = None,
+    csv_prefix: str = "bleu_samples_",
+) -> dict:
     """BLEU (sacrebleu, corpus and sentence-averaged BLEU-1..4), speed and per-sample CSVs
     (``<csv_prefix><setting>.csv``) for each decoding setting.
 
@@ -190,12 +216,21 @@ def run_bleu(model, tokenizer, texts: list[str], protocol: BleuProtocol, setting
     total_nll, total_tokens = sum(s for s, _ in nll), sum(n for _, n in nll)
     prompts = [tokenizer.decode(s.prompt_ids) for s in sample_set.samples]
     references = [tokenizer.decode(s.reference_ids) for s in sample_set.samples]
-    result = {"protocol": asdict(protocol), "samples": len(sample_set.samples), "requested": sample_set.requested,
-              "available_stories": sample_set.available, "skipped_too_short": sample_set.skipped_too_short,
-              "cut_to_context": sample_set.cut_to_context, "notes": sample_set.notes,
-              "reference_ppl": math.exp(total_nll / total_tokens), "reference_tokens": total_tokens,
-              "mean_per_sample_ppl": sum(ppls) / len(ppls),
-              "bleu_tokenization": f"lowercased, regex {BLEU_TOKEN_PATTERN}", "meaning": BLEU_MEANING, "settings": []}
+    result = {
+        "protocol": asdict(protocol),
+        "samples": len(sample_set.samples),
+        "requested": sample_set.requested,
+        "available_stories": sample_set.available,
+        "skipped_too_short": sample_set.skipped_too_short,
+        "cut_to_context": sample_set.cut_to_context,
+        "notes": sample_set.notes,
+        "reference_ppl": math.exp(total_nll / total_tokens),
+        "reference_tokens": total_tokens,
+        "mean_per_sample_ppl": sum(ppls) / len(ppls),
+        "bleu_tokenization": f"lowercased, regex {BLEU_TOKEN_PATTERN}",
+        "meaning": BLEU_MEANING,
+        "settings": [],
+    }
     csv_dir = Path(csv_dir) if csv_dir is not None else None
     all_outs, all_seconds = decode_all(model, sample_set, settings, protocol.seed, bos_id=bos_id, stop_ids=stop_ids)
     for setting in settings:
@@ -203,18 +238,25 @@ def run_bleu(model, tokenizer, texts: list[str], protocol: BleuProtocol, setting
         hyps = [tokenizer.decode(o) for o in outs]
         n_new = sum(len(o) for o in outs)
         per_sample = [sentence_bleu_n(h, r, protocol.smoothing) for h, r in zip(hyps, references)]
-        row = {**asdict(setting), **corpus_bleu_n(hyps, references, protocol.smoothing),
-               "sentence_bleu": {k: sum(b[k] for b in per_sample) / len(per_sample) for k in per_sample[0]},
-               "sacrebleu": sacrebleu_score(hyps, references), "new_tokens": n_new,
-               "seconds": seconds, "tokens_per_s": n_new / max(seconds, 1e-9)}
+        row = {
+            **asdict(setting),
+            **corpus_bleu_n(hyps, references, protocol.smoothing),
+            "sentence_bleu": {k: sum(b[k] for b in per_sample) / len(per_sample) for k in per_sample[0]},
+            "sacrebleu": sacrebleu_score(hyps, references),
+            "new_tokens": n_new,
+            "seconds": seconds,
+            "tokens_per_s": n_new / max(seconds, 1e-9),
+        }
         if csv_dir is not None:
             csv_dir.mkdir(parents=True, exist_ok=True)
             path = csv_dir / f"{csv_prefix}{setting.name}.csv"
             write_samples_csv(path, prompts, references, hyps, ppls, [b["bleu4"] for b in per_sample])
             row["csv"] = path.name
         result["settings"].append(row)
-        log.info(f"bleu: {setting.name}: BLEU-4 {row['bleu4']:.4f}, sacreBLEU {row['sacrebleu']['bleu']:.2f}, "
-            f"{row['tokens_per_s']:.0f} tokens/s")
+        log.info(
+            f"bleu: {setting.name}: BLEU-4 {row['bleu4']:.4f}, sacreBLEU {row['sacrebleu']['bleu']:.2f}, "
+            f"{row['tokens_per_s']:.0f} tokens/s"
+        )
     return result
 
 
@@ -222,26 +264,50 @@ def write_samples_csv(path: Path, prompts, references, hypotheses, ppls, bleu4s)
     with open(path, "w", newline="", encoding="utf-8") as f:
         w = csv.writer(f)
         w.writerow(CSV_COLUMNS)
-        w.writerows([p, r, h, f"{ppl:.6g}", f"{b:.6g}"]
-                    for p, r, h, ppl, b in zip(prompts, references, hypotheses, ppls, bleu4s))
+        w.writerows(
+            [p, r, h, f"{ppl:.6g}", f"{b:.6g}"]
+            for p, r, h, ppl, b in zip(prompts, references, hypotheses, ppls, bleu4s)
+        )
 
 
 def format_bleu(result: dict) -> str:
     """The protocol, its notes and one row per decoding setting, as text for a terminal."""
     p = result["protocol"]
-    lines = [f"BLEU protocol    {result['samples']} stories (asked {result['requested']}), prompt = first "
-             f"{p['prompt_tokens']} tokens, continuation <= {p['max_continuation']} tokens, seed {p['seed']}"]
+    lines = [
+        f"BLEU protocol    {result['samples']} stories (asked {result['requested']}), prompt = first "
+        f"{p['prompt_tokens']} tokens, continuation <= {p['max_continuation']} tokens, seed {p['seed']}"
+    ]
     lines += [f"note             {note}" for note in result["notes"]]
-    lines += [f"reference ppl    {result['reference_ppl']:.4f}   (exp mean NLL of the real continuations given "
-              f"their prompts, {result['reference_tokens']:,} tokens)", BLEU_MEANING,
-              f"BLEU-n: NLTK-style corpus BLEU, smoothing {p['smoothing']}; sentence BLEU-4: the mean of the "
-              "samples' own BLEU-4 (same smoothing); sacreBLEU: 0-100 with the signature below"]
-    rows = [[s["name"], f"missing: {s['missing']}"] if "missing" in s else
-            [s["name"], s["bleu1"], s["bleu2"], s["bleu3"], s["bleu4"], s["sentence_bleu"]["bleu4"],
-             s["sacrebleu"]["bleu"], s["tokens_per_s"], s.get("csv", "")] for s in result["settings"]]
-    lines.append(tabulate(rows, ["setting", "BLEU-1", "BLEU-2", "BLEU-3", "BLEU-4", "sentence BLEU-4", "sacreBLEU",
-                                 "tok/s", "csv"],
-                          floatfmt=("", ".4f", ".4f", ".4f", ".4f", ".4f", ".2f", ".0f", "")))
+    lines += [
+        f"reference ppl    {result['reference_ppl']:.4f}   (exp mean NLL of the real continuations given "
+        f"their prompts, {result['reference_tokens']:,} tokens)",
+        BLEU_MEANING,
+        f"BLEU-n: NLTK-style corpus BLEU, smoothing {p['smoothing']}; sentence BLEU-4: the mean of the "
+        "samples' own BLEU-4 (same smoothing); sacreBLEU: 0-100 with the signature below",
+    ]
+    rows = [
+        [s["name"], f"missing: {s['missing']}"]
+        if "missing" in s
+        else [
+            s["name"],
+            s["bleu1"],
+            s["bleu2"],
+            s["bleu3"],
+            s["bleu4"],
+            s["sentence_bleu"]["bleu4"],
+            s["sacrebleu"]["bleu"],
+            s["tokens_per_s"],
+            s.get("csv", ""),
+        ]
+        for s in result["settings"]
+    ]
+    lines.append(
+        tabulate(
+            rows,
+            ["setting", "BLEU-1", "BLEU-2", "BLEU-3", "BLEU-4", "sentence BLEU-4", "sacreBLEU", "tok/s", "csv"],
+            floatfmt=("", ".4f", ".4f", ".4f", ".4f", ".4f", ".2f", ".0f", ""),
+        )
+    )
     sig = next((s["sacrebleu"]["signature"] for s in result["settings"] if "sacrebleu" in s), None)
     if sig:
         lines.append(f"sacreBLEU signature: {sig}")

@@ -74,8 +74,15 @@ class Doc:
         self.blocks.append(text)
 
     def table(self, headers, rows):
-        self.blocks.append("\n".join([_row(headers), "|" + "---|" * len(headers),
-                                      *(_row(c if isinstance(c, str) else format_number(c) for c in r) for r in rows)]))
+        self.blocks.append(
+            "\n".join(
+                [
+                    _row(headers),
+                    "|" + "---|" * len(headers),
+                    *(_row(c if isinstance(c, str) else format_number(c) for c in r) for r in rows),
+                ]
+            )
+        )
 
     def img(self, src: str, alt: str):
         """``src``: a path relative to the run directory."""
@@ -116,36 +123,58 @@ def section_config(doc: Doc, run: Path, ev, baseline, prep):
         doc.lack("config.yaml (the run's configuration)")
         return
     m, t, d, tok = cfg["model"], cfg["train"], cfg["data"], cfg["tokenizer"]
-    rows = [("data source", d["source"]),
-            ("tokenizer", f"{tok['type']}{' (lowercased)' if tok.get('lowercase') else ''}"),
-            ("vocabulary", m["vocab_size"]), ("d_model", m["d_model"]), ("attention width (d_attn)", m["d_attn"]),
-            ("layers", m["n_layers"]), ("heads", m["n_heads"]), ("d_ff", m["d_ff"]),
-            ("context length", m["context_length"]), ("dropout", str(m["dropout"])), ("positions", m["positions"]),
-            ("feed-forward / init", f"{m.get('ffn', 'gelu')} / {m.get('init', 'gpt2')}"),
-            ("weights tied (embedding = output layer)", m.get("tie_weights")),
-            ("batch x accumulation", f"{t['batch_size']} x {t['grad_accum_steps']}"),
-            ("learning rate", f"{t['lr']} (warmup {t['warmup_steps']}, {t['schedule']} to {t['min_lr']})"),
-            ("stop", f"{t['epochs']} epochs" if t.get("epochs") else f"{t['max_steps']} steps"
-             + (f" or {t['max_minutes']} minutes" if t.get("max_minutes") else "")),
-            ("label smoothing", t.get("label_smoothing", 0.0))]
+    rows = [
+        ("data source", d["source"]),
+        ("tokenizer", f"{tok['type']}{' (lowercased)' if tok.get('lowercase') else ''}"),
+        ("vocabulary", m["vocab_size"]),
+        ("d_model", m["d_model"]),
+        ("attention width (d_attn)", m["d_attn"]),
+        ("layers", m["n_layers"]),
+        ("heads", m["n_heads"]),
+        ("d_ff", m["d_ff"]),
+        ("context length", m["context_length"]),
+        ("dropout", str(m["dropout"])),
+        ("positions", m["positions"]),
+        ("feed-forward / init", f"{m.get('ffn', 'gelu')} / {m.get('init', 'gpt2')}"),
+        ("weights tied (embedding = output layer)", m.get("tie_weights")),
+        ("batch x accumulation", f"{t['batch_size']} x {t['grad_accum_steps']}"),
+        ("learning rate", f"{t['lr']} (warmup {t['warmup_steps']}, {t['schedule']} to {t['min_lr']})"),
+        (
+            "stop",
+            f"{t['epochs']} epochs"
+            if t.get("epochs")
+            else f"{t['max_steps']} steps" + (f" or {t['max_minutes']} minutes" if t.get("max_minutes") else ""),
+        ),
+        ("label smoothing", t.get("label_smoothing", 0.0)),
+    ]
     emb = cfg.get("embeddings") or {}
     if emb.get("kind", "none") != "none":
         info = read_json(run / "embeddings.json")
-        where = (f"{info['source']}: {info['found']:,} of {info['vocab_size'] - info['specials']:,} words found "
-                 f"({info['coverage']:.1%}), {info['subword']:,} from subwords, {info['random']:,} random"
-                 + (f"; trained in {info['train_seconds']:.1f} s" if info.get("train_seconds") else "")
-                 + (f" (read back from the cache {info['cached']})" if info.get("cached") else "")
-                 if isinstance(info, dict) and "coverage" in info else "embeddings.json missing")
-        rows.append(("token embeddings", f"{emb['kind']}{' ' + emb['path'] if emb.get('path') else ''}, "
-                                         f"{'frozen' if emb.get('freeze') else 'fine-tuned'}; {where}"))
+        where = (
+            f"{info['source']}: {info['found']:,} of {info['vocab_size'] - info['specials']:,} words found "
+            f"({info['coverage']:.1%}), {info['subword']:,} from subwords, {info['random']:,} random"
+            + (f"; trained in {info['train_seconds']:.1f} s" if info.get("train_seconds") else "")
+            + (f" (read back from the cache {info['cached']})" if info.get("cached") else "")
+            if isinstance(info, dict) and "coverage" in info
+            else "embeddings.json missing"
+        )
+        rows.append(
+            (
+                "token embeddings",
+                f"{emb['kind']}{' ' + emb['path'] if emb.get('path') else ''}, "
+                f"{'frozen' if emb.get('freeze') else 'fine-tuned'}; {where}",
+            )
+        )
     rows.append(("parameters (total)", (baseline or {}).get("parameters_total") or (ev or {}).get("parameters")))
     if baseline:
         rows.append(("parameters (trainable)", baseline.get("parameters_trainable")))
     doc.table(["setting", "value"], rows)
     doc.h("Data", 3)
     if prep:
-        doc.table(["split", "documents", "tokens", "bytes"],
-                  [(s, prep["documents"][s], prep["tokens"][s], prep["bytes"][s]) for s in prep["splits"]])
+        doc.table(
+            ["split", "documents", "tokens", "bytes"],
+            [(s, prep["documents"][s], prep["tokens"][s], prep["bytes"][s]) for s in prep["splits"]],
+        )
         if prep.get("unk_rate_valid") is not None:
             doc.p(f"Share of validation tokens that are `<unk>` (word vocabulary): {prep['unk_rate_valid']:.2%}.")
     else:
@@ -155,25 +184,50 @@ def section_config(doc: Doc, run: Path, ev, baseline, prep):
 def section_training(doc: Doc, run: Path, ev, want_curves: bool = False):
     doc.h("Training")
     if ev:
-        doc.table(["steps", "seconds", "tokens/s", "stopped by", "best valid loss", "final train loss"],
-                  [(ev["steps"], f"{ev['train_seconds']:.1f}", f"{ev['tokens_per_s']:.0f}", ev["stopped_because"],
-                    ev["best_val_loss"], ev["final_train_loss"])])
+        doc.table(
+            ["steps", "seconds", "tokens/s", "stopped by", "best valid loss", "final train loss"],
+            [
+                (
+                    ev["steps"],
+                    f"{ev['train_seconds']:.1f}",
+                    f"{ev['tokens_per_s']:.0f}",
+                    ev["stopped_because"],
+                    ev["best_val_loss"],
+                    ev["final_train_loss"],
+                )
+            ],
+        )
     if (run / "metrics.csv").is_file():
         evals = [r for r in read_metrics(run / "metrics.csv") if r.get("val_loss") is not None]
         if evals:
-            doc.table(["step", "train loss", "valid loss", "valid ppl"],
-                      [(str(r["step"]), r.get("train_loss"), r["val_loss"], format_number(r.get("val_ppl"), 2))
-                       for r in evals])
+            doc.table(
+                ["step", "train loss", "valid loss", "valid ppl"],
+                [
+                    (str(r["step"]), r.get("train_loss"), r["val_loss"], format_number(r.get("val_ppl"), 2))
+                    for r in evals
+                ],
+            )
         else:
             doc.lack("validation rows in metrics.csv (training stopped before its first evaluation)")
     else:
         doc.lack("metrics.csv (no training step was logged in this directory)")
     if (run / "epochs.csv").is_file():
         doc.p("Per epoch (train loss: the epoch's mean over its steps, with dropout; valid: after the epoch):")
-        doc.table(["epoch", "step", "train loss", "valid loss", "train ppl", "valid ppl", "elapsed s"],
-                  [(r["epoch"], r["step"], r["train_loss"], r["val_loss"], format_number(r["train_ppl"], 2),
-                    format_number(r["val_ppl"], 2), format_number(r["elapsed_s"], 1))
-                   for r in read_metrics(run / "epochs.csv")])
+        doc.table(
+            ["epoch", "step", "train loss", "valid loss", "train ppl", "valid ppl", "elapsed s"],
+            [
+                (
+                    r["epoch"],
+                    r["step"],
+                    r["train_loss"],
+                    r["val_loss"],
+                    format_number(r["train_ppl"], 2),
+                    format_number(r["val_ppl"], 2),
+                    format_number(r["elapsed_s"], 1),
+                )
+                for r in read_metrics(run / "epochs.csv")
+            ],
+        )
     if (run / "curves.png").is_file():
         doc.img("curves.png", "loss and perplexity curves")
     elif want_curves:
@@ -183,8 +237,10 @@ def section_training(doc: Doc, run: Path, ev, want_curves: bool = False):
 def section_eval(doc: Doc, ev):
     doc.h("Evaluation (best checkpoint, each document scored from `<sos>`)")
     if ev and ev.get("eval"):
-        doc.table(["split", "token ppl", "bits per byte", "word ppl", "tokens"],
-                  [(s, m["token_ppl"], m["bpb"], m["word_ppl"], m["tokens"]) for s, m in ev["eval"].items()])
+        doc.table(
+            ["split", "token ppl", "bits per byte", "word ppl", "tokens"],
+            [(s, m["token_ppl"], m["bpb"], m["word_ppl"], m["tokens"]) for s, m in ev["eval"].items()],
+        )
     else:
         doc.lack("eval.json (perplexity of the best checkpoint)")
 
@@ -204,8 +260,10 @@ def section_samples(doc: Doc, samples):
 
 
 def this_machine() -> str:
-    return (f"{platform.platform()}, Python {platform.python_version()}, torch {torch.__version__}, "
-            f"{torch.get_num_threads()} threads, CUDA {'yes' if torch.cuda.is_available() else 'no'}")
+    return (
+        f"{platform.platform()}, Python {platform.python_version()}, torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads, CUDA {'yes' if torch.cuda.is_available() else 'no'}"
+    )
 
 
 def section_machine(doc: Doc):
@@ -262,8 +320,10 @@ def save_report(doc: Doc, run: Path) -> tuple[Path, Path, list[str]]:
     md, page = run / "report.md", run / "report.html"
     md.write_text(doc.markdown(), encoding="utf-8")
     body = Markup(_markdown.render(doc.markdown(), {"run_dir": run}))
-    page.write_text(_templates.get_template("report.html.j2").render(title=f"tinylm report: {run.name}", body=body),
-                    encoding="utf-8")
+    page.write_text(
+        _templates.get_template("report.html.j2").render(title=f"tinylm report: {run.name}", body=body),
+        encoding="utf-8",
+    )
     return md, page, doc.missing
 
 

@@ -1,4 +1,5 @@
 """Generation: decoding knobs, sampling, the cached generate loop, beam search, streaming."""
+
 from tinylm.generation.core import Generated
 from tinylm.generation.generate import TextStream, TokenStream, generate, generate_many
 from tinylm.config import GenerationConfig

@@ -134,8 +134,10 @@ def _beam_search(model, prompts: list[list[int]], cfg: GenerationConfig) -> list
             else:
                 logits = full_forward(model, [s[-context_length:] for s in seqs])
 
-    return [[Generated(list(t), reason, score) for score, t, reason in state.finished[: cfg.num_return_sequences]]
-            for state in states]
+    return [
+        [Generated(list(t), reason, score) for score, t, reason in state.finished[: cfg.num_return_sequences]]
+        for state in states
+    ]
 
 
 def _common_prefix(generated: torch.Tensor, step: int, B: int, k: int) -> int:

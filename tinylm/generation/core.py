@@ -34,8 +34,10 @@ def fit_prompts(prompts: Iterable[Iterable[int]], context_length: int) -> list[l
         if not ids:
             raise TinyLMError("the prompt encodes to no tokens; give a non-empty prompt")
         if len(ids) > context_length:
-            warnings.warn(f"prompt of {len(ids)} tokens is longer than the context ({context_length}); "
-                          f"keeping the last {context_length}")
+            warnings.warn(
+                f"prompt of {len(ids)} tokens is longer than the context ({context_length}); "
+                f"keeping the last {context_length}"
+            )
             ids = ids[-context_length:]
         rows.append(ids)
     if not rows:

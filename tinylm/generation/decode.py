@@ -104,21 +104,36 @@ def prepare_for_inference(model: GPT) -> Prepared:
     layers = []
     for block in model.blocks:
         attn, ffn = block.attn, block.ffn
-        layers.append(PreparedLayer(
-            norm1=block.norm1, qkv=_qkv(attn, scale_queries), out=_transposed(attn.out_proj),
-            norm2=block.norm2, ffn_down=_transposed(ffn.down),
-            ffn_in=_transposed(ffn.gate_up) if ffn.swiglu else _transposed(ffn.up),
-            value_embed=attn.value_embed.weight if attn.value_embed is not None else None))
+        layers.append(
+            PreparedLayer(
+                norm1=block.norm1,
+                qkv=_qkv(attn, scale_queries),
+                out=_transposed(attn.out_proj),
+                norm2=block.norm2,
+                ffn_down=_transposed(ffn.down),
+                ffn_in=_transposed(ffn.gate_up) if ffn.swiglu else _transposed(ffn.up),
+                value_embed=attn.value_embed.weight if attn.value_embed is not None else None,
+            )
+        )
     pos_table = {"learned": lambda: model.pos_emb.weight, "sinusoidal": lambda: model.pos_table}.get(cfg.positions)
     rope = cfg.positions == "rope"
     prepared = Prepared(
-        n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads, head_dim=head_dim, qk_norm=cfg.qk_norm,
-        swiglu=cfg.ffn == "swiglu", activation=model.blocks[0].ffn.activation,
-        logit_softcap=cfg.logit_softcap, tok_emb=model.tok_emb.weight,
+        n_heads=cfg.n_heads,
+        n_kv_heads=cfg.n_kv_heads,
+        head_dim=head_dim,
+        qk_norm=cfg.qk_norm,
+        swiglu=cfg.ffn == "swiglu",
+        activation=model.blocks[0].ffn.activation,
+        logit_softcap=cfg.logit_softcap,
+        tok_emb=model.tok_emb.weight,
         embed_proj=model.embed_proj.weight.t().contiguous() if model.embed_proj is not None else None,
         pos_table=pos_table() if pos_table else None,
-        rope_cos=model.rope_cos if rope else None, rope_sin=model.rope_sin if rope else None,
-        layers=layers, norm_f=model.norm_f, head=model.lm_head.weight.t().contiguous())
+        rope_cos=model.rope_cos if rope else None,
+        rope_sin=model.rope_sin if rope else None,
+        layers=layers,
+        norm_f=model.norm_f,
+        head=model.lm_head.weight.t().contiguous(),
+    )
     if is_quantized(model):
         _quantize_prepared(prepared, int8_kernel_of(model))
     model.__dict__["_prepared_for_inference"] = (key, prepared)
@@ -142,8 +157,15 @@ def _linear(x: torch.Tensor, weight: tuple[torch.Tensor, torch.Tensor | None] | 
     return torch.addmm(b, x, w) if b is not None else x @ w
 
 
-def step_logits(p: Prepared, keys: list[torch.Tensor], values: list[torch.Tensor], tokens: torch.Tensor,
-                positions: torch.Tensor, slot: torch.Tensor, key_mask: torch.Tensor | None) -> torch.Tensor:
+def step_logits(
+    p: Prepared,
+    keys: list[torch.Tensor],
+    values: list[torch.Tensor],
+    tokens: torch.Tensor,
+    positions: torch.Tensor,
+    slot: torch.Tensor,
+    key_mask: torch.Tensor | None,
+) -> torch.Tensor:
     """tokens (B,) at positions (B,), written to cache slot ``slot`` (1,) -> next-token logits (B, V).
 
     keys / values: each layer's (B, Hkv, S, D) cache; key_mask: (B, S) True = real token, or
@@ -182,7 +204,7 @@ def step_logits(p: Prepared, keys: list[torch.Tensor], values: list[torch.Tensor
         # the query heads sharing a kv head are rows of one product: no copy of the cached keys
         q = qk[:, :H].reshape(B * Hkv, group, D)
         if p.qk_norm:  # normalised after the projection: the 1/sqrt(D) could not go into the weights
-            q = q * (D ** -0.5)
+            q = q * (D**-0.5)
         scores = torch.baddbmm(bias, q, k_cache.view(B * Hkv, S, D).transpose(1, 2))  # (B Hkv, group, S)
         weights = torch.softmax(scores, dim=-1, dtype=softmax_dtype)
         if softmax_dtype is not None:
@@ -227,8 +249,9 @@ def compiled_step_logits(device_type: str) -> Callable:
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
         _limit_raised.done = True
     if device_type not in _compiled:
-        _compiled[device_type] = torch.compile(step_logits, dynamic=False, fullgraph=True,
-                                               **COMPILE_OPTIONS.get(device_type, {}))
+        _compiled[device_type] = torch.compile(
+            step_logits, dynamic=False, fullgraph=True, **COMPILE_OPTIONS.get(device_type, {})
+        )
     return _compiled[device_type]
 
 
@@ -241,8 +264,14 @@ def _mark_static(prepared: Prepared, cache: KVCache) -> None:
     marked = (id(prepared), cache.k[0].data_ptr())  # a beam search's first reorder makes new cache tensors
     if getattr(cache, "_marked_static", None) == marked:
         return
-    weights = [prepared.tok_emb, prepared.head, prepared.embed_proj, prepared.pos_table, prepared.rope_cos,
-               prepared.rope_sin]
+    weights = [
+        prepared.tok_emb,
+        prepared.head,
+        prepared.embed_proj,
+        prepared.pos_table,
+        prepared.rope_cos,
+        prepared.rope_sin,
+    ]
     for layer in prepared.layers:
         weights += [*layer.qkv, *layer.out, *layer.ffn_in, *layer.ffn_down, layer.value_embed]
     for t in (*weights, *cache.k, *cache.v):
@@ -251,8 +280,13 @@ def _mark_static(prepared: Prepared, cache: KVCache) -> None:
     cache._marked_static = marked
 
 
-def decode_step(prepared: Prepared, cache: KVCache, tokens: torch.Tensor, positions: torch.Tensor | None = None,
-                compile: bool = False) -> torch.Tensor:
+def decode_step(
+    prepared: Prepared,
+    cache: KVCache,
+    tokens: torch.Tensor,
+    positions: torch.Tensor | None = None,
+    compile: bool = False,
+) -> torch.Tensor:
     """Feed ``tokens`` (B,) into ``cache`` at its next slot; returns the next-token logits (B, V).
 
     prepared: ``prepare_for_inference(model)``; positions: (B,) the tokens' positions
@@ -267,8 +301,15 @@ def decode_step(prepared: Prepared, cache: KVCache, tokens: torch.Tensor, positi
         logits = step_logits(*args)
     else:
         # what the compiled code is specialised on: shapes, dtype, device, padding (not the weights' values)
-        shape = (tuple(cache.k[0].shape), len(cache.k), cache.k[0].dtype, tokens.device.type,
-                 cache.key_mask is None, type(prepared.head).__name__, tuple(prepared.head.shape))
+        shape = (
+            tuple(cache.k[0].shape),
+            len(cache.k),
+            cache.k[0].dtype,
+            tokens.device.type,
+            cache.key_mask is None,
+            type(prepared.head).__name__,
+            tuple(prepared.head.shape),
+        )
         first = shape not in _compiled_shapes
         t0 = time.perf_counter()
         cuda = tokens.device.type == "cuda"
@@ -280,7 +321,10 @@ def decode_step(prepared: Prepared, cache: KVCache, tokens: torch.Tensor, positi
             logits = logits.clone()
         if first:
             _compiled_shapes[shape] = time.perf_counter() - t0
-            print(f"compiled the decoding step for batch {cache.batch_size} x {cache.max_len} cache slots in "
-                  f"{_compiled_shapes[shape]:.1f} s (once per process and shape)", file=sys.stderr)
+            print(
+                f"compiled the decoding step for batch {cache.batch_size} x {cache.max_len} cache slots in "
+                f"{_compiled_shapes[shape]:.1f} s (once per process and shape)",
+                file=sys.stderr,
+            )
     cache.length += 1
     return logits

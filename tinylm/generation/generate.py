@@ -81,7 +81,8 @@ class TokenStream:
             # must not run in it
             with torch.inference_mode():
                 cache, positions, tokens, token_list = self._step(
-                    model, prepared, cfg, step, seqs, cache, positions, tokens, max_len, history, generator)
+                    model, prepared, cfg, step, seqs, cache, positions, tokens, max_len, history, generator
+                )
             emitted: list[int | None] = [None] * B
             for r, t in enumerate(token_list):
                 if done[r]:
@@ -115,8 +116,10 @@ class TokenStream:
         if history is not None:
             logits = history(logits.float(), step)
             if not bool(torch.isfinite(logits).any(dim=-1).all()):
-                raise ValueError(f"no token is allowed at step {step + 1}: no_repeat_ngram_size / min_new_tokens "
-                                 "ban the whole vocabulary (ask for fewer new tokens or a smaller n-gram ban)")
+                raise ValueError(
+                    f"no token is allowed at step {step + 1}: no_repeat_ngram_size / min_new_tokens "
+                    "ban the whole vocabulary (ask for fewer new tokens or a smaller n-gram ban)"
+                )
         tokens = select_next(logits, cfg, generator)
         token_list = tokens.tolist()
         if history is not None:
@@ -174,17 +177,34 @@ class TextStream:
             yield text[len(shown) :]
 
 
-def generate(model, prompt_ids: list[int] | torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
-             top_k: int | None = None, top_p: float | None = None, eos_id: int | None = None, use_cache: bool = True,
-             seed: int | None = None, **options) -> list[int]:
+def generate(
+    model,
+    prompt_ids: list[int] | torch.Tensor,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    eos_id: int | None = None,
+    use_cache: bool = True,
+    seed: int | None = None,
+    **options,
+) -> list[int]:
     """Continue one prompt; returns the new token ids (without the prompt, stopping at ``eos_id``,
     which is not included). ``options``: any other GenerationConfig field (min_p,
     repetition_penalty, no_repeat_ngram_size, min_new_tokens, stop_ids, beam_width, ...);
     ``decode`` for stop_strings."""
     decode = options.pop("decode", None)
     stop_ids = tuple(options.pop("stop_ids", ())) + ((eos_id,) if eos_id is not None else ())
-    cfg = GenerationConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                           use_cache=use_cache, seed=seed, stop_ids=stop_ids, **options)
+    cfg = GenerationConfig(
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        use_cache=use_cache,
+        seed=seed,
+        stop_ids=stop_ids,
+        **options,
+    )
     return generate_many(model, [prompt_ids], cfg, decode)[0].tokens
 
 
@@ -239,10 +259,12 @@ def complete(model, tokenizer, prompts: list[str], cfg: GenerationConfig, batch_
         chunk = encoded[b : b + batch_size]
         seed = None if cfg.seed is None else cfg.seed + b
         t0 = time.perf_counter()
-        results = generate_many(model, chunk, dataclasses.replace(cfg, seed=seed, seed_per_row=True),
-                                decode=tokenizer.decode)
+        results = generate_many(
+            model, chunk, dataclasses.replace(cfg, seed=seed, seed_per_row=True), decode=tokenizer.decode
+        )
         rate = sum(len(r.tokens) for r in results) / max(time.perf_counter() - t0, 1e-9)
         for j, ids in enumerate(chunk):
-            out.append(Completion(prompts[b + j], ids, results[j * per_prompt : (j + 1) * per_prompt], rate,
-                                  cfg.stop_strings))
+            out.append(
+                Completion(prompts[b + j], ids, results[j * per_prompt : (j + 1) * per_prompt], rate, cfg.stop_strings)
+            )
     return out

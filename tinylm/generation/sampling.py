@@ -10,8 +10,9 @@ from tinylm.constants import SOS_ID
 from tinylm.generation.processors import GenerationConfig, shape_distribution
 
 
-def select_next(logits: torch.Tensor, cfg: GenerationConfig,
-                generator: torch.Generator | list[torch.Generator] | None = None) -> torch.Tensor:
+def select_next(
+    logits: torch.Tensor, cfg: GenerationConfig, generator: torch.Generator | list[torch.Generator] | None = None
+) -> torch.Tensor:
     """logits (B, V) -> next ids (B,). Greedy (argmax, lowest id on ties) when temperature is 0;
     otherwise one draw per row from softmax of the shaped logits, from ``generator`` (or from
     ``generator[r]`` for row r when given one generator per row)."""
@@ -36,8 +37,9 @@ def draw_per_row(probs: torch.Tensor, generators: list) -> torch.Tensor:
     return (probs / q).argmax(dim=-1)
 
 
-def sample_from_context(next_logits: Callable[[list[int]], torch.Tensor], prompt_ids: Iterable[int],
-                        cfg: GenerationConfig) -> list[int]:
+def sample_from_context(
+    next_logits: Callable[[list[int]], torch.Tensor], prompt_ids: Iterable[int], cfg: GenerationConfig
+) -> list[int]:
     """Continue ``prompt_ids`` with a cache-less model (the n-gram and neural bigram baselines):
     ``next_logits(context)`` gives (V,) logits or log probabilities. ``<sos>`` is never drawn (it
     would start a document inside this one); the continuation ends before any of ``cfg.stop_ids``;

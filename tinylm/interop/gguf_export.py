@@ -42,9 +42,15 @@ PRE_TOKENIZERS = {"gpt2": "gpt-2"}
 # (tinylm name inside a block, gguf MODEL_TENSOR member name); llama.cpp stores q, k, v and gate,
 # up separately: the fused matrices are split into their parts (``state_dict_by_parts``)
 LAYER_TENSORS = [
-    ("norm1.weight", "ATTN_NORM"), ("attn.q_proj.weight", "ATTN_Q"), ("attn.k_proj.weight", "ATTN_K"),
-    ("attn.v_proj.weight", "ATTN_V"), ("attn.out_proj.weight", "ATTN_OUT"), ("norm2.weight", "FFN_NORM"),
-    ("ffn.gate.weight", "FFN_GATE"), ("ffn.up.weight", "FFN_UP"), ("ffn.down.weight", "FFN_DOWN"),
+    ("norm1.weight", "ATTN_NORM"),
+    ("attn.q_proj.weight", "ATTN_Q"),
+    ("attn.k_proj.weight", "ATTN_K"),
+    ("attn.v_proj.weight", "ATTN_V"),
+    ("attn.out_proj.weight", "ATTN_OUT"),
+    ("norm2.weight", "FFN_NORM"),
+    ("ffn.gate.weight", "FFN_GATE"),
+    ("ffn.up.weight", "FFN_UP"),
+    ("ffn.down.weight", "FFN_DOWN"),
 ]
 
 
@@ -59,8 +65,11 @@ def _gguf():
 def check_gguf_exportable(cfg: ModelConfig) -> None:
     bad = non_llama_options(cfg)
     if bad:
-        raise TinyLMError("llama.cpp's llama architecture has no equivalent of " + ", ".join(bad) +
-                          "; only Llama-shaped models (rope, rmsnorm, swiglu, no biases) export to GGUF")
+        raise TinyLMError(
+            "llama.cpp's llama architecture has no equivalent of "
+            + ", ".join(bad)
+            + "; only Llama-shaped models (rope, rmsnorm, swiglu, no biases) export to GGUF"
+        )
 
 
 def model_tensors(model) -> list[tuple[str, np.ndarray]]:
@@ -70,8 +79,10 @@ def model_tensors(model) -> list[tuple[str, np.ndarray]]:
     sd = {k: v.detach().float().cpu().numpy() for k, v in state_dict_by_parts(model).items()}
     out = [(names[T.TOKEN_EMBD] + ".weight", sd["tok_emb.weight"])]
     for i in range(model.config.n_layers):
-        out += [(names[getattr(T, member)].format(bid=i) + ".weight", sd[f"blocks.{i}.{ours}"])
-                for ours, member in LAYER_TENSORS]
+        out += [
+            (names[getattr(T, member)].format(bid=i) + ".weight", sd[f"blocks.{i}.{ours}"])
+            for ours, member in LAYER_TENSORS
+        ]
     out.append((names[T.OUTPUT_NORM] + ".weight", sd["norm_f.weight"]))
     if not model.config.tie_weights:
         out.append((names[T.OUTPUT] + ".weight", sd["lm_head.weight"]))
@@ -96,15 +107,19 @@ def _padding_tokens(start: int, stop: int) -> list[tuple[str, int, float]]:
 def bpe_vocabulary(tok: BPETokenizer, vocab_size: int) -> tuple[list[tuple[str, int, float]], list[str]]:
     """GGUF ``gpt2`` tokens (text, type, score) and merges of a tinylm byte-level BPE."""
     if tok.pattern not in PRE_TOKENIZERS:
-        raise TinyLMError(f"the tokenizer splits text with pattern {tok.pattern!r}; llama.cpp has a matching "
-                          f"pre-tokenizer only for {', '.join(PRE_TOKENIZERS)}")
+        raise TinyLMError(
+            f"the tokenizer splits text with pattern {tok.pattern!r}; llama.cpp has a matching "
+            f"pre-tokenizer only for {', '.join(PRE_TOKENIZERS)}"
+        )
     table, kind = byte_to_unicode(), _gguf().TokenType
     visible = ["".join(table[b] for b in raw) for raw in tok.token_bytes]
-    if len(set(visible[len(tok.special_tokens):])) < len(visible) - len(tok.special_tokens):
-        raise TinyLMError("two BPE merges build the same string; llama.cpp maps a string to one token, so this "
-                          "tokenizer cannot be written as a GGUF gpt2 vocabulary")
+    if len(set(visible[len(tok.special_tokens) :])) < len(visible) - len(tok.special_tokens):
+        raise TinyLMError(
+            "two BPE merges build the same string; llama.cpp maps a string to one token, so this "
+            "tokenizer cannot be written as a GGUF gpt2 vocabulary"
+        )
     tokens = [(s, kind.CONTROL, 0.0) for s in tok.special_tokens]
-    tokens += [(v, kind.NORMAL, 0.0) for v in visible[len(tok.special_tokens):]]
+    tokens += [(v, kind.NORMAL, 0.0) for v in visible[len(tok.special_tokens) :]]
     merges = [f"{visible[a]} {visible[b]}" for a, b in tok.merges]
     return tokens + _padding_tokens(len(tokens), vocab_size), merges
 
@@ -138,8 +153,10 @@ def add_tokenizer(writer, tokenizer: Tokenizer | None, vocab_size: int) -> None:
         writer.add_add_space_prefix(True)
     else:
         kind = getattr(tokenizer, "type_name", None)
-        raise TinyLMError(f"a {kind or 'missing'} tokenizer has no GGUF equivalent; GGUF export takes a tinylm "
-                          "byte-level BPE (type bpe) or a llama2.c tokenizer.bin")
+        raise TinyLMError(
+            f"a {kind or 'missing'} tokenizer has no GGUF equivalent; GGUF export takes a tinylm "
+            "byte-level BPE (type bpe) or a llama2.c tokenizer.bin"
+        )
     if len(tokens) > vocab_size:
         raise TinyLMError(f"the tokenizer has {len(tokens)} tokens but the model only {vocab_size} rows")
     writer.add_token_list([t[0] for t in tokens])

@@ -22,26 +22,45 @@ def _check(cond: bool, what: str) -> None:
 
 
 def config_from_gpt2(c) -> ModelConfig:
-    _check(c.activation_function in ("gelu_new", "gelu_pytorch_tanh"), f"activation {c.activation_function!r} (tinylm uses tanh GELU)")
+    _check(
+        c.activation_function in ("gelu_new", "gelu_pytorch_tanh"),
+        f"activation {c.activation_function!r} (tinylm uses tanh GELU)",
+    )
     _check(bool(getattr(c, "scale_attn_weights", True)), "scale_attn_weights=False")
     _check(not getattr(c, "scale_attn_by_inverse_layer_idx", False), "scale_attn_by_inverse_layer_idx=True")
     return ModelConfig(
-        vocab_size=c.vocab_size, context_length=c.n_positions, d_model=c.n_embd, n_layers=c.n_layer,
-        n_heads=c.n_head, d_ff=c.n_inner or 4 * c.n_embd, dropout=0.0, positions="learned",
-        norm="layernorm", norm_eps=c.layer_norm_epsilon, ffn="gelu", bias=True,
-        tie_weights=bool(getattr(c, "tie_word_embeddings", True)), attention="sdpa",
+        vocab_size=c.vocab_size,
+        context_length=c.n_positions,
+        d_model=c.n_embd,
+        n_layers=c.n_layer,
+        n_heads=c.n_head,
+        d_ff=c.n_inner or 4 * c.n_embd,
+        dropout=0.0,
+        positions="learned",
+        norm="layernorm",
+        norm_eps=c.layer_norm_epsilon,
+        ffn="gelu",
+        bias=True,
+        tie_weights=bool(getattr(c, "tie_word_embeddings", True)),
+        attention="sdpa",
     )
 
 
 # (HF GPT-2 name, tinylm name, transposed?) of every per-layer weight;
 # HF's Conv1D stores weights as (in, out), nn.Linear as (out, in)
 LAYER_WEIGHTS = [
-    ("attn.c_attn.weight", "attn.qkv.weight", True), ("attn.c_attn.bias", "attn.qkv.bias", False),
-    ("attn.c_proj.weight", "attn.out_proj.weight", True), ("attn.c_proj.bias", "attn.out_proj.bias", False),
-    ("mlp.c_fc.weight", "ffn.up.weight", True), ("mlp.c_fc.bias", "ffn.up.bias", False),
-    ("mlp.c_proj.weight", "ffn.down.weight", True), ("mlp.c_proj.bias", "ffn.down.bias", False),
-    ("ln_1.weight", "norm1.weight", False), ("ln_1.bias", "norm1.bias", False),
-    ("ln_2.weight", "norm2.weight", False), ("ln_2.bias", "norm2.bias", False),
+    ("attn.c_attn.weight", "attn.qkv.weight", True),
+    ("attn.c_attn.bias", "attn.qkv.bias", False),
+    ("attn.c_proj.weight", "attn.out_proj.weight", True),
+    ("attn.c_proj.bias", "attn.out_proj.bias", False),
+    ("mlp.c_fc.weight", "ffn.up.weight", True),
+    ("mlp.c_fc.bias", "ffn.up.bias", False),
+    ("mlp.c_proj.weight", "ffn.down.weight", True),
+    ("mlp.c_proj.bias", "ffn.down.bias", False),
+    ("ln_1.weight", "norm1.weight", False),
+    ("ln_1.bias", "norm1.bias", False),
+    ("ln_2.weight", "norm2.weight", False),
+    ("ln_2.bias", "norm2.bias", False),
 ]
 
 
@@ -61,9 +80,13 @@ def from_hf_gpt2(hf_model) -> GPT:
     cfg = config_from_gpt2(hf_model.config)
     model = GPT(cfg)
     sd = {k: v.detach().float() for k, v in hf_model.state_dict().items()}
-    new = {"tok_emb.weight": sd["transformer.wte.weight"], "pos_emb.weight": sd["transformer.wpe.weight"],
-           "norm_f.weight": sd["transformer.ln_f.weight"], "norm_f.bias": sd["transformer.ln_f.bias"],
-           "lm_head.weight": sd.get("lm_head.weight", sd["transformer.wte.weight"])}
+    new = {
+        "tok_emb.weight": sd["transformer.wte.weight"],
+        "pos_emb.weight": sd["transformer.wpe.weight"],
+        "norm_f.weight": sd["transformer.ln_f.weight"],
+        "norm_f.bias": sd["transformer.ln_f.bias"],
+        "lm_head.weight": sd.get("lm_head.weight", sd["transformer.wte.weight"]),
+    }
     for i in range(cfg.n_layers):
         new.update(_rename_layer(sd, i, to_tinylm=True))
     model.load_state_dict({k: v.contiguous() for k, v in new.items()}, strict=True)
@@ -72,8 +95,14 @@ def from_hf_gpt2(hf_model) -> GPT:
 
 def is_gpt2_shape(cfg: ModelConfig) -> bool:
     cfg = cfg.resolved()
-    return (cfg.positions == "learned" and cfg.norm == "layernorm" and cfg.ffn == "gelu" and cfg.bias
-            and cfg.n_kv_heads == cfg.n_heads and cfg.d_attn == cfg.d_model)
+    return (
+        cfg.positions == "learned"
+        and cfg.norm == "layernorm"
+        and cfg.ffn == "gelu"
+        and cfg.bias
+        and cfg.n_kv_heads == cfg.n_heads
+        and cfg.d_attn == cfg.d_model
+    )
 
 
 @torch.no_grad()
@@ -83,18 +112,37 @@ def to_hf_gpt2(model: GPT):
 
     cfg = model.config
     if not is_gpt2_shape(cfg):
-        raise TinyLMError("only a GPT-2-shaped tinylm model (learned positions, LayerNorm, GELU, biases, "
-                          "no GQA, d_attn == d_model) exports to GPT-2; Llama-shaped models export to Llama")
+        raise TinyLMError(
+            "only a GPT-2-shaped tinylm model (learned positions, LayerNorm, GELU, biases, "
+            "no GQA, d_attn == d_model) exports to GPT-2; Llama-shaped models export to Llama"
+        )
     refuse_options_no_format_has(cfg, "a Hugging Face GPT-2 model")
-    hf_cfg = GPT2Config(vocab_size=cfg.vocab_size, n_positions=cfg.context_length, n_embd=cfg.d_model,
-                        n_layer=cfg.n_layers, n_head=cfg.n_heads, n_inner=cfg.d_ff, activation_function="gelu_new",
-                        layer_norm_epsilon=cfg.norm_eps, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                        tie_word_embeddings=cfg.tie_weights, bos_token_id=2, eos_token_id=3, pad_token_id=0)
+    hf_cfg = GPT2Config(
+        vocab_size=cfg.vocab_size,
+        n_positions=cfg.context_length,
+        n_embd=cfg.d_model,
+        n_layer=cfg.n_layers,
+        n_head=cfg.n_heads,
+        n_inner=cfg.d_ff,
+        activation_function="gelu_new",
+        layer_norm_epsilon=cfg.norm_eps,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        tie_word_embeddings=cfg.tie_weights,
+        bos_token_id=2,
+        eos_token_id=3,
+        pad_token_id=0,
+    )
     hf = GPT2LMHeadModel(hf_cfg)
     sd = {k: v.detach().float() for k, v in model.state_dict().items()}
-    new = {"transformer.wte.weight": sd["tok_emb.weight"], "transformer.wpe.weight": sd["pos_emb.weight"],
-           "transformer.ln_f.weight": sd["norm_f.weight"], "transformer.ln_f.bias": sd["norm_f.bias"],
-           "lm_head.weight": sd["lm_head.weight"]}
+    new = {
+        "transformer.wte.weight": sd["tok_emb.weight"],
+        "transformer.wpe.weight": sd["pos_emb.weight"],
+        "transformer.ln_f.weight": sd["norm_f.weight"],
+        "transformer.ln_f.bias": sd["norm_f.bias"],
+        "lm_head.weight": sd["lm_head.weight"],
+    }
     for i in range(cfg.n_layers):
         new.update(_rename_layer(sd, i, to_tinylm=False))
     missing, unexpected = hf.load_state_dict({k: v.contiguous() for k, v in new.items()}, strict=False)

@@ -31,10 +31,14 @@ def hf_to_meta_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
 # ffn.gate, ffn.up: the halves of ffn.gate_up): ``state_dict_by_parts`` splits a model's state
 # that way, and loading a state dict so named joins the parts.
 LAYER_WEIGHTS = [
-    ("self_attn.q_proj.weight", "attn.q_proj.weight"), ("self_attn.k_proj.weight", "attn.k_proj.weight"),
-    ("self_attn.v_proj.weight", "attn.v_proj.weight"), ("self_attn.o_proj.weight", "attn.out_proj.weight"),
-    ("mlp.gate_proj.weight", "ffn.gate.weight"), ("mlp.up_proj.weight", "ffn.up.weight"),
-    ("mlp.down_proj.weight", "ffn.down.weight"), ("input_layernorm.weight", "norm1.weight"),
+    ("self_attn.q_proj.weight", "attn.q_proj.weight"),
+    ("self_attn.k_proj.weight", "attn.k_proj.weight"),
+    ("self_attn.v_proj.weight", "attn.v_proj.weight"),
+    ("self_attn.o_proj.weight", "attn.out_proj.weight"),
+    ("mlp.gate_proj.weight", "ffn.gate.weight"),
+    ("mlp.up_proj.weight", "ffn.up.weight"),
+    ("mlp.down_proj.weight", "ffn.down.weight"),
+    ("input_layernorm.weight", "norm1.weight"),
     ("post_attention_layernorm.weight", "norm2.weight"),
 ]
 
@@ -62,8 +66,8 @@ def options_no_format_has(cfg: ModelConfig) -> list[str]:
     llama.cpp's GGUF, llama2.c) has a place for, each named as the config writes it: a file
     written without them would load as a different model."""
     reasons = {
-        f"model.value_embeddings={cfg.value_embeddings} (no other format has value embeddings)":
-            cfg.value_embeddings != "none",
+        f"model.value_embeddings={cfg.value_embeddings} (no other format has value embeddings)": cfg.value_embeddings
+        != "none",
         "model.qk_norm=true (normalised queries and keys)": cfg.qk_norm,
         f"model.logit_softcap={cfg.logit_softcap}": cfg.logit_softcap is not None,
     }
@@ -104,11 +108,23 @@ def config_from_llama(c) -> ModelConfig:
     if theta is None:
         theta = (getattr(c, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
     return ModelConfig(
-        vocab_size=c.vocab_size, context_length=c.max_position_embeddings, d_model=c.hidden_size,
-        n_layers=c.num_hidden_layers, n_heads=c.num_attention_heads, d_attn=head_dim * c.num_attention_heads,
-        n_kv_heads=c.num_key_value_heads or c.num_attention_heads, d_ff=c.intermediate_size, dropout=0.0,
-        positions="rope", rope_theta=float(theta), norm="rmsnorm", norm_eps=c.rms_norm_eps, ffn="swiglu",
-        bias=False, tie_weights=bool(getattr(c, "tie_word_embeddings", False)), attention="sdpa",
+        vocab_size=c.vocab_size,
+        context_length=c.max_position_embeddings,
+        d_model=c.hidden_size,
+        n_layers=c.num_hidden_layers,
+        n_heads=c.num_attention_heads,
+        d_attn=head_dim * c.num_attention_heads,
+        n_kv_heads=c.num_key_value_heads or c.num_attention_heads,
+        d_ff=c.intermediate_size,
+        dropout=0.0,
+        positions="rope",
+        rope_theta=float(theta),
+        norm="rmsnorm",
+        norm_eps=c.rms_norm_eps,
+        ffn="swiglu",
+        bias=False,
+        tie_weights=bool(getattr(c, "tie_word_embeddings", False)),
+        attention="sdpa",
     )
 
 
@@ -117,8 +133,11 @@ def from_hf_llama(hf_model) -> GPT:
     cfg = config_from_llama(hf_model.config)
     model = GPT(cfg)
     sd = {k: v.detach().float() for k, v in hf_model.state_dict().items()}
-    new = {"tok_emb.weight": sd["model.embed_tokens.weight"], "norm_f.weight": sd["model.norm.weight"],
-           "lm_head.weight": sd.get("lm_head.weight", sd["model.embed_tokens.weight"])}
+    new = {
+        "tok_emb.weight": sd["model.embed_tokens.weight"],
+        "norm_f.weight": sd["model.norm.weight"],
+        "lm_head.weight": sd.get("lm_head.weight", sd["model.embed_tokens.weight"]),
+    }
     new.update(_rename_layers(sd, model.config, True, hf_to_meta_rows))
     model.load_state_dict({k: v.contiguous() for k, v in new.items()}, strict=True)
     return model.eval()
@@ -132,16 +151,31 @@ def to_hf_llama(model: GPT, bos_id: int = 2, eos_id: int = 3):
     if not is_llama_shape(cfg):
         raise TinyLMError("only a Llama-shaped tinylm model (rope, RMSNorm, SwiGLU, no biases) exports to Llama")
     refuse_options_no_format_has(cfg, "a Hugging Face Llama model")
-    hf_cfg = LlamaConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.d_ff,
-                         num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads,
-                         num_key_value_heads=cfg.n_kv_heads, head_dim=cfg.d_attn // cfg.n_heads, hidden_act="silu",
-                         max_position_embeddings=cfg.context_length, rms_norm_eps=cfg.norm_eps,
-                         rope_theta=cfg.rope_theta, tie_word_embeddings=cfg.tie_weights, attention_bias=False,
-                         mlp_bias=False, bos_token_id=bos_id, eos_token_id=eos_id)
+    hf_cfg = LlamaConfig(
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.d_model,
+        intermediate_size=cfg.d_ff,
+        num_hidden_layers=cfg.n_layers,
+        num_attention_heads=cfg.n_heads,
+        num_key_value_heads=cfg.n_kv_heads,
+        head_dim=cfg.d_attn // cfg.n_heads,
+        hidden_act="silu",
+        max_position_embeddings=cfg.context_length,
+        rms_norm_eps=cfg.norm_eps,
+        rope_theta=cfg.rope_theta,
+        tie_word_embeddings=cfg.tie_weights,
+        attention_bias=False,
+        mlp_bias=False,
+        bos_token_id=bos_id,
+        eos_token_id=eos_id,
+    )
     hf = LlamaForCausalLM(hf_cfg)
     sd = {k: v.detach().float() for k, v in state_dict_by_parts(model).items()}
-    new = {"model.embed_tokens.weight": sd["tok_emb.weight"], "model.norm.weight": sd["norm_f.weight"],
-           "lm_head.weight": sd["lm_head.weight"]}
+    new = {
+        "model.embed_tokens.weight": sd["tok_emb.weight"],
+        "model.norm.weight": sd["norm_f.weight"],
+        "lm_head.weight": sd["lm_head.weight"],
+    }
     new.update(_rename_layers(sd, cfg, False, meta_to_hf_rows))
     missing, unexpected = hf.load_state_dict({k: v.contiguous() for k, v in new.items()}, strict=False)
     missing = [k for k in missing if "rotary_emb" not in k]

@@ -52,15 +52,26 @@ def read_header(path: str | Path) -> dict:
     if struct.unpack_from("<I", raw)[0] == MAGIC:
         version, offset = struct.unpack_from("<i", raw, 4)[0], V1_HEADER_SIZE
         if version not in LLAMA2C_VERSIONS:
-            raise TinyLMError(f"{path} is a llama2.c version-{version} checkpoint; tinylm reads versions 0 and 1 "
-                              "(version 2 is runq.c's int8 format)")
+            raise TinyLMError(
+                f"{path} is a llama2.c version-{version} checkpoint; tinylm reads versions 0 and 1 "
+                "(version 2 is runq.c's int8 format)"
+            )
         if len(raw) < V1_HEADER_SIZE:
             raise TinyLMError(f"{path} is too short to be a llama2.c version-1 checkpoint")
     dim, hidden, n_layers, n_heads, n_kv_heads, vocab, seq_len = HEADER.unpack_from(raw, 8 if version else 0)
     shared = bool(raw[8 + HEADER.size]) if version else vocab > 0
-    return {"dim": dim, "hidden_dim": hidden, "n_layers": n_layers, "n_heads": n_heads, "n_kv_heads": n_kv_heads,
-            "vocab_size": abs(vocab), "shared_classifier": shared, "seq_len": seq_len, "version": version,
-            "offset": offset}
+    return {
+        "dim": dim,
+        "hidden_dim": hidden,
+        "n_layers": n_layers,
+        "n_heads": n_heads,
+        "n_kv_heads": n_kv_heads,
+        "vocab_size": abs(vocab),
+        "shared_classifier": shared,
+        "seq_len": seq_len,
+        "version": version,
+        "offset": offset,
+    }
 
 
 def _expected_floats(h: dict) -> int:
@@ -80,18 +91,39 @@ def looks_like_llama2c(path: str | Path) -> bool:
 
 
 def config_from_header(h: dict) -> ModelConfig:
-    return ModelConfig(vocab_size=h["vocab_size"], context_length=h["seq_len"], d_model=h["dim"],
-                       n_layers=h["n_layers"], n_heads=h["n_heads"], n_kv_heads=h["n_kv_heads"],
-                       d_ff=h["hidden_dim"], dropout=0.0, positions="rope", rope_theta=10000.0,
-                       norm="rmsnorm", norm_eps=1e-5, ffn="swiglu", bias=False,
-                       tie_weights=h["shared_classifier"], attention="sdpa")
+    return ModelConfig(
+        vocab_size=h["vocab_size"],
+        context_length=h["seq_len"],
+        d_model=h["dim"],
+        n_layers=h["n_layers"],
+        n_heads=h["n_heads"],
+        n_kv_heads=h["n_kv_heads"],
+        d_ff=h["hidden_dim"],
+        dropout=0.0,
+        positions="rope",
+        rope_theta=10000.0,
+        norm="rmsnorm",
+        norm_eps=1e-5,
+        ffn="swiglu",
+        bias=False,
+        tie_weights=h["shared_classifier"],
+        attention="sdpa",
+    )
 
 
 # (llama2.c name, tinylm name inside a block) of every per-layer tensor; the fused q/k/v and
 # gate/up matrices are named by their parts (``state_dict_by_parts``; loading joins them)
-LAYER_WEIGHTS = [("rms_att", "norm1.weight"), ("wq", "attn.q_proj.weight"), ("wk", "attn.k_proj.weight"),
-                 ("wv", "attn.v_proj.weight"), ("wo", "attn.out_proj.weight"), ("rms_ffn", "norm2.weight"),
-                 ("w1", "ffn.gate.weight"), ("w2", "ffn.down.weight"), ("w3", "ffn.up.weight")]
+LAYER_WEIGHTS = [
+    ("rms_att", "norm1.weight"),
+    ("wq", "attn.q_proj.weight"),
+    ("wk", "attn.k_proj.weight"),
+    ("wv", "attn.v_proj.weight"),
+    ("wo", "attn.out_proj.weight"),
+    ("rms_ffn", "norm2.weight"),
+    ("w1", "ffn.gate.weight"),
+    ("w2", "ffn.down.weight"),
+    ("w3", "ffn.up.weight"),
+]
 
 
 def _tensor_shapes(h: dict) -> list[tuple[str, tuple[int, ...]]]:
@@ -101,11 +133,24 @@ def _tensor_shapes(h: dict) -> list[tuple[str, tuple[int, ...]]]:
     matrices = [("wq", (L, dim, dim)), ("wk", (L, kv, dim)), ("wv", (L, kv, dim)), ("wo", (L, dim, dim))]
     ffn = [("w1", (L, hid, dim)), ("w2", (L, dim, hid)), ("w3", (L, hid, dim))]
     if h["version"] == 0:
-        shapes = [("emb", (V, dim)), ("rms_att", (L, dim)), *matrices, ("rms_ffn", (L, dim)), *ffn,
-                  ("rms_final", (dim,)), ("freq_cis", (h["seq_len"], dim // h["n_heads"]))]
+        shapes = [
+            ("emb", (V, dim)),
+            ("rms_att", (L, dim)),
+            *matrices,
+            ("rms_ffn", (L, dim)),
+            *ffn,
+            ("rms_final", (dim,)),
+            ("freq_cis", (h["seq_len"], dim // h["n_heads"])),
+        ]
     else:
-        shapes = [("rms_att", (L, dim)), ("rms_ffn", (L, dim)), ("rms_final", (dim,)), ("emb", (V, dim)),
-                  *matrices, *ffn]
+        shapes = [
+            ("rms_att", (L, dim)),
+            ("rms_ffn", (L, dim)),
+            ("rms_final", (dim,)),
+            ("emb", (V, dim)),
+            *matrices,
+            *ffn,
+        ]
     return shapes + ([] if h["shared_classifier"] else [("wcls", (V, dim))])
 
 
@@ -113,7 +158,7 @@ def _split_weights(data: torch.Tensor, h: dict) -> dict[str, torch.Tensor]:
     out, offset = {}, 0
     for name, shape in _tensor_shapes(h):
         n = int(np.prod(shape))
-        out[name] = data[offset: offset + n].view(*shape)
+        out[name] = data[offset : offset + n].view(*shape)
         offset += n
     out.setdefault("wcls", out["emb"])
     return out
@@ -168,9 +213,17 @@ def save_llama2c(model: GPT, path: str | Path, version: int = 0) -> Path:
     else:
         header = struct.pack("<Ii", MAGIC, version) + HEADER.pack(*sizes, cfg.vocab_size, cfg.context_length)
         header = (header + bytes([cfg.tie_weights])).ljust(V1_HEADER_SIZE, b"\0")
-    h = {"dim": cfg.d_model, "hidden_dim": cfg.d_ff, "n_layers": cfg.n_layers, "n_heads": cfg.n_heads,
-         "n_kv_heads": cfg.n_kv_heads, "vocab_size": cfg.vocab_size, "seq_len": cfg.context_length,
-         "shared_classifier": cfg.tie_weights, "version": version}
+    h = {
+        "dim": cfg.d_model,
+        "hidden_dim": cfg.d_ff,
+        "n_layers": cfg.n_layers,
+        "n_heads": cfg.n_heads,
+        "n_kv_heads": cfg.n_kv_heads,
+        "vocab_size": cfg.vocab_size,
+        "seq_len": cfg.context_length,
+        "shared_classifier": cfg.tie_weights,
+        "version": version,
+    }
     path = Path(path)
     with open(path, "wb") as fh:
         fh.write(header)

@@ -76,12 +76,15 @@ def llama2c_files(model: GPT, tokenizer: Tokenizer | None) -> tuple[GPT, Llama2c
         tok, order = bpe_to_llama2c(tokenizer, model.config.vocab_size)
         return reorder_vocabulary(model, order), tok
     kind = getattr(tokenizer, "type_name", None)
-    raise TinyLMError(f"a {kind or 'missing'} tokenizer has no llama2.c equivalent; export-llama2c takes a model "
-                      "with a tinylm byte-level BPE (type bpe) or a llama2.c tokenizer.bin")
+    raise TinyLMError(
+        f"a {kind or 'missing'} tokenizer has no llama2.c equivalent; export-llama2c takes a model "
+        "with a tinylm byte-level BPE (type bpe) or a llama2.c tokenizer.bin"
+    )
 
 
-def export_llama2c(model: GPT, tokenizer: Tokenizer | None, out: str | Path, tokenizer_out: str | Path,
-                   version: int = 0) -> tuple[Path, Path]:
+def export_llama2c(
+    model: GPT, tokenizer: Tokenizer | None, out: str | Path, tokenizer_out: str | Path, version: int = 0
+) -> tuple[Path, Path]:
     """Write ``out`` (a llama2.c checkpoint; version 0 is what run.c reads) and ``tokenizer_out``
     (its ``tok*.bin``)."""
     model, tok = llama2c_files(model, tokenizer)

@@ -70,7 +70,9 @@ def load_hf_dir(path: str | Path):
         hf, info = hf_class.from_pretrained(path, output_loading_info=True)
     except Exception as exc:
         reason = (str(exc).strip().splitlines() or [""])[0][:300]
-        raise TinyLMError(f"{path} is not a loadable Hugging Face {kind} model ({type(exc).__name__}: {reason})") from exc
+        raise TinyLMError(
+            f"{path} is not a loadable Hugging Face {kind} model ({type(exc).__name__}: {reason})"
+        ) from exc
     damaged = {k: v for k, v in info.items() if k in ("missing_keys", "unexpected_keys", "mismatched_keys") and v}
     if damaged:  # transformers would fill missing weights with random ones
         raise TinyLMError(f"{path}: the weights do not match config.json ({damaged})"[:500])
@@ -81,14 +83,18 @@ def _check_finite(model, where) -> None:
     """NaN/inf weights (a diverged run, a damaged file) would make sampling fail mid-way."""
     for name, p in model.named_parameters():
         if not bool(torch.isfinite(p).all()):
-            raise TinyLMError(f"{where} holds non-finite weights (nan/inf) in {name}; the run diverged or the file is corrupt")
+            raise TinyLMError(
+                f"{where} holds non-finite weights (nan/inf) in {name}; the run diverged or the file is corrupt"
+            )
 
 
 def _check_fits(tokenizer: Tokenizer, where, model) -> None:
     """A tokenizer must not produce ids the model has no embedding for."""
     if tokenizer.vocab_size > model.config.vocab_size:
-        raise TinyLMError(f"tokenizer {where} has {tokenizer.vocab_size} pieces but the model's vocabulary "
-                          f"has {model.config.vocab_size}; give the tokenizer the model was trained with")
+        raise TinyLMError(
+            f"tokenizer {where} has {tokenizer.vocab_size} pieces but the model's vocabulary "
+            f"has {model.config.vocab_size}; give the tokenizer the model was trained with"
+        )
 
 
 def _hf_dir_tokenizer(path: Path):
@@ -99,8 +105,9 @@ def _hf_dir_tokenizer(path: Path):
 
         return HFTokenizerAdapter(AutoTokenizer.from_pretrained(path))
     except Exception as exc:
-        raise TinyLMError(f"{path} has no tokenizer tinylm can load ({type(exc).__name__}); "
-                          "give one with --tokenizer") from exc
+        raise TinyLMError(
+            f"{path} has no tokenizer tinylm can load ({type(exc).__name__}); give one with --tokenizer"
+        ) from exc
 
 
 def _short_context_model(path: Path, tokenizer_path: str | Path | None):
@@ -108,14 +115,18 @@ def _short_context_model(path: Path, tokenizer_path: str | Path | None):
     ``tokenizer.json`` beside it (where ``tinylm study shakespeare`` keeps both)."""
     tokenizer_path = tokenizer_path or path.parent / "tokenizer.json"
     if not Path(tokenizer_path).is_file():
-        raise TinyLMError(f"{path} is an n-gram or bigram model and {tokenizer_path} does not exist; give its "
-                          "tokenizer with --tokenizer")
+        raise TinyLMError(
+            f"{path} is an n-gram or bigram model and {tokenizer_path} does not exist; give its "
+            "tokenizer with --tokenizer"
+        )
     model = load_short_context(path)
     tokenizer = load_tokenizer(tokenizer_path)
     if tokenizer.vocab_size != model.config.vocab_size:
-        raise TinyLMError(f"tokenizer {tokenizer_path} has {tokenizer.vocab_size} pieces but the model {path} "
-                          f"({model.config.described}) has {model.config.vocab_size}; give the tokenizer it was "
-                          "trained with")
+        raise TinyLMError(
+            f"tokenizer {tokenizer_path} has {tokenizer.vocab_size} pieces but the model {path} "
+            f"({model.config.described}) has {model.config.vocab_size}; give the tokenizer it was "
+            "trained with"
+        )
     return model.eval(), tokenizer, {"format": model.config.kind}
 
 
@@ -131,16 +142,22 @@ def load_any_checkpoint(path: str | Path, tokenizer_path: str | Path | None = No
         return _short_context_model(path, tokenizer_path)
     if path.is_file():
         if not looks_like_llama2c(path):
-            raise TinyLMError(f"{path} is a file but not a llama2.c .bin checkpoint; give a tinylm checkpoint "
-                              "directory, a llama2.c .bin or a Hugging Face model directory")
+            raise TinyLMError(
+                f"{path} is a file but not a llama2.c .bin checkpoint; give a tinylm checkpoint "
+                "directory, a llama2.c .bin or a Hugging Face model directory"
+            )
         if tokenizer_path is None:
-            raise TinyLMError(f"{path} is a llama2.c checkpoint: give its tokenizer with --tokenizer (e.g. tokenizer.bin)")
+            raise TinyLMError(
+                f"{path} is a llama2.c checkpoint: give its tokenizer with --tokenizer (e.g. tokenizer.bin)"
+            )
         model = load_llama2c(path)
         _check_finite(model, path)
         tokenizer = load_tokenizer(tokenizer_path)
         if tokenizer.vocab_size != model.config.vocab_size:
-            raise TinyLMError(f"tokenizer {tokenizer_path} has {tokenizer.vocab_size} pieces but the model "
-                              f"expects {model.config.vocab_size}")
+            raise TinyLMError(
+                f"tokenizer {tokenizer_path} has {tokenizer.vocab_size} pieces but the model "
+                f"expects {model.config.vocab_size}"
+            )
         return model.to(device), tokenizer, {"format": "llama2c"}
     if (path / "config.json").is_file() and not (path / "checkpoint.json").is_file():
         model = load_hf_dir(path)

@@ -64,8 +64,16 @@ class NeuralBigramLM(nn.Module):
 
     def save(self, path: str | Path, extra: dict | None = None) -> Path:
         path = Path(path)
-        torch.save({"format": "tinylm-bigram", "vocab_size": self.vocab_size, "d_embed": self.d_embed,
-                    "state": self.state_dict(), "extra": extra or {}}, path)
+        torch.save(
+            {
+                "format": "tinylm-bigram",
+                "vocab_size": self.vocab_size,
+                "d_embed": self.d_embed,
+                "state": self.state_dict(),
+                "extra": extra or {},
+            },
+            path,
+        )
         return path
 
     @classmethod

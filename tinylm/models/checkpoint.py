@@ -73,9 +73,15 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def save_checkpoint(path: str | Path, model: torch.nn.Module, tokenizer: Tokenizer, run_config=None,
-                    info: dict | None = None, extra_files: dict[str, bytes] | None = None,
-                    extra_tensors: dict[str, dict[str, torch.Tensor]] | None = None) -> Path:
+def save_checkpoint(
+    path: str | Path,
+    model: torch.nn.Module,
+    tokenizer: Tokenizer,
+    run_config=None,
+    info: dict | None = None,
+    extra_files: dict[str, bytes] | None = None,
+    extra_tensors: dict[str, dict[str, torch.Tensor]] | None = None,
+) -> Path:
     """Write a checkpoint directory atomically. ``extra_tensors`` maps file names to tensor dicts
     (saved as safetensors, e.g. optimizer state); ``extra_files`` maps file names to raw bytes."""
     path = Path(path)
@@ -85,8 +91,14 @@ def save_checkpoint(path: str | Path, model: torch.nn.Module, tokenizer: Tokeniz
     tmp.mkdir(parents=True)
     model = unwrap(model)
     save_file(model_state(model), str(tmp / "model.safetensors"))
-    meta = {"format": FORMAT_NAME, "version": FORMAT_VERSION, "tinylm_version": __version__,
-            "model_config": asdict(model.config), "tokenizer": "tokenizer.json", **(info or {})}
+    meta = {
+        "format": FORMAT_NAME,
+        "version": FORMAT_VERSION,
+        "tinylm_version": __version__,
+        "model_config": asdict(model.config),
+        "tokenizer": "tokenizer.json",
+        **(info or {}),
+    }
     (tmp / "checkpoint.json").write_text(json.dumps(meta, indent=2))
     tokenizer.save(tmp / "tokenizer.json")
     if run_config is not None:
@@ -110,8 +122,8 @@ def save_checkpoint(path: str | Path, model: torch.nn.Module, tokenizer: Tokeniz
 
 def _step_dirs(root: Path) -> list[Path]:
     """The step-N directories under ``root``, oldest first."""
-    steps = (d for d in root.glob(f"{STEP_PREFIX}*") if d.is_dir() and d.name[len(STEP_PREFIX):].isdigit())
-    return sorted(steps, key=lambda d: int(d.name[len(STEP_PREFIX):]))
+    steps = (d for d in root.glob(f"{STEP_PREFIX}*") if d.is_dir() and d.name[len(STEP_PREFIX) :].isdigit())
+    return sorted(steps, key=lambda d: int(d.name[len(STEP_PREFIX) :]))
 
 
 def prune_step_checkpoints(ckpt_root: str | Path, keep_last: int) -> list[Path]:
@@ -148,7 +160,9 @@ def read_checkpoint_meta(path: str | Path) -> tuple[Path, dict]:
     ckpt = resolve_checkpoint_dir(path)
     missing = [f for f in REQUIRED_FILES if not (ckpt / f).is_file()]
     if missing:
-        raise TinyLMError(f"checkpoint {ckpt} is missing {', '.join(missing)}; it is incomplete or not a tinylm checkpoint")
+        raise TinyLMError(
+            f"checkpoint {ckpt} is missing {', '.join(missing)}; it is incomplete or not a tinylm checkpoint"
+        )
     try:
         meta = json.loads((ckpt / "checkpoint.json").read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
@@ -158,8 +172,10 @@ def read_checkpoint_meta(path: str | Path) -> tuple[Path, dict]:
     if meta.get("format") != FORMAT_NAME:
         raise TinyLMError(f"{ckpt} was not written by tinylm (format {meta.get('format')!r})")
     if meta.get("version") != FORMAT_VERSION:
-        raise TinyLMError(f"checkpoint {ckpt} has format version {meta.get('version')}, this tinylm reads version "
-                          f"{FORMAT_VERSION}; re-save it with a matching tinylm")
+        raise TinyLMError(
+            f"checkpoint {ckpt} has format version {meta.get('version')}, this tinylm reads version "
+            f"{FORMAT_VERSION}; re-save it with a matching tinylm"
+        )
     return ckpt, meta
 
 
@@ -168,7 +184,7 @@ def checkpoint_model_config(ckpt: Path, meta: dict) -> ModelConfig:
     where = ckpt / "checkpoint.json"
     raw = meta.get("model_config")
     if not isinstance(raw, dict):
-        raise TinyLMError(f"{where} is corrupt (no \"model_config\" object)")
+        raise TinyLMError(f'{where} is corrupt (no "model_config" object)')
     cfg = ModelConfig()
     try:
         apply_updates(cfg, {k: v for k, v in raw.items() if k in ModelConfig.__dataclass_fields__}, "model_config.")
@@ -183,8 +199,12 @@ def _approx_size(cfg: ModelConfig) -> int:
     per_layer = 2 * cfg.d_model * cfg.d_attn + 2 * cfg.d_model * head * cfg.n_kv_heads + 3 * cfg.d_model * cfg.d_ff
     positions = {"learned": cfg.d_model, "sinusoidal": cfg.d_model, "rope": head}.get(cfg.positions, 0)
     value_tables = sum(map(cfg.has_value_embedding, range(cfg.n_layers))) * cfg.vocab_size * head * cfg.n_kv_heads
-    return (2 * cfg.vocab_size * max(cfg.d_embed, cfg.d_model) + cfg.context_length * positions + cfg.n_layers * per_layer
-            + value_tables)
+    return (
+        2 * cfg.vocab_size * max(cfg.d_embed, cfg.d_model)
+        + cfg.context_length * positions
+        + cfg.n_layers * per_layer
+        + value_tables
+    )
 
 
 def read_model_state(ckpt: Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:
@@ -197,14 +217,17 @@ def read_model_state(ckpt: Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:
         raise TinyLMError(f"{where} is corrupt or unreadable ({exc})") from exc
     stored = sum(t.numel() for t in state.values())
     if _approx_size(cfg) > 4 * stored + (1 << 26):
-        raise TinyLMError(f"checkpoint {ckpt}: its model config describes a model far larger than the "
-                          f"{stored:,} values in {where.name}; checkpoint.json or {where.name} is corrupt")
+        raise TinyLMError(
+            f"checkpoint {ckpt}: its model config describes a model far larger than the "
+            f"{stored:,} values in {where.name}; checkpoint.json or {where.name} is corrupt"
+        )
     if cfg.tie_weights and "tok_emb.weight" in state:
         state["lm_head.weight"] = state["tok_emb.weight"]
     for name, t in state.items():
         if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-            raise TinyLMError(f"{where} holds non-finite values (nan/inf) in {name}; the run diverged or the "
-                              "file is corrupt")
+            raise TinyLMError(
+                f"{where} holds non-finite values (nan/inf) in {name}; the run diverged or the file is corrupt"
+            )
     return state
 
 
@@ -216,8 +239,10 @@ def load_model_state(model: torch.nn.Module, ckpt: Path, state: dict[str, torch.
         reason = "; ".join(line.strip() for line in str(exc).splitlines()[1:3])
         raise TinyLMError(f"checkpoint {ckpt}: model.safetensors does not match its model config ({reason})") from exc
     if missing or unexpected:
-        raise TinyLMError(f"checkpoint {ckpt}: model.safetensors does not match its model config (missing "
-                          f"{missing[:3]}, unexpected {unexpected[:3]})")
+        raise TinyLMError(
+            f"checkpoint {ckpt}: model.safetensors does not match its model config (missing "
+            f"{missing[:3]}, unexpected {unexpected[:3]})"
+        )
 
 
 def load_checkpoint(path: str | Path, device: str | torch.device = "cpu") -> tuple[GPT, Tokenizer, dict]:
@@ -229,7 +254,9 @@ def load_checkpoint(path: str | Path, device: str | torch.device = "cpu") -> tup
     load_model_state(model, ckpt, state)
     tokenizer = load_tokenizer(ckpt / "tokenizer.json")
     if tokenizer.vocab_size > cfg.vocab_size:  # its ids would index past the embedding
-        raise TinyLMError(f"checkpoint {ckpt}: tokenizer.json has {tokenizer.vocab_size} pieces but the model's "
-                          f"vocabulary has {cfg.vocab_size}; one of the two files is damaged")
+        raise TinyLMError(
+            f"checkpoint {ckpt}: tokenizer.json has {tokenizer.vocab_size} pieces but the model's "
+            f"vocabulary has {cfg.vocab_size}; one of the two files is damaged"
+        )
     model.to(device).eval()
     return model, tokenizer, meta

@@ -73,7 +73,9 @@ def read_vec(path: str | Path, keep: Iterable[str] | None = None) -> VectorSourc
             raise TinyLMError(f"{path} is not a UTF-8 .vec text file ({exc.reason})") from exc
         parts = header.split()
         if len(parts) != 2 or not all(p.isdigit() for p in parts) or int(parts[1]) < 1:
-            raise TinyLMError(f"{path}: line 1 must be the header 'count dim' (two integers), got {header.strip()[:60]!r}")
+            raise TinyLMError(
+                f"{path}: line 1 must be the header 'count dim' (two integers), got {header.strip()[:60]!r}"
+            )
         count, dim = int(parts[0]), int(parts[1])
         rows, lineno = 0, 1
         try:
@@ -82,7 +84,9 @@ def read_vec(path: str | Path, keep: Iterable[str] | None = None) -> VectorSourc
                 if fields == [""]:
                     continue  # a blank line (e.g. at the end)
                 if len(fields) != dim + 1:
-                    raise TinyLMError(f"{path}: line {lineno} has {len(fields) - 1} values, expected {dim} (ragged row)")
+                    raise TinyLMError(
+                        f"{path}: line {lineno} has {len(fields) - 1} values, expected {dim} (ragged row)"
+                    )
                 rows += 1
                 word = fields[0]
                 if wanted is None or word in wanted:
@@ -123,8 +127,9 @@ def read_fasttext_bin(path: str | Path, keep: Iterable[str] | None = None) -> Ve
         words = set(model.words)
         get = model.get_word_vector
         known = {w: np.asarray(get(w), dtype=np.float32) for w in (keep if keep is not None else words) if w in words}
-        return VectorSource(model.get_dimension(), known, lambda w: np.asarray(get(w), dtype=np.float32),
-                            name=f"fasttext:{path.name}")
+        return VectorSource(
+            model.get_dimension(), known, lambda w: np.asarray(get(w), dtype=np.float32), name=f"fasttext:{path.name}"
+        )
     from gensim.models.fasttext import load_facebook_vectors  # deferred: gensim is optional and slow to import
 
     try:
@@ -156,8 +161,10 @@ def _from_keyed_vectors(kv, keep: Iterable[str] | None, name: str) -> VectorSour
     from gensim.models.fasttext import FastTextKeyedVectors  # deferred: gensim is optional and slow to import
 
     words = kv.key_to_index
-    known = {w: np.asarray(kv.get_vector(w), dtype=np.float32) for w in (keep if keep is not None else words)
-             if w in words}
+    known = {
+        w: np.asarray(kv.get_vector(w), dtype=np.float32) for w in (keep if keep is not None else words) if w in words
+    }
+
     def from_subwords(w: str) -> np.ndarray | None:
         try:
             return np.asarray(kv.get_vector(w), dtype=np.float32)
@@ -168,8 +175,15 @@ def _from_keyed_vectors(kv, keep: Iterable[str] | None, name: str) -> VectorSour
     return VectorSource(kv.vector_size, known, from_subwords if has_subwords else None, name=name)
 
 
-def train_fasttext(sentences: list[list[str]], vector_size: int, seed: int = 0, epochs: int = 5,
-                   window: int = 5, min_count: int = 1, bucket: int = 200_000) -> VectorSource:
+def train_fasttext(
+    sentences: list[list[str]],
+    vector_size: int,
+    seed: int = 0,
+    epochs: int = 5,
+    window: int = 5,
+    min_count: int = 1,
+    bucket: int = 200_000,
+) -> VectorSource:
     """FastText vectors trained with gensim (one worker: reproducible for a seed). ``bucket``
     n-gram slots instead of FastText's 2M: at d_model 256 the default would take 2 GB."""
     from gensim.models import FastText  # deferred: gensim is optional and slow to import
@@ -178,8 +192,18 @@ def train_fasttext(sentences: list[list[str]], vector_size: int, seed: int = 0, 
         raise TinyLMError("cannot train FastText vectors on an empty corpus")
     # gensim seeds each word's initial vector with hashfxn(word + seed); the default, Python's
     # hash(), changes between processes, so a stable hash is what makes the vectors reproducible
-    model = FastText(vector_size=vector_size, window=window, min_count=min_count, workers=1, seed=seed,
-                     sg=1, min_n=3, max_n=6, bucket=bucket, hashfxn=_stable_hash)
+    model = FastText(
+        vector_size=vector_size,
+        window=window,
+        min_count=min_count,
+        workers=1,
+        seed=seed,
+        sg=1,
+        min_n=3,
+        max_n=6,
+        bucket=bucket,
+        hashfxn=_stable_hash,
+    )
     model.build_vocab(corpus_iterable=sentences)
     model.train(corpus_iterable=sentences, total_examples=len(sentences), epochs=epochs)
     return _from_keyed_vectors(model.wv, None, f"gensim-fasttext-trained(dim={vector_size})")
@@ -233,18 +257,33 @@ class EmbeddingReport:
         return self.found / words if words else 0.0
 
     def as_dict(self) -> dict:
-        return {"vocab_size": self.vocab_size, "dim": self.dim, "found": self.found, "subword": self.subword,
-                "random": self.random, "specials": self.specials, "coverage": round(self.coverage, 6),
-                "source": self.source}
+        return {
+            "vocab_size": self.vocab_size,
+            "dim": self.dim,
+            "found": self.found,
+            "subword": self.subword,
+            "random": self.random,
+            "specials": self.specials,
+            "coverage": round(self.coverage, 6),
+            "source": self.source,
+        }
 
     def line(self) -> str:
         words = self.vocab_size - self.specials
-        return (f"embeddings from {self.source}: {self.found}/{words} found ({100 * self.coverage:.1f}%), "
-                f"{self.subword} from subwords, {self.random} random, dim {self.dim}")
+        return (
+            f"embeddings from {self.source}: {self.found}/{words} found ({100 * self.coverage:.1f}%), "
+            f"{self.subword} from subwords, {self.random} random, dim {self.dim}"
+        )
 
 
-def build_embedding_matrix(tokenizer, source: VectorSource, oov: str = "subword", noise_std: float | None = None,
-                           seed: int = 0, pad_id: int | None = 0) -> tuple[np.ndarray, EmbeddingReport]:
+def build_embedding_matrix(
+    tokenizer,
+    source: VectorSource,
+    oov: str = "subword",
+    noise_std: float | None = None,
+    seed: int = 0,
+    pad_id: int | None = 0,
+) -> tuple[np.ndarray, EmbeddingReport]:
     """(vocab_size, dim) float32 matrix for ``tokenizer``'s ids, and how each row was filled."""
     if oov not in OOV_MODES:
         raise TinyLMError(f"embeddings.oov={oov!r} is not one of {', '.join(OOV_MODES)}")
@@ -273,8 +312,15 @@ def build_embedding_matrix(tokenizer, source: VectorSource, oov: str = "subword"
     matrix[noisy] = rng.normal(0.0, std, size=(int(noisy.sum()), dim)).astype(np.float32)
     if pad_id is not None and 0 <= pad_id < len(keys) and keys[pad_id] is None:
         matrix[pad_id] = 0.0
-    report = EmbeddingReport(len(keys), dim, int((kinds == 1).sum()), int((kinds == 2).sum()),
-                             int((kinds == 3).sum()), int((kinds == 0).sum()), source.name)
+    report = EmbeddingReport(
+        len(keys),
+        dim,
+        int((kinds == 1).sum()),
+        int((kinds == 2).sum()),
+        int((kinds == 3).sum()),
+        int((kinds == 0).sum()),
+        source.name,
+    )
     return matrix, report
 
 
@@ -302,10 +348,18 @@ def token_sentences(ids: np.ndarray, tokenizer, max_len: int = 1000) -> list[lis
 
 def _trained_matrix_cache(cache_dir: Path, train_ids: np.ndarray, tokenizer, width: int, emb_cfg) -> Path:
     """Where vectors trained on this token stream with these settings are kept (one file per key)."""
-    key = {"ids": zlib.crc32(np.ascontiguousarray(train_ids).tobytes()), "n": int(len(train_ids)),
-           "vocab": zlib.crc32("\n".join(str(k) for k in vocabulary_keys(tokenizer)).encode("utf-8", "replace")),
-           "width": width, "seed": emb_cfg.seed, "epochs": emb_cfg.train_epochs, "window": emb_cfg.train_window,
-           "min_count": emb_cfg.train_min_count, "oov": emb_cfg.oov, "noise_std": emb_cfg.noise_std}
+    key = {
+        "ids": zlib.crc32(np.ascontiguousarray(train_ids).tobytes()),
+        "n": int(len(train_ids)),
+        "vocab": zlib.crc32("\n".join(str(k) for k in vocabulary_keys(tokenizer)).encode("utf-8", "replace")),
+        "width": width,
+        "seed": emb_cfg.seed,
+        "epochs": emb_cfg.train_epochs,
+        "window": emb_cfg.train_window,
+        "min_count": emb_cfg.train_min_count,
+        "oov": emb_cfg.oov,
+        "noise_std": emb_cfg.noise_std,
+    }
     digest = zlib.crc32(json.dumps(key, sort_keys=True).encode()) & 0xFFFFFFFF
     return Path(cache_dir) / f"fasttext-trained-{digest:08x}.npz"
 
@@ -322,12 +376,18 @@ def _train_matrix(tokenizer, emb_cfg, train_ids, width: int, cache_dir) -> tuple
             info = {"cached": cache.name, "train_seconds": float(f["train_seconds"])}
             return f["matrix"], report, info
     t0 = time.perf_counter()
-    source = train_fasttext(token_sentences(train_ids, tokenizer), width, seed=emb_cfg.seed,
-                            epochs=emb_cfg.train_epochs, window=emb_cfg.train_window,
-                            min_count=emb_cfg.train_min_count)
+    source = train_fasttext(
+        token_sentences(train_ids, tokenizer),
+        width,
+        seed=emb_cfg.seed,
+        epochs=emb_cfg.train_epochs,
+        window=emb_cfg.train_window,
+        min_count=emb_cfg.train_min_count,
+    )
     seconds = time.perf_counter() - t0
-    matrix, report = build_embedding_matrix(tokenizer, source, emb_cfg.oov, emb_cfg.noise_std, emb_cfg.seed,
-                                            pad_id=getattr(tokenizer, "pad_id", 0))
+    matrix, report = build_embedding_matrix(
+        tokenizer, source, emb_cfg.oov, emb_cfg.noise_std, emb_cfg.seed, pad_id=getattr(tokenizer, "pad_id", 0)
+    )
     if cache is not None:
         cache.parent.mkdir(parents=True, exist_ok=True)
         tmp = cache.with_name(f"{cache.stem}.{os.getpid()}.tmp.npz")  # ranks may write at once
@@ -337,9 +397,14 @@ def _train_matrix(tokenizer, emb_cfg, train_ids, width: int, cache_dir) -> tuple
     return matrix, report, {"cached": None, "train_seconds": seconds}
 
 
-def apply_pretrained_embeddings(model, tokenizer, emb_cfg, train_ids: np.ndarray | None = None,
-                                out_dir: str | Path | None = None,
-                                cache_dir: str | Path | None = None) -> EmbeddingReport | None:
+def apply_pretrained_embeddings(
+    model,
+    tokenizer,
+    emb_cfg,
+    train_ids: np.ndarray | None = None,
+    out_dir: str | Path | None = None,
+    cache_dir: str | Path | None = None,
+) -> EmbeddingReport | None:
     """Fill ``model.tok_emb`` from the source ``emb_cfg`` describes (None when kind is "none");
     writes ``embeddings.json`` (the coverage report) into ``out_dir`` when given. Vectors trained
     on the split (kind "train") are kept in ``cache_dir`` and reused by runs on the same tokens."""
@@ -348,8 +413,10 @@ def apply_pretrained_embeddings(model, tokenizer, emb_cfg, train_ids: np.ndarray
         return None
     width = int(model.tok_emb.weight.shape[1])
     if emb_cfg.freeze and getattr(model, "lm_head", None) is not None and model.lm_head.weight is model.tok_emb.weight:
-        raise TinyLMError("embeddings.freeze=true with model.tie_weights=true would freeze the output layer too; "
-                          "set model.tie_weights=false")
+        raise TinyLMError(
+            "embeddings.freeze=true with model.tie_weights=true would freeze the output layer too; "
+            "set model.tie_weights=false"
+        )
     info: dict = {}
     if kind == "train":
         matrix, report, info = _train_matrix(tokenizer, emb_cfg, train_ids, width, cache_dir)
@@ -363,8 +430,9 @@ def apply_pretrained_embeddings(model, tokenizer, emb_cfg, train_ids: np.ndarray
                 f"set model.d_embed={source.dim} (a learned projection to d_model={d_model}, needs "
                 f"model.tie_weights=false) or model.d_model={source.dim}"
             )
-        matrix, report = build_embedding_matrix(tokenizer, source, emb_cfg.oov, emb_cfg.noise_std, emb_cfg.seed,
-                                                pad_id=getattr(tokenizer, "pad_id", 0))
+        matrix, report = build_embedding_matrix(
+            tokenizer, source, emb_cfg.oov, emb_cfg.noise_std, emb_cfg.seed, pad_id=getattr(tokenizer, "pad_id", 0)
+        )
     with torch.no_grad():
         weight = model.tok_emb.weight
         weight.copy_(torch.from_numpy(matrix).to(device=weight.device, dtype=weight.dtype))
@@ -373,6 +441,16 @@ def apply_pretrained_embeddings(model, tokenizer, emb_cfg, train_ids: np.ndarray
     if out_dir is not None:
         Path(out_dir).mkdir(parents=True, exist_ok=True)
         (Path(out_dir) / "embeddings.json").write_text(
-            json.dumps({**report.as_dict(), **info, "kind": kind, "path": emb_cfg.path, "freeze": emb_cfg.freeze,
-                        "oov": emb_cfg.oov}, indent=1))
+            json.dumps(
+                {
+                    **report.as_dict(),
+                    **info,
+                    "kind": kind,
+                    "path": emb_cfg.path,
+                    "freeze": emb_cfg.freeze,
+                    "oov": emb_cfg.oov,
+                },
+                indent=1,
+            )
+        )
     return report

@@ -233,8 +233,9 @@ class CausalSelfAttention(nn.Module):
         self.qk_norm = cfg.qk_norm
         self.dropout = cfg.dropout if cfg.attn_dropout is None else cfg.attn_dropout  # on the weights
         kv_width = cfg.n_kv_heads * self.head_dim
-        self.qkv = FusedLinear(cfg.d_model, {"q_proj": cfg.n_heads * self.head_dim, "k_proj": kv_width,
-                                             "v_proj": kv_width}, bias=cfg.bias)
+        self.qkv = FusedLinear(
+            cfg.d_model, {"q_proj": cfg.n_heads * self.head_dim, "k_proj": kv_width, "v_proj": kv_width}, bias=cfg.bias
+        )
         self._register_load_state_dict_pre_hook(join_parts, with_module=True)
         self.out_proj = nn.Linear(cfg.n_heads * self.head_dim, cfg.d_model, bias=cfg.bias)
         self.resid_dropout = nn.Dropout(cfg.dropout)
@@ -395,10 +396,19 @@ class GPT(nn.Module):
         p = self.tok_emb.weight
         return KVCache(self.config, batch_size, max_len or self.config.context_length, p.device, p.dtype)
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, *, kv_cache: KVCache | None = None,
-                position_ids: torch.Tensor | None = None, loss_reduction: str = "mean", label_smoothing: float = 0.0,
-                attention_out: list | None = None, last_logits_only: bool = False,
-                document_start: int | None = None):
+    def forward(
+        self,
+        idx: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        *,
+        kv_cache: KVCache | None = None,
+        position_ids: torch.Tensor | None = None,
+        loss_reduction: str = "mean",
+        label_smoothing: float = 0.0,
+        attention_out: list | None = None,
+        last_logits_only: bool = False,
+        document_start: int | None = None,
+    ):
         """idx (B, T) token ids -> (logits (B, T, V), loss or None).
 
         targets: (B, T) next-token ids, IGNORE_INDEX where nothing is predicted (padding).
@@ -416,6 +426,7 @@ class GPT(nn.Module):
         start = kv_cache.length if kv_cache is not None else 0
         if start + T > cfg.context_length or (kv_cache is not None and start + T > kv_cache.max_len):
             raise ValueError(f"sequence of {start + T} tokens exceeds the context length {cfg.context_length}")
+
         # positions start..start+T-1 for every row (the usual case) are slices of the tables:
         # no index tensor to build and gather from at every decoding step
         def positions_of(table: torch.Tensor) -> torch.Tensor:  # -> (B or 1, T, ...)
@@ -457,8 +468,13 @@ class GPT(nn.Module):
             return logits, None
         # at least float32 for the loss; a float64 model keeps float64 (exactness tests)
         wide = logits.to(torch.promote_types(logits.dtype, torch.float32)).view(-1, logits.size(-1))
-        loss = F.cross_entropy(wide, targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction=loss_reduction,
-                               label_smoothing=label_smoothing)
+        loss = F.cross_entropy(
+            wide,
+            targets.reshape(-1),
+            ignore_index=IGNORE_INDEX,
+            reduction=loss_reduction,
+            label_smoothing=label_smoothing,
+        )
         return logits, loss
 
     @staticmethod

@@ -119,8 +119,10 @@ def _as_stream(ids, vocab_size: int, what: str) -> np.ndarray:
     lo, hi = int(x.min()), int(x.max())
     if lo < 0 or hi >= vocab_size:
         bad = hi if hi >= vocab_size else lo
-        raise TinyLMError(f"the {what} holds token id {bad}, outside the model's vocabulary of {vocab_size} "
-                          "(was it encoded with a bigger tokenizer?)")
+        raise TinyLMError(
+            f"the {what} holds token id {bad}, outside the model's vocabulary of {vocab_size} "
+            "(was it encoded with a bigger tokenizer?)"
+        )
     return x
 
 
@@ -139,8 +141,15 @@ def chen_goodman_discounts(adjusted: np.ndarray) -> np.ndarray:
 class NGramLM:
     """An n-gram LM over ids ``0 .. vocab_size - 1``; ``fit`` a stream, then score or sample."""
 
-    def __init__(self, order: int, vocab_size: int, smoothing: str = "kneser_ney", k: float = 1.0,
-                 discounts: list[float] | None = None, start_padding: str = "single"):
+    def __init__(
+        self,
+        order: int,
+        vocab_size: int,
+        smoothing: str = "kneser_ney",
+        k: float = 1.0,
+        discounts: list[float] | None = None,
+        start_padding: str = "single",
+    ):
         _check_order(order)
         if start_padding not in START_PADDINGS:
             raise TinyLMError(f"n-gram start_padding {start_padding!r} is not one of {', '.join(START_PADDINGS)}")
@@ -217,8 +226,9 @@ class NGramLM:
 
     def smoothed(self, smoothing: str, k: float | None = None) -> "NGramLM":
         """The same counts under another smoothing (no recount): a shallow copy."""
-        other = NGramLM(self.order, self.V, smoothing, self.k if k is None else k, self.fixed_discounts,
-                        self.start_padding)
+        other = NGramLM(
+            self.order, self.V, smoothing, self.k if k is None else k, self.fixed_discounts, self.start_padding
+        )
         if hasattr(self, "levels"):
             state = {key: val for key, val in self.__dict__.items() if key not in ("smoothing", "k", "lambdas")}
             other.__dict__.update(copy.copy(state))
@@ -238,8 +248,9 @@ class NGramLM:
             lv.ctx_adjusted = np.bincount(ctx, weights=lv.adjusted, minlength=n_ctx)
             d = self._discounts(lv.adjusted)
             self.discounts.append(d)
-            mass = np.bincount(ctx, weights=np.where(lv.adjusted > 0, d[np.clip(lv.adjusted, 1, 3) - 1], 0.0),
-                               minlength=n_ctx)
+            mass = np.bincount(
+                ctx, weights=np.where(lv.adjusted > 0, d[np.clip(lv.adjusted, 1, 3) - 1], 0.0), minlength=n_ctx
+            )
             lv.ctx_gamma = np.divide(mass, lv.ctx_adjusted, out=np.zeros(n_ctx), where=lv.ctx_adjusted > 0)
         # the unigram level: discounted adjusted counts + the freed mass spread uniformly over V
         d1 = self.discounts[1]
@@ -352,8 +363,10 @@ class NGramLM:
         (0 is the uniform 1/V, 1 the unigram, ...), scaled to sum to 1."""
         w = np.asarray(weights, dtype=np.float64)
         if w.shape != (self.order + 1,) or np.any(w < 0) or not np.isfinite(w).all() or w.sum() <= 0:
-            raise TinyLMError(f"an order-{self.order} model needs {self.order + 1} interpolation weights >= 0 "
-                              f"(uniform, unigram, ...), not all 0 (got {list(weights)})")
+            raise TinyLMError(
+                f"an order-{self.order} model needs {self.order + 1} interpolation weights >= 0 "
+                f"(uniform, unigram, ...), not all 0 (got {list(weights)})"
+            )
         self.lambdas = w / w.sum()
         return self.lambdas
 
@@ -387,18 +400,21 @@ class NGramLM:
             raise TinyLMError(f"context token ids must be in 0..{self.V - 1} (the model's vocabulary)")
         for i in range(len(ctx) - 1, -1, -1):
             if ctx[i] == EOS_ID:
-                ctx = ctx[i + 1:]
+                ctx = ctx[i + 1 :]
                 break
             if ctx[i] == SOS_ID:
-                ctx = [SOS_ID] * (self.order - 1 if self._padded else 1) + ctx[i + 1:]
+                ctx = [SOS_ID] * (self.order - 1 if self._padded else 1) + ctx[i + 1 :]
                 break
-        ctx = ctx[-(self.order - 1):] if self.order > 1 else []
+        ctx = ctx[-(self.order - 1) :] if self.order > 1 else []
         sfx = {j: self._dense_id(ctx[-j:]) for j in range(1, len(ctx) + 1)}  # -1: unseen
         V = self.V
         if self.smoothing == "add_k":
             j = len(ctx)
-            counts, tot = (self.unigram_counts.astype(np.float64), float(self.unigram_total)) if j == 0 else \
-                self._row(j + 1, sfx[j], "counts")
+            counts, tot = (
+                (self.unigram_counts.astype(np.float64), float(self.unigram_total))
+                if j == 0
+                else self._row(j + 1, sfx[j], "counts")
+            )
             return (counts + self.k) / (tot + self.k * V)
         if self.smoothing == "kneser_ney":
             p = self.kn_unigram.copy()
@@ -474,14 +490,25 @@ class NGramLM:
     def save(self, path: str | Path) -> Path:
         self._check_fitted()
         path = Path(path)
-        arrays = {"unigram_counts": self.unigram_counts, "unigram_adjusted": self.unigram_adjusted,
-                  "lambdas": self.lambdas}
+        arrays = {
+            "unigram_counts": self.unigram_counts,
+            "unigram_adjusted": self.unigram_adjusted,
+            "lambdas": self.lambdas,
+        }
         for k in range(2, self.order + 1):
             lv = self.levels[k]
             arrays.update({f"keys{k}": lv.keys, f"counts{k}": lv.counts, f"adjusted{k}": lv.adjusted})
-        meta = {"format": "tinylm-ngram", "version": 1, "order": self.order, "vocab_size": self.V,
-                "smoothing": self.smoothing, "k": self.k, "fixed_discounts": self.fixed_discounts,
-                "start_padding": self.start_padding, "n_train_tokens": self.n_train_tokens}
+        meta = {
+            "format": "tinylm-ngram",
+            "version": 1,
+            "order": self.order,
+            "vocab_size": self.V,
+            "smoothing": self.smoothing,
+            "k": self.k,
+            "fixed_discounts": self.fixed_discounts,
+            "start_padding": self.start_padding,
+            "n_train_tokens": self.n_train_tokens,
+        }
         arrays["meta"] = np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8)
         tmp = path.with_name(path.name + ".tmp.npz")
         np.savez_compressed(tmp, **arrays)
@@ -500,12 +527,19 @@ class NGramLM:
             raise TinyLMError(f"{path} is not a tinylm n-gram model file ({exc})") from exc
         if meta.get("format") != "tinylm-ngram":
             raise TinyLMError(f"{path} is not a tinylm n-gram model file")
-        lm = cls(meta["order"], meta["vocab_size"], meta["smoothing"], meta["k"], meta["fixed_discounts"],
-                 meta.get("start_padding", "single"))
+        lm = cls(
+            meta["order"],
+            meta["vocab_size"],
+            meta["smoothing"],
+            meta["k"],
+            meta["fixed_discounts"],
+            meta.get("start_padding", "single"),
+        )
         lm.unigram_counts, lm.unigram_adjusted = data["unigram_counts"], data["unigram_adjusted"]
         lm.lambdas, lm.n_train_tokens = data["lambdas"], meta["n_train_tokens"]
-        lm.levels = [None, None] + [_Level(data[f"keys{k}"], data[f"counts{k}"], data[f"adjusted{k}"])
-                                    for k in range(2, lm.order + 1)]
+        lm.levels = [None, None] + [
+            _Level(data[f"keys{k}"], data[f"counts{k}"], data[f"adjusted{k}"]) for k in range(2, lm.order + 1)
+        ]
         lm._finish()
         return lm
 

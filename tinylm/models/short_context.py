@@ -37,6 +37,7 @@ CONTEXT_LENGTH = 256
 @dataclass
 class ShortContextConfig:
     """What the served model card and the evaluation read of a model's shape."""
+
     kind: Literal["ngram", "bigram"]
     vocab_size: int
     order: int
@@ -81,29 +82,43 @@ class ShortContextLM(nn.Module):
         return torch.from_numpy(out)
 
     def new_kv_cache(self, *_args, **_kwargs):
-        raise TinyLMError(f"this model ({self.config.described}) is loaded for scoring only; its samples come from "
-                          "`tinylm study shakespeare` (the GPT's cached decoder does not apply to it)")
+        raise TinyLMError(
+            f"this model ({self.config.described}) is loaded for scoring only; its samples come from "
+            "`tinylm study shakespeare` (the GPT's cached decoder does not apply to it)"
+        )
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, *, loss_reduction: str = "mean",
-                kv_cache=None, attention_out: list | None = None, **_unused):
+    def forward(
+        self,
+        idx: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        *,
+        loss_reduction: str = "mean",
+        kv_cache=None,
+        attention_out: list | None = None,
+        **_unused,
+    ):
         if kv_cache is not None:
             self.new_kv_cache()
         if attention_out is not None:
             raise TinyLMError(f"this model ({self.config.described}) has no attention to show")
         if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= self.config.vocab_size):
             raise TinyLMError(f"token ids must be in 0..{self.config.vocab_size - 1} (the model's vocabulary)")
-        logits = (self.bigram(idx).float() if self.bigram is not None else self._ngram_logits(idx))
+        logits = self.bigram(idx).float() if self.bigram is not None else self._ngram_logits(idx)
         if targets is None:
             return logits, None
-        loss = F.cross_entropy(logits.double().reshape(-1, logits.shape[-1]), targets.reshape(-1),
-                               ignore_index=IGNORE_INDEX, reduction=loss_reduction)
+        loss = F.cross_entropy(
+            logits.double().reshape(-1, logits.shape[-1]),
+            targets.reshape(-1),
+            ignore_index=IGNORE_INDEX,
+            reduction=loss_reduction,
+        )
         return logits, loss
 
 
 def _context_of(row: list[int], t: int, order: int) -> list[int]:
     """The tokens an order-``order`` model reads to predict position t + 1 (the n-gram finds
     its ``<sos>`` in them; more would change nothing)."""
-    return row[max(0, t + 2 - order): t + 1]
+    return row[max(0, t + 2 - order) : t + 1]
 
 
 def load_short_context(path: str | Path) -> ShortContextLM:

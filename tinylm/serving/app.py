@@ -10,6 +10,7 @@ Every error, whatever raised it, is answered as {"error": {"message", "type", "p
 or route, 413 for a body over the limit, 422 for a field of the wrong type, 500 for a failure of
 the server itself (which keeps serving). The routes reach the models through ``app.state.server``.
 """
+
 import asyncio
 import contextlib
 import json
@@ -28,8 +29,20 @@ from starlette.exceptions import HTTPException
 
 from tinylm.errors import TinyLMError
 from tinylm.generation.generate import generate_many
-from tinylm.serving.completions import (APIError, Limits, Plan, bad, chunk_json, completion_json, finish_reason,
-                                        logprobs_json, new_text, plan_completion, tinylm_part, usage)
+from tinylm.serving.completions import (
+    APIError,
+    Limits,
+    Plan,
+    bad,
+    chunk_json,
+    completion_json,
+    finish_reason,
+    logprobs_json,
+    new_text,
+    plan_completion,
+    tinylm_part,
+    usage,
+)
 from tinylm.serving.compare import router as compare_router
 from tinylm.serving.lens import router as lens_router
 from tinylm.serving.models import ServedModel
@@ -39,13 +52,16 @@ from tinylm.serving.schemas import CompletionRequest, DetokenizeRequest, TextReq
 
 log = logging.getLogger("tinylm")
 STATIC = Path(__file__).parent / "static"
-CHAT_REFUSAL = ("tinylm serves base language models (no instruction tuning, no chat template), so there is "
-                "no honest way to answer chat messages; use /v1/completions with a prompt to continue")
+CHAT_REFUSAL = (
+    "tinylm serves base language models (no instruction tuning, no chat template), so there is "
+    "no honest way to answer chat messages; use /v1/completions with a prompt to continue"
+)
 
 
 def error_response(exc: APIError) -> JSONResponse:
-    return JSONResponse(exc.body(), status_code=exc.status,
-                        headers={"WWW-Authenticate": "Bearer"} if exc.status == 401 else None)
+    return JSONResponse(
+        exc.body(), status_code=exc.status, headers={"WWW-Authenticate": "Bearer"} if exc.status == 401 else None
+    )
 
 
 class Outbox:
@@ -84,7 +100,8 @@ class BodyLimit:
         if declared is not None:
             if not declared.isdigit():
                 return await error_response(APIError(400, "invalid Content-Length header", None, "invalid_request"))(
-                    scope, receive, send)
+                    scope, receive, send
+                )
             if int(declared) > self.limit:
                 return await error_response(self._too_large())(scope, receive, send)
         seen = 0
@@ -100,8 +117,9 @@ class BodyLimit:
         await self.app(scope, limited, send)
 
     def _too_large(self) -> APIError:
-        return APIError(413, f"the request body is larger than this server's limit of {self.limit} bytes",
-                        None, "request_too_large")
+        return APIError(
+            413, f"the request body is larger than this server's limit of {self.limit} bytes", None, "request_too_large"
+        )
 
 
 class ApiKey:
@@ -116,8 +134,9 @@ class ApiKey:
         if scope["type"] == "http" and scope["path"].startswith("/v1"):
             given = dict(scope.get("headers") or []).get(b"authorization", b"")
             if not secrets.compare_digest(given, self.expected):
-                error = APIError(401, "missing or wrong API key (send Authorization: Bearer KEY)", None,
-                                 "invalid_api_key")
+                error = APIError(
+                    401, "missing or wrong API key (send Authorization: Bearer KEY)", None, "invalid_api_key"
+                )
                 return await error_response(error)(scope, receive, send)
         await self.app(scope, receive, send)
 
@@ -148,14 +167,16 @@ router = APIRouter()
 async def on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
     first = next(iter(exc.errors()), {})
     if first.get("type") == "json_invalid":
-        return error_response(APIError(400, f"the body is not valid JSON ({first.get('ctx', {}).get('error', '')})",
-                                       None, "invalid_json"))
+        return error_response(
+            APIError(400, f"the body is not valid JSON ({first.get('ctx', {}).get('error', '')})", None, "invalid_json")
+        )
     loc = [str(x) for x in first.get("loc", ()) if x != "body"]
     param = loc[0] if loc else None
     where = ".".join(loc) or "the body"
     if first.get("type") == "extra_forbidden":
-        return error_response(APIError(400, f"unrecognized request argument supplied: {where}", param,
-                                       "unknown_parameter"))
+        return error_response(
+            APIError(400, f"unrecognized request argument supplied: {where}", param, "unknown_parameter")
+        )
     return error_response(APIError(422, f"{where}: {first.get('msg', 'invalid')}", param, first.get("type")))
 
 
@@ -173,8 +194,12 @@ async def on_error(request: Request, exc: Exception) -> JSONResponse:
 def get_model(state: ServerState, name: str | None) -> ServedModel:
     models = state.models
     if not models:  # `tinylm serve --runs DIR` alone, before a checkpoint was loaded
-        raise APIError(404, "no model is served yet: load a run's checkpoint (the Runs view, or POST "
-                       "/v1/tinylm/runs/load)", "model", "model_not_found")
+        raise APIError(
+            404,
+            "no model is served yet: load a run's checkpoint (the Runs view, or POST /v1/tinylm/runs/load)",
+            "model",
+            "model_not_found",
+        )
     if name is None and len(models) == 1:
         return next(iter(models.values()))
     if name is None:
@@ -210,8 +235,11 @@ async def favicon():
 @router.get("/health")
 async def health(state: StateDep):
     dead = [name for name, s in state.models.items() if not s.scheduler.alive]
-    body = {"status": "ok" if not dead else "unhealthy", "models": list(state.models),
-            "active_rows": {name: s.scheduler.active for name, s in state.models.items()}}
+    body = {
+        "status": "ok" if not dead else "unhealthy",
+        "models": list(state.models),
+        "active_rows": {name: s.scheduler.active for name, s in state.models.items()},
+    }
     return JSONResponse(body, status_code=503 if dead else 200)
 
 
@@ -243,15 +271,21 @@ async def chat():
 async def completions(body: CompletionRequest, request: Request, state: StateDep):
     served = get_model(state, body.model)
     if not getattr(served.model, "generates", True):  # an n-gram or bigram, served for scoring
-        raise bad("model", f"'{served.name}' ({served.model.config.described}) is served for scoring only",
-                  "model_cannot_generate")
+        raise bad(
+            "model",
+            f"'{served.name}' ({served.model.config.described}) is served for scoring only",
+            "model_cannot_generate",
+        )
     plan = plan_completion(served, body, state.limits)
     prompt_parts = await echo_logprobs(served, plan) if body.echo and body.logprobs is not None else None
     if plan.scoring_only:  # max_tokens 0 with echo: the prompt and its log probabilities, nothing decoded
         return completion_json(plan, served.tokenizer, served.name, prompt_parts)
     if body.stream and not plan.beam:
-        return StreamingResponse(stream(state, served, plan, prompt_parts), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"})
+        return StreamingResponse(
+            stream(state, served, plan, prompt_parts),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache"},
+        )
     await (beam(served, plan) if plan.beam else decode(state, served, plan, request))
     ended = [c for c in plan.choices if c.finish_reason == "stop_token"]
     if prompt_parts is not None and ended:  # scoring: the stop token that ended a choice is listed too
@@ -263,8 +297,9 @@ async def echo_logprobs(served: ServedModel, plan: Plan) -> dict:
     """With echo and logprobs: every prompt token's log probability (the first has none), the
     distinct prompts of the request scored together."""
     rows = list(dict.fromkeys(tuple(c.echo_ids) for c in plan.choices))
-    scored = await on_model_thread(served, lambda: served.rows_logprobs([list(r) for r in rows],
-                                                                        plan.request.logprobs), "prompt")
+    scored = await on_model_thread(
+        served, lambda: served.rows_logprobs([list(r) for r in rows], plan.request.logprobs), "prompt"
+    )
     parts = {r: (list(r), [None] + [lp for lp, _ in s], [None] + [a for _, a in s]) for r, s in zip(rows, scored)}
     return {c.index: parts[tuple(c.echo_ids)] for c in plan.choices}
 
@@ -293,8 +328,16 @@ def start_rows(state: ServerState, served: ServedModel, plan: Plan):
     events: asyncio.Queue = asyncio.Queue()
     loop = asyncio.get_running_loop()
     outbox = state.outboxes.setdefault(id(loop), Outbox(loop))
-    rows = [Row(c.prompt_ids, c.cfg, lambda event, index=c.index: outbox.put(events, (index, event)),
-                served.tokenizer.decode, plan.request.logprobs) for c in plan.choices]
+    rows = [
+        Row(
+            c.prompt_ids,
+            c.cfg,
+            lambda event, index=c.index: outbox.put(events, (index, event)),
+            served.tokenizer.decode,
+            plan.request.logprobs,
+        )
+        for c in plan.choices
+    ]
     for row in rows:
         served.scheduler.add(row)
     try:
@@ -313,8 +356,11 @@ def record(plan: Plan, index: int, event) -> None:
     elif isinstance(event, DoneEvent):
         c.finish_reason, c.seconds, c.stop_id = event.finish_reason, event.seconds, event.stop_token
     elif isinstance(event, ErrorEvent):  # with a param: a knob the model could not honour; without: the server's fault
-        raise (bad(event.param, event.message) if event.param is not None
-               else APIError(500, event.message, None, "generation_failed", "server_error"))
+        raise (
+            bad(event.param, event.message)
+            if event.param is not None
+            else APIError(500, event.message, None, "generation_failed", "server_error")
+        )
 
 
 async def decode(state: ServerState, served: ServedModel, plan: Plan, request: Request) -> None:
@@ -358,20 +404,42 @@ async def stream(state: ServerState, served: ServedModel, plan: Plan, prompt_par
                     record(plan, index, event)
                     c = plan.choices[index]
                     if isinstance(event, TokenEvent):
-                        lp = (logprobs_json(c, tok, start=len(c.tokens) - 1, offset=len(c.prompt) if r.echo else 0)
-                              if r.logprobs is not None else None)
+                        lp = (
+                            logprobs_json(c, tok, start=len(c.tokens) - 1, offset=len(c.prompt) if r.echo else 0)
+                            if r.logprobs is not None
+                            else None
+                        )
                         text = new_text(c, tok, plan.stops, False)
                         pending.append(sse(chunk_json(plan, served.name, index, text, lp)))
                     else:
                         left -= 1
                         text = new_text(c, tok, plan.stops, True)
-                        pending.append(sse(chunk_json(plan, served.name, index, text, None,
-                                                      finish_reason(c.finish_reason), {"tinylm": tinylm_part(c)})))
+                        pending.append(
+                            sse(
+                                chunk_json(
+                                    plan,
+                                    served.name,
+                                    index,
+                                    text,
+                                    None,
+                                    finish_reason(c.finish_reason),
+                                    {"tinylm": tinylm_part(c)},
+                                )
+                            )
+                        )
                 yield "".join(pending)
                 pending.clear()
             if r.stream_options is not None and r.stream_options.include_usage:
-                yield sse({"id": plan.id, "object": "text_completion", "created": plan.created,
-                           "model": served.name, "choices": [], "usage": usage(plan)})
+                yield sse(
+                    {
+                        "id": plan.id,
+                        "object": "text_completion",
+                        "created": plan.created,
+                        "model": served.name,
+                        "choices": [],
+                        "usage": usage(plan),
+                    }
+                )
             yield "data: [DONE]\n\n"
         except APIError as exc:  # the chunks before the failed event still go out, then the error
             yield "".join(pending) + sse(exc.body())
@@ -381,8 +449,14 @@ async def stream(state: ServerState, served: ServedModel, plan: Plan, prompt_par
 async def tokenize(body: TextRequest, state: StateDep):
     served = get_model(state, body.model)
     ids = list(served.tokenizer.encode(body.text))
-    return {"model": served.name, "count": len(ids), "ids": ids, "tokens": served.pieces(ids),
-            "bos_id": served.tokenizer.bos_id, "context_length": served.context_length}
+    return {
+        "model": served.name,
+        "count": len(ids),
+        "ids": ids,
+        "tokens": served.pieces(ids),
+        "bos_id": served.tokenizer.bos_id,
+        "context_length": served.context_length,
+    }
 
 
 @router.post("/v1/detokenize")
@@ -410,12 +484,26 @@ async def score(body: TextRequest, state: StateDep):
     return await on_text(state, body, "score")
 
 
-def create_app(models: dict[str, ServedModel], limits: Limits | None = None, api_key: str | None = None,
-               runs: RunsRoot | None = None) -> FastAPI:
+def create_app(
+    models: dict[str, ServedModel],
+    limits: Limits | None = None,
+    api_key: str | None = None,
+    runs: RunsRoot | None = None,
+) -> FastAPI:
     """The FastAPI application serving ``models`` (name -> ServedModel) and, with ``runs``, the runs under it."""
     limits = limits or Limits()
-    app = FastAPI(title="tinylm", docs_url=None, redoc_url=None, openapi_url=None, exception_handlers={
-        APIError: on_error, HTTPException: on_error, Exception: on_error, RequestValidationError: on_validation_error})
+    app = FastAPI(
+        title="tinylm",
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
+        exception_handlers={
+            APIError: on_error,
+            HTTPException: on_error,
+            Exception: on_error,
+            RequestValidationError: on_validation_error,
+        },
+    )
     app.add_middleware(BodyLimit, limit=limits.max_body_bytes)
     if api_key:
         app.add_middleware(ApiKey, key=api_key)
@@ -429,14 +517,24 @@ def create_app(models: dict[str, ServedModel], limits: Limits | None = None, api
     return app
 
 
-def serve(models: dict[str, ServedModel], host: str, port: int, limits: Limits, api_key: str | None,
-          runs: RunsRoot | None = None) -> None:
+def serve(
+    models: dict[str, ServedModel],
+    host: str,
+    port: int,
+    limits: Limits,
+    api_key: str | None,
+    runs: RunsRoot | None = None,
+) -> None:
     """Run the app with uvicorn until interrupted."""
     import uvicorn  # deferred: only `tinylm serve` needs it
 
     app = create_app(models, limits, api_key, runs)
-    log.info("serving %s on http://%s:%d  (open it in a browser for the playground)",
-             ", ".join(models) + (f" and the runs under {runs.root}" if runs else ""), host, port)
+    log.info(
+        "serving %s on http://%s:%d  (open it in a browser for the playground)",
+        ", ".join(models) + (f" and the runs under {runs.root}" if runs else ""),
+        host,
+        port,
+    )
     try:
         uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=2)
     finally:

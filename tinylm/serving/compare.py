@@ -29,7 +29,9 @@ MAX_TOP = 20
 class CompareRequest(Strict):
     models: list[str] | None = Field(None, description="the served models to score with (default: all)")
     text: str = Field(description="the text (one document) every model scores")
-    top: int = Field(5, description=f"how many of each model's most likely tokens to return per position (0..{MAX_TOP})")
+    top: int = Field(
+        5, description=f"how many of each model's most likely tokens to return per position (0..{MAX_TOP})"
+    )
 
 
 def _rounded(values, digits: int = 6) -> list[float]:
@@ -43,19 +45,35 @@ def model_scores(served: ServedModel, text: str, top: int) -> dict:
     offsets = char_offsets(text)
     for i, lp, (start, _) in zip(scored.ids, scored.token_logprobs, scored.spans):
         if lp is not None and not math.isfinite(lp):  # JSON has no infinity, and no sum would mean anything
-            raise TinyLMError(f"{served.name} gives the token {tok.decode([i])!r} at byte {start} probability 0 "
-                              "(infinitely many bits); compare on a text without it")
+            raise TinyLMError(
+                f"{served.name} gives the token {tok.decode([i])!r} at byte {start} probability 0 "
+                "(infinitely many bits); compare on a text without it"
+            )
     tokens = []
-    for piece, (start, end), lp, alternatives in zip(served.pieces(scored.ids), scored.spans, scored.token_logprobs,
-                                                    scored.top):
+    for piece, (start, end), lp, alternatives in zip(
+        served.pieces(scored.ids), scored.spans, scored.token_logprobs, scored.top
+    ):
         c0, c1 = char_span((start, end), offsets)
-        tokens.append({**piece, "start": start, "end": end, "char_start": c0, "char_end": c1,
-                       "bits": None if lp is None else round(-lp / math.log(2), 6),
-                       "top": [{"id": i, "text": tok.decode([i]), "prob": round(math.exp(v), 6)}
-                               for i, v in alternatives]})
-    return {"model": served.name, "tokenizer": getattr(tok, "type_name", type(tok).__name__),
-            "tokens": tokens, "bits": scored.bits, "bpb": scored.bpb, "byte_bits": _rounded(scored.byte_bits),
-            "char_bits": _rounded(char_bits(scored.byte_bits, offsets))}
+        tokens.append(
+            {
+                **piece,
+                "start": start,
+                "end": end,
+                "char_start": c0,
+                "char_end": c1,
+                "bits": None if lp is None else round(-lp / math.log(2), 6),
+                "top": [{"id": i, "text": tok.decode([i]), "prob": round(math.exp(v), 6)} for i, v in alternatives],
+            }
+        )
+    return {
+        "model": served.name,
+        "tokenizer": getattr(tok, "type_name", type(tok).__name__),
+        "tokens": tokens,
+        "bits": scored.bits,
+        "bpb": scored.bpb,
+        "byte_bits": _rounded(scored.byte_bits),
+        "char_bits": _rounded(char_bits(scored.byte_bits, offsets)),
+    }
 
 
 def _served(state, names: list[str] | None) -> list[ServedModel]:
@@ -73,8 +91,18 @@ async def compare_scores(body: CompareRequest, request: Request):
     if not 0 <= body.top <= MAX_TOP:
         raise bad("top", f"must be between 0 and {MAX_TOP} (got {body.top})")
     state = request.app.state.server  # tinylm.serving.app.ServerState
-    results = await asyncio.gather(*(state.on_model_thread(s, lambda s=s: model_scores(s, body.text, body.top))
-                                     for s in _served(state, body.models)))
+    results = await asyncio.gather(
+        *(
+            state.on_model_thread(s, lambda s=s: model_scores(s, body.text, body.top))
+            for s in _served(state, body.models)
+        )
+    )
     offsets = char_offsets(body.text)
-    return {"object": "tinylm.score", "text": body.text, "bytes": int(offsets[-1]), "chars": len(body.text),
-            "char_bytes": [int(b) for b in offsets[1:] - offsets[:-1]], "models": list(results)}
+    return {
+        "object": "tinylm.score",
+        "text": body.text,
+        "bytes": int(offsets[-1]),
+        "chars": len(body.text),
+        "char_bytes": [int(b) for b in offsets[1:] - offsets[:-1]],
+        "models": list(results),
+    }

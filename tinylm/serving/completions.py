@@ -51,8 +51,14 @@ class Limits:
 class APIError(Exception):
     """An error answered in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 kind: str = "invalid_request_error"):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        kind: str = "invalid_request_error",
+    ):
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
 
@@ -113,34 +119,55 @@ def _check_request(r: CompletionRequest, limits: Limits) -> None:
     if r.max_tokens == 0 and r.stream:
         raise bad("stream", "max_tokens 0 only scores the prompt; there is nothing to stream")
     if not 0 <= r.max_tokens <= limits.max_tokens:
-        raise bad("max_tokens", f"must be between 0 (with echo) and {limits.max_tokens} (this server's limit), "
-                  f"got {r.max_tokens}")
+        raise bad(
+            "max_tokens",
+            f"must be between 0 (with echo) and {limits.max_tokens} (this server's limit), got {r.max_tokens}",
+        )
     if r.n < 1:
         raise bad("n", f"must be >= 1, got {r.n}")
     if r.logprobs is not None and not 0 <= r.logprobs <= MAX_LOGPROBS:
         raise bad("logprobs", f"must be between 0 and {MAX_LOGPROBS}, got {r.logprobs}")
     if r.beam_width > 1 and r.stream:
-        raise bad("stream", "beam search cannot stream (the best beam is known only at the end); "
-                  "set stream to false or beam_width to 1")
+        raise bad(
+            "stream",
+            "beam search cannot stream (the best beam is known only at the end); "
+            "set stream to false or beam_width to 1",
+        )
     if r.beam_width > 1 and r.n > r.beam_width:
         raise bad("n", f"with beam search n is the number of best beams returned, at most beam_width ({r.beam_width})")
     if r.seed is not None and not -(2**63) <= r.seed <= 2**63 - 1 - limits.max_choices:
         raise bad("seed", f"must be a 64-bit integer (at most {2**63 - 1 - limits.max_choices}), got {r.seed}")
-    neutral = {"presence_penalty": r.presence_penalty == 0, "frequency_penalty": r.frequency_penalty == 0,
-               "logit_bias": not r.logit_bias, "suffix": r.suffix is None, "best_of": r.best_of in (None, r.n)}
+    neutral = {
+        "presence_penalty": r.presence_penalty == 0,
+        "frequency_penalty": r.frequency_penalty == 0,
+        "logit_bias": not r.logit_bias,
+        "suffix": r.suffix is None,
+        "best_of": r.best_of in (None, r.n),
+    }
     for name, ok in neutral.items():
         if not ok:
-            raise bad(name, "is not supported by tinylm (see repetition_penalty and no_repeat_ngram_size)",
-                      "unsupported_parameter")
+            raise bad(
+                name,
+                "is not supported by tinylm (see repetition_penalty and no_repeat_ngram_size)",
+                "unsupported_parameter",
+            )
 
 
 def generation_config(r: CompletionRequest, served, stops: tuple[str, ...], seed: int) -> GenerationConfig:
     """The request's knobs as the GenerationConfig every choice decodes with, checked against the
     model; a bad knob is a 400 naming the request's field."""
     knobs = {name: getattr(r, field) for name, field in REQUEST_FIELDS.items()}
-    cfg = GenerationConfig(**{**knobs, "top_p": None if r.top_p == 1 else r.top_p, "stop_strings": stops,
-                              "stop_ids": tuple(served.tokenizer.stop_ids) + tuple(r.stop_ids), "seed": seed,
-                              "seed_per_row": True, "num_return_sequences": r.n if r.beam_width > 1 else 1})
+    cfg = GenerationConfig(
+        **{
+            **knobs,
+            "top_p": None if r.top_p == 1 else r.top_p,
+            "stop_strings": stops,
+            "stop_ids": tuple(served.tokenizer.stop_ids) + tuple(r.stop_ids),
+            "seed": seed,
+            "seed_per_row": True,
+            "num_return_sequences": r.n if r.beam_width > 1 else 1,
+        }
+    )
     try:
         return cfg.validate(served.vocab_size)
     except ConfigError as exc:
@@ -186,8 +213,9 @@ def plan_completion(served, r: CompletionRequest, limits: Limits) -> Plan:
     stops = _stops(r)
     prompts = _prompts(r, served)
     if len(prompts) * r.n > limits.max_choices:
-        raise bad("n", f"prompts x n must be at most {limits.max_choices} (this server's limit), "
-                  f"got {len(prompts)} x {r.n}")
+        raise bad(
+            "n", f"prompts x n must be at most {limits.max_choices} (this server's limit), got {len(prompts)} x {r.n}"
+        )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         fitted = fit_prompts([ids for _, ids in prompts], served.context_length)
@@ -196,9 +224,13 @@ def plan_completion(served, r: CompletionRequest, limits: Limits) -> Plan:
     base = generation_config(r, served, stops, seed)
     # choice k samples with seed + k, except that one beam search (seed + i) gives the n best beams of prompt i
     beam = r.beam_width > 1
-    choices = [Choice(i * r.n + j, text, ids, dataclasses.replace(base, seed=seed + (i if beam else i * r.n + j)),
-                      echo_ids=full)
-               for i, ((text, full), ids) in enumerate(zip(prompts, fitted)) for j in range(r.n)]
+    choices = [
+        Choice(
+            i * r.n + j, text, ids, dataclasses.replace(base, seed=seed + (i if beam else i * r.n + j)), echo_ids=full
+        )
+        for i, ((text, full), ids) in enumerate(zip(prompts, fitted))
+        for j in range(r.n)
+    ]
     if r.max_tokens == 0:
         for c in choices:
             c.finish_reason = "length"
@@ -247,6 +279,7 @@ def logprobs_json(choice: Choice, tokenizer, start: int = 0, offset: int = 0, pr
     (with echo, ``prompt_part`` = (tokens, logprobs, tops) of the prompt comes first). OpenAI keys
     the alternatives by their text, which merges tokens of equal text; ``tinylm_top`` lists them
     all with their ids."""
+
     def top_dict(alternatives):
         d: dict[str, float] = {}
         for i, lp in alternatives:
@@ -278,14 +311,23 @@ def logprobs_json(choice: Choice, tokenizer, start: int = 0, offset: int = 0, pr
         logprobs.append(lp)
         tops.append(top_dict(alternatives))
         ids_top.append(top_list(alternatives))
-    return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": tops, "text_offset": offsets,
-            "tinylm_top": ids_top}
+    return {
+        "tokens": tokens,
+        "token_logprobs": logprobs,
+        "top_logprobs": tops,
+        "text_offset": offsets,
+        "tinylm_top": ids_top,
+    }
 
 
 def tinylm_part(choice: Choice) -> dict:
     """tinylm's extension of a choice: the token ids (what `tinylm generate --json` prints) and speed."""
-    return {"token_ids": choice.tokens, "finish": choice.finish_reason, "seconds": round(choice.seconds, 4),
-            "tokens_per_s": round(len(choice.tokens) / choice.seconds, 1) if choice.seconds > 0 else None}
+    return {
+        "token_ids": choice.tokens,
+        "finish": choice.finish_reason,
+        "seconds": round(choice.seconds, 4),
+        "tokens_per_s": round(len(choice.tokens) / choice.seconds, 1) if choice.seconds > 0 else None,
+    }
 
 
 def usage(plan: Plan) -> dict:
@@ -299,14 +341,26 @@ def completion_json(plan: Plan, tokenizer, model: str, prompt_parts: dict | None
     out = []
     for c in plan.choices:
         text = visible_text(tokenizer.decode_continuation(c.prompt_ids, c.tokens), plan.stops, final=True)
-        item = {"index": c.index, "text": (c.prompt if r.echo else "") + text, "logprobs": None,
-                "finish_reason": finish_reason(c.finish_reason), "tinylm": tinylm_part(c)}
+        item = {
+            "index": c.index,
+            "text": (c.prompt if r.echo else "") + text,
+            "logprobs": None,
+            "finish_reason": finish_reason(c.finish_reason),
+            "tinylm": tinylm_part(c),
+        }
         if r.logprobs is not None:
             part = prompt_parts.get(c.index) if (r.echo and prompt_parts) else None
             item["logprobs"] = logprobs_json(c, tokenizer, prompt_part=part)
         out.append(item)
-    body = {"id": plan.id, "object": "text_completion", "created": plan.created, "model": model,
-            "choices": out, "usage": usage(plan), "seed": plan.seed}
+    body = {
+        "id": plan.id,
+        "object": "text_completion",
+        "created": plan.created,
+        "model": model,
+        "choices": out,
+        "usage": usage(plan),
+        "seed": plan.seed,
+    }
     if plan.warnings:
         body["warnings"] = plan.warnings
     return body

@@ -29,18 +29,27 @@ def lens_json(served, text: str, top: int) -> dict:
     ids, notes = list(served.tokenizer.encode(text)), []
     keep = served.context_length - len(start)
     if len(ids) > keep:
-        notes.append(f"the text is {len(start) + len(ids)} tokens, longer than the context "
-                     f"({served.context_length}); showing its last {keep} after the start token")
+        notes.append(
+            f"the text is {len(start) + len(ids)} tokens, longer than the context "
+            f"({served.context_length}); showing its last {keep} after the start token"
+        )
         ids = ids[-keep:]
     grid = logit_lens(served.model, start + ids, top)
     shown = sorted({i for row in grid.top_ids for cell in row for i in cell})
     labels = {piece["id"]: piece["text"] for piece in served.pieces(shown)}
-    return {"tokens": served.pieces(grid.ids), "layers": grid.layers,
-            "top": [[[{"id": i, "text": labels[i], "p": round(p, 6)} for i, p in zip(ids_, probs)]
-                     for ids_, probs in zip(row_ids, row_probs)]
-                    for row_ids, row_probs in zip(grid.top_ids, grid.top_probs)],
-            "next_p": [[None if p is None else round(p, 6) for p in row] for row in grid.next_probs],
-            "warnings": notes}
+    return {
+        "tokens": served.pieces(grid.ids),
+        "layers": grid.layers,
+        "top": [
+            [
+                [{"id": i, "text": labels[i], "p": round(p, 6)} for i, p in zip(ids_, probs)]
+                for ids_, probs in zip(row_ids, row_probs)
+            ]
+            for row_ids, row_probs in zip(grid.top_ids, grid.top_probs)
+        ],
+        "next_p": [[None if p is None else round(p, 6) for p in row] for row in grid.next_probs],
+        "warnings": notes,
+    }
 
 
 @router.post("/v1/tinylm/lens")

@@ -69,13 +69,21 @@ class ServedModel:
     created: int
 
     @classmethod
-    def load(cls, path: str, tokenizer_path: str | None, name: str, max_batch: int,
-             dtype: InferenceDtype = "float32", compile: bool = False) -> "ServedModel":
+    def load(
+        cls,
+        path: str,
+        tokenizer_path: str | None,
+        name: str,
+        max_batch: int,
+        dtype: InferenceDtype = "float32",
+        compile: bool = False,
+    ) -> "ServedModel":
         model, tokenizer, source = load_any_checkpoint(path, tokenizer_path)
         source = {**source, "dtype": dtype, "parameters": model.num_parameters()}  # before int8 moves them to buffers
         model = to_inference_dtype(model, dtype).eval()
-        return cls(name, str(path), model, tokenizer, source, Scheduler(model, max_batch, name, compile),
-                   int(time.time()))
+        return cls(
+            name, str(path), model, tokenizer, source, Scheduler(model, max_batch, name, compile), int(time.time())
+        )
 
     @property
     def context_length(self) -> int:
@@ -88,13 +96,20 @@ class ServedModel:
     # ---------------------------------------------------------------------------- model card
     def card(self) -> dict:
         config = dataclasses.asdict(self.model.config)
-        card = {"format": self.source.get("format"), "path": self.path, "dtype": self.source.get("dtype", "float32"),
-                "parameters": self.source.get("parameters") or self.model.num_parameters(),
-                "config": {k: v for k, v in config.items() if isinstance(v, (int, float, str, bool))},
-                "tokenizer": {"type": getattr(self.tokenizer, "type_name", type(self.tokenizer).__name__),
-                              "vocab_size": self.tokenizer.vocab_size, "bos_id": self.tokenizer.bos_id,
-                              "stop_ids": list(self.tokenizer.stop_ids)},
-                "run": None}
+        card = {
+            "format": self.source.get("format"),
+            "path": self.path,
+            "dtype": self.source.get("dtype", "float32"),
+            "parameters": self.source.get("parameters") or self.model.num_parameters(),
+            "config": {k: v for k, v in config.items() if isinstance(v, (int, float, str, bool))},
+            "tokenizer": {
+                "type": getattr(self.tokenizer, "type_name", type(self.tokenizer).__name__),
+                "vocab_size": self.tokenizer.vocab_size,
+                "bos_id": self.tokenizer.bos_id,
+                "stop_ids": list(self.tokenizer.stop_ids),
+            },
+            "run": None,
+        }
         meta = self.source.get("meta") or {}
         if meta:
             card["checkpoint"] = {k: meta[k] for k in ("step", "tokens", "val_loss", "best_val_loss") if k in meta}
@@ -102,9 +117,14 @@ class ServedModel:
         if run is not None:
             rows = read_metrics(run / "metrics.csv")
             curve = [{k: r.get(k) for k in ("step", "train_loss", "val_loss")} for r in rows]
-            card["run"] = {"dir": run.name, "steps": len(rows), "curves": curve,
-                           "curves_png": (run / "curves.png").is_file(),
-                           "last": rows[-1] if rows else None, "eval": self._run_eval(run)}
+            card["run"] = {
+                "dir": run.name,
+                "steps": len(rows),
+                "curves": curve,
+                "curves_png": (run / "curves.png").is_file(),
+                "last": rows[-1] if rows else None,
+                "eval": self._run_eval(run),
+            }
         return card
 
     @staticmethod
@@ -127,14 +147,20 @@ class ServedModel:
     # --------------------------------------------------------------------------------- tokens
     def pieces(self, ids: list[int]) -> list[dict]:
         """Each token's id, its label (as ``tinylm attention`` writes it) and its text."""
-        return [{"id": int(i), "piece": label, "text": self.tokenizer.decode([int(i)])}
-                for i, label in zip(ids, token_labels(self.tokenizer, ids))]
+        return [
+            {"id": int(i), "piece": label, "text": self.tokenizer.decode([int(i)])}
+            for i, label in zip(ids, token_labels(self.tokenizer, ids))
+        ]
 
     def check_ids(self, ids: list[int], param: str) -> None:
         bad = [i for i in ids if not 0 <= i < self.vocab_size]
         if bad:
-            raise APIError(400, f"{param}: token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})", param,
-                           "invalid_token")
+            raise APIError(
+                400,
+                f"{param}: token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})",
+                param,
+                "invalid_token",
+            )
 
     # ------------------------------------------------------------------- on the model's thread
     def score(self, text: str) -> dict:
@@ -157,8 +183,11 @@ class ServedModel:
     def rows_logprobs(self, rows: list[list[int]], top: int = 0) -> list[list[tuple[float, list[tuple[int, float]]]]]:
         """``sequence_logprobs`` of several rows, their windows scored in batches (right-padded:
         a causal model's positions never see the padding after them)."""
-        windows = [(r, inputs, targets) for r, ids in enumerate(rows)
-                   for inputs, targets in document_windows(ids, self.context_length)]
+        windows = [
+            (r, inputs, targets)
+            for r, ids in enumerate(rows)
+            for inputs, targets in document_windows(ids, self.context_length)
+        ]
         out: list[list] = [[] for _ in rows]
         k = min(top, self.vocab_size)
         batch = max(1, SCORED_FLOATS // (self.context_length * self.vocab_size))
@@ -180,7 +209,7 @@ class ServedModel:
         each choice: the scheduler ends a row on it without emitting it, and OpenAI's logprobs list
         it last. The id is the one the decoder reported (``choice.stop_id``); where none was
         reported (a beam), the likeliest of the choice's stop ids after its tokens."""
-        rows = [(c.prompt_ids + c.tokens)[-self.context_length:] for c in choices]
+        rows = [(c.prompt_ids + c.tokens)[-self.context_length :] for c in choices]
         k = min(top, self.vocab_size)
         batch = max(1, SCORED_FLOATS // (self.context_length * self.vocab_size))
         with torch.inference_mode():
@@ -202,27 +231,42 @@ class ServedModel:
             maps = attention_maps(self.model, self.tokenizer, text)
         else:
             keep = self.context_length - len(start)
-            notes.append(f"the text is {len(start) + len(ids)} tokens, longer than the context "
-                         f"({self.context_length}); showing its last {keep} after the start token")
+            notes.append(
+                f"the text is {len(start) + len(ids)} tokens, longer than the context "
+                f"({self.context_length}); showing its last {keep} after the start token"
+            )
             maps = attention_maps_of_ids(self.model, self.tokenizer, start + ids[-keep:], text)
-        return {"tokens": maps.tokens, "n_layers": maps.n_layers, "n_heads": maps.n_heads,
-                "weights": [np.round(w, 5).tolist() for w in maps.weights], "warnings": notes}
+        return {
+            "tokens": maps.tokens,
+            "n_layers": maps.n_layers,
+            "n_heads": maps.n_heads,
+            "weights": [np.round(w, 5).tolist() for w in maps.weights],
+            "warnings": notes,
+        }
 
 
-def load_models(checkpoints: list[str], tokenizers: list[str], max_batch: int,
-                names: list[str] | None = None, dtype: InferenceDtype = "float32",
-                compile: bool = False) -> dict[str, ServedModel]:
+def load_models(
+    checkpoints: list[str],
+    tokenizers: list[str],
+    max_batch: int,
+    names: list[str] | None = None,
+    dtype: InferenceDtype = "float32",
+    compile: bool = False,
+) -> dict[str, ServedModel]:
     """Every ``--checkpoint``, named after its run (or the i-th ``--name``); the i-th
     ``--tokenizer`` goes with the i-th checkpoint (``none`` for one that brings its own tokenizer)."""
     if not checkpoints:
         raise TinyLMError("give at least one --checkpoint")
     if tokenizers and len(tokenizers) != len(checkpoints):
-        raise TinyLMError(f"{len(tokenizers)} --tokenizer for {len(checkpoints)} --checkpoint: give one per "
-                          "checkpoint, in the same order ('none' for a checkpoint that brings its own tokenizer)")
+        raise TinyLMError(
+            f"{len(tokenizers)} --tokenizer for {len(checkpoints)} --checkpoint: give one per "
+            "checkpoint, in the same order ('none' for a checkpoint that brings its own tokenizer)"
+        )
     names = list(names or [])
     if names and len(names) != len(checkpoints):
-        raise TinyLMError(f"{len(names)} --name for {len(checkpoints)} --checkpoint: give one per checkpoint, "
-                          "in the same order")
+        raise TinyLMError(
+            f"{len(names)} --name for {len(checkpoints)} --checkpoint: give one per checkpoint, in the same order"
+        )
     for n in names:
         if not n or n.strip() != n or "/" in n:
             raise TinyLMError(f"--name {n!r}: a model name is not empty, without '/' or surrounding spaces")

@@ -63,8 +63,11 @@ def find_runs(root: Path) -> dict[str, Path]:
         for d in level:
             if (d / "metrics.csv").is_file():
                 found[d.relative_to(root).as_posix() if d != root else d.name] = d
-            below += sorted(c for c in d.iterdir() if c.is_dir() and c.name not in ("checkpoints", "data")
-                            and not c.name.startswith("."))
+            below += sorted(
+                c
+                for c in d.iterdir()
+                if c.is_dir() and c.name not in ("checkpoints", "data") and not c.name.startswith(".")
+            )
         level = below
     return dict(sorted(found.items()))
 
@@ -90,9 +93,14 @@ def run_checkpoints(run: Path) -> list[dict]:
     for d in sorted(root.iterdir()) if root.is_dir() else ():
         meta = read_json(d / "checkpoint.json") if d.is_dir() and not d.name.endswith((".tmp", ".old")) else None
         if isinstance(meta, dict):  # an EMA checkpoint records the raw weights' validation loss: not its own
-            out.append({"name": d.name, "step": meta.get("step"),
-                        "val_loss": None if "ema_decay" in meta else meta.get("val_loss"),
-                        "modified": int((d / "checkpoint.json").stat().st_mtime)})
+            out.append(
+                {
+                    "name": d.name,
+                    "step": meta.get("step"),
+                    "val_loss": None if "ema_decay" in meta else meta.get("val_loss"),
+                    "modified": int((d / "checkpoint.json").stat().st_mtime),
+                }
+            )
     return sorted(out, key=lambda c: (c["step"] is None, c["step"] or 0, c["name"]))
 
 
@@ -100,10 +108,15 @@ def run_summary(name: str, run: Path) -> dict:
     rows = read_rows(run / "metrics.csv")
     vals = [r["val_loss"] for r in rows if r.get("val_loss") is not None]
     modified = (run / "metrics.csv").stat().st_mtime
-    return {"run": name, "rows": len(rows), "step": rows[-1].get("step") if rows else None,
-            "best_val_loss": min(vals) if vals else None, "modified": int(modified),
-            "live": time.time() - modified < LIVE_SECONDS and not (run / "checkpoints" / "last").is_dir(),
-            "checkpoints": [c["name"] for c in run_checkpoints(run)]}
+    return {
+        "run": name,
+        "rows": len(rows),
+        "step": rows[-1].get("step") if rows else None,
+        "best_val_loss": min(vals) if vals else None,
+        "modified": int(modified),
+        "live": time.time() - modified < LIVE_SECONDS and not (run / "checkpoints" / "last").is_dir(),
+        "checkpoints": [c["name"] for c in run_checkpoints(run)],
+    }
 
 
 def run_detail(name: str, run: Path, since: int) -> dict:
@@ -114,12 +127,18 @@ def run_detail(name: str, run: Path, since: int) -> dict:
     config = run / "config.yaml"
     samples = read_json(run / "samples.json")
     evaluation = read_json(run / "eval.json")
-    return {**run_summary(name, run), "since": 0 if reset else since, "reset": reset,
-            "metrics": rows if reset else rows[since:], "total": len(rows),
-            "config": config.read_text(encoding="utf-8", errors="replace") if config.is_file() else None,
-            "checkpoints": run_checkpoints(run), "samples": samples if isinstance(samples, list) else [],
-            "eval_samples": read_eval_samples(run / EVAL_SAMPLES),
-            "eval": evaluation.get("eval") if isinstance(evaluation, dict) else None}
+    return {
+        **run_summary(name, run),
+        "since": 0 if reset else since,
+        "reset": reset,
+        "metrics": rows if reset else rows[since:],
+        "total": len(rows),
+        "config": config.read_text(encoding="utf-8", errors="replace") if config.is_file() else None,
+        "checkpoints": run_checkpoints(run),
+        "samples": samples if isinstance(samples, list) else [],
+        "eval_samples": read_eval_samples(run / EVAL_SAMPLES),
+        "eval": evaluation.get("eval") if isinstance(evaluation, dict) else None,
+    }
 
 
 def sample_config(run: Path, max_tokens: int) -> SampleConfig:
@@ -146,8 +165,10 @@ def checkpoint_samples(run: Path, checkpoint: str, max_tokens: int) -> list[dict
     cfg = sample_config(run, max_tokens)
     done = complete(model.eval(), tokenizer, cfg.prompts, cfg.generation(stop_ids=tokenizer.stop_ids))
     # the shape of the samples.json that `tinylm train` writes at the end of a run
-    return [{"prompt": c.prompt, "continuation": c.continuation(tokenizer), "new_tokens": len(c.results[0].tokens)}
-            for c in done]
+    return [
+        {"prompt": c.prompt, "continuation": c.continuation(tokenizer), "new_tokens": len(c.results[0].tokens)}
+        for c in done
+    ]
 
 
 # ------------------------------------------------------------------------------------------ routes
@@ -170,16 +191,21 @@ def runs_root(request: Request) -> RunsRoot:
 def find_run(runs: RunsRoot, name: str) -> Path:
     found = find_runs(runs.root)
     if name not in found:
-        raise APIError(404, f"no run '{name}' under the runs directory; runs: {', '.join(found) or 'none'}", "run",
-                       "run_not_found")
+        raise APIError(
+            404, f"no run '{name}' under the runs directory; runs: {', '.join(found) or 'none'}", "run", "run_not_found"
+        )
     return found[name]
 
 
 def find_checkpoint(run: Path, name: str, checkpoint: str) -> Path:
     names = [c["name"] for c in run_checkpoints(run)]
     if checkpoint not in names:
-        raise APIError(404, f"run '{name}' has no checkpoint '{checkpoint}'; it has: {', '.join(names) or 'none yet'}",
-                       "checkpoint", "checkpoint_not_found")
+        raise APIError(
+            404,
+            f"run '{name}' has no checkpoint '{checkpoint}'; it has: {', '.join(names) or 'none yet'}",
+            "checkpoint",
+            "checkpoint_not_found",
+        )
     return run / "checkpoints" / checkpoint
 
 
@@ -225,8 +251,13 @@ async def load(body: RunCheckpoint, request: Request):
     async with runs.lock:  # one load at a time: two clicks must not load the same checkpoint twice
         name = runs.loaded.get(key)
         if name is None and len(runs.loaded) >= MAX_LOADED:
-            raise APIError(400, f"{MAX_LOADED} checkpoints are loaded from runs already (each holds memory); restart "
-                           "the server to load others", "checkpoint", "too_many_models")
+            raise APIError(
+                400,
+                f"{MAX_LOADED} checkpoints are loaded from runs already (each holds memory); restart "
+                "the server to load others",
+                "checkpoint",
+                "too_many_models",
+            )
         name = name or served_name(body.run, body.checkpoint, set(state.models))
         try:
             served = await off_loop_with_retry(ServedModel.load, str(path), None, name, runs.max_batch)

@@ -77,6 +77,7 @@ class ErrorEvent:
 @dataclass(eq=False)  # rows are compared by identity
 class Row:
     """One sequence to continue: what a request asks for one of its choices."""
+
     prompt_ids: list[int]  # already fitted to the context (``fit_prompts``)
     cfg: GenerationConfig  # ``cfg.seed`` seeds this row's generator
     emit: Callable[[object], None]  # receives TokenEvent / DoneEvent / ErrorEvent, on the decoding thread
@@ -118,8 +119,9 @@ def slot_bucket(needed: int, context_length: int) -> int:
 class Scheduler:
     """``add(row)`` from any thread; tokens come back through ``row.emit`` on the decoding thread."""
 
-    def __init__(self, model, max_batch: int = 32, name: str = "model", compile: bool = False,
-                 bucketed: bool | None = None):
+    def __init__(
+        self, model, max_batch: int = 32, name: str = "model", compile: bool = False, bucketed: bool | None = None
+    ):
         self.model, self.max_batch = model, max_batch
         self.context_length = model.config.context_length
         self.compile = compile
@@ -153,9 +155,12 @@ class Scheduler:
                 tokens, positions = torch.zeros(rows, dtype=torch.long), torch.zeros(rows, dtype=torch.long)
                 decode_step(prepared, cache, tokens, positions, compile=True)
                 self.compile_seconds[rows, slots] = time.perf_counter() - t0
-        print(f"compiled the decoding step for {len(self.compile_seconds)} batch buckets "
-              f"({', '.join(str(b) for b, _ in self.compile_seconds)} rows x {slots} cache slots) in "
-              f"{time.perf_counter() - started:.1f} s", file=sys.stderr)
+        print(
+            f"compiled the decoding step for {len(self.compile_seconds)} batch buckets "
+            f"({', '.join(str(b) for b, _ in self.compile_seconds)} rows x {slots} cache slots) in "
+            f"{time.perf_counter() - started:.1f} s",
+            file=sys.stderr,
+        )
 
     def _capacity(self, rows: int) -> int:
         """The cache's batch size for ``rows`` rows (bucketed: a batch bucket, the rest padding)."""
@@ -243,7 +248,9 @@ class Scheduler:
                 started.append(r)
             except (ValueError, RuntimeError) as exc:  # e.g. a seed torch cannot take: this row only
                 r.emit(ErrorEvent(f"cannot start this generation: {exc}", "seed"))
-        fresh = [(r, list(r.prompt_ids)) for r in started] + [(r, r.seq[-(self.context_length // 2):]) for r in sliding]
+        fresh = [(r, list(r.prompt_ids)) for r in started] + [
+            (r, r.seq[-(self.context_length // 2) :]) for r in sliding
+        ]
 
         logits_old = None
         if self.rows:
@@ -256,7 +263,7 @@ class Scheduler:
             self.prepared = prepare_for_inference(self.model)
             rows = [ids for _, ids in fresh]
             cache, logits_new, _ = prefill(self.model, rows, max(len(ids) for ids in rows))
-            for (r, ids) in fresh:
+            for r, ids in fresh:
                 r.cached = len(ids)
             self._merge([r for r, _ in fresh], cache)
             logits = logits_new if logits_old is None else torch.cat([logits_old, logits_new])
@@ -294,9 +301,14 @@ class Scheduler:
                 continue
             row = r.history(logits[i : i + 1].float(), len(r.out))
             if not bool(torch.isfinite(row).any()):
-                r.emit(ErrorEvent(f"no token is allowed at step {len(r.out) + 1}: no_repeat_ngram_size / "
-                                  "min_new_tokens ban the whole vocabulary "
-                                  "(ask for fewer tokens or a smaller n-gram ban)", "no_repeat_ngram_size"))
+                r.emit(
+                    ErrorEvent(
+                        f"no token is allowed at step {len(r.out) + 1}: no_repeat_ngram_size / "
+                        "min_new_tokens ban the whole vocabulary "
+                        "(ask for fewer tokens or a smaller n-gram ban)",
+                        "no_repeat_ngram_size",
+                    )
+                )
                 r.cancel()
                 row = logits[i : i + 1].float()  # any token: the row leaves at the end of this step
             if scores is logits:

@@ -23,6 +23,7 @@ class StreamOptions(Strict):
 
 class OpenAICompletion(Strict):
     """OpenAI's /v1/completions fields, with OpenAI's defaults."""
+
     model: str
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int = 16
@@ -52,9 +53,18 @@ def _knob_fields() -> dict:
     """tinylm's other decoding knobs, one field per GenerationConfig field that the request offers
     under its own name (config.GENERATION_SURFACES gives OpenAI's names and what the server sets)."""
     hints, fields = field_types(GenerationConfig), GenerationConfig.__dataclass_fields__
-    return {name: (hints[knob], Field(fields[knob].default, description=fields[knob].metadata["help"],
-                                      validation_alias=AliasChoices(name, ALIASES[name]) if name in ALIASES else None))
-            for knob, name in knob_names("http").items() if name not in OpenAICompletion.model_fields}
+    return {
+        name: (
+            hints[knob],
+            Field(
+                fields[knob].default,
+                description=fields[knob].metadata["help"],
+                validation_alias=AliasChoices(name, ALIASES[name]) if name in ALIASES else None,
+            ),
+        )
+        for knob, name in knob_names("http").items()
+        if name not in OpenAICompletion.model_fields
+    }
 
 
 CompletionRequest = create_model("CompletionRequest", __base__=OpenAICompletion, **_knob_fields())
@@ -62,6 +72,7 @@ CompletionRequest = create_model("CompletionRequest", __base__=OpenAICompletion,
 
 class TextRequest(Strict):
     """tokenize, attention and score: one text; ``model`` may be left out when one model is served."""
+
     model: str | None = None
     text: str = Field(description="the text to look at")
 

@@ -48,8 +48,9 @@ class Stage:
         result = run()
         result["seconds"] = round(time.perf_counter() - start, 2)
         tmp = self.path.with_name(self.path.name + ".tmp")
-        tmp.write_text(json.dumps({**result, "key": self.key}, indent=2, ensure_ascii=False, default=float),
-                       encoding="utf-8")
+        tmp.write_text(
+            json.dumps({**result, "key": self.key}, indent=2, ensure_ascii=False, default=float), encoding="utf-8"
+        )
         os.replace(tmp, self.path)
         return result
 

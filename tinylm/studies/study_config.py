@@ -43,7 +43,8 @@ class StudyNGram:
 
     orders: list[int] = option([1, 2, 3, 4], ge=1)
     smoothings: list[Literal["laplace", "add_0.1", "interpolated", "interpolated_fixed", "kneser_ney"]] = option(
-        ["laplace", "add_0.1", "interpolated", "kneser_ney"])
+        ["laplace", "add_0.1", "interpolated", "kneser_ney"]
+    )
     start_padding: Literal["single", "order"] = "single"
     fixed_weights: list[float] = option([0.01, 0.1, 0.2, 0.3, 0.4], "uniform, 1-gram, 2-gram, ...", ge=0)
 
@@ -85,7 +86,9 @@ def parse_size(spec: str) -> tuple[str, int, int, int]:
         name, dims = spec.split("=")
         layers, d_model, heads = (int(v) for v in dims.lower().split("x"))
     except ValueError:
-        raise TinyLMError(f"sizes: {spec!r} is not of the form name=LAYERSxD_MODELxHEADS (e.g. small=6x256x8)") from None
+        raise TinyLMError(
+            f"sizes: {spec!r} is not of the form name=LAYERSxD_MODELxHEADS (e.g. small=6x256x8)"
+        ) from None
     if min(layers, d_model, heads) < 1 or d_model % heads:
         raise TinyLMError(f"sizes: {spec!r}: layers, d_model and heads must be >= 1, d_model a multiple of heads")
     return name, layers, d_model, heads
@@ -103,10 +106,12 @@ class StudyGPT:
     dropout: float = option(0.1, ge=0, lt=1)
     batch_size: int = option(32, ge=1)
     max_steps: int = option(3000, "the cosine schedule's length and a cap", ge=1)
-    patience: int = option(4, "evaluations without improvement before stopping (0: none); the best checkpoint "
-                              "is scored", ge=0)
-    minutes: float = option(30.0, "wall-clock safety cap per GPT (0: none): a GPT stopped by it is marked "
-                                  "not converged", ge=0)
+    patience: int = option(
+        4, "evaluations without improvement before stopping (0: none); the best checkpoint is scored", ge=0
+    )
+    minutes: float = option(
+        30.0, "wall-clock safety cap per GPT (0: none): a GPT stopped by it is marked not converged", ge=0
+    )
     lr: float = option(2e-3, gt=0)
     eval_interval: int = option(50, ge=1)
     eval_batches: int = option(20, ge=1)
@@ -143,7 +148,9 @@ class TokenizerSpec:
 class StudyConfig:
     out_dir: str = "runs/study-shakespeare"
     # the run config's data section; the study splits each play into chunks
-    data: DataConfig = field(default_factory=lambda: DataConfig(valid_fraction=0.1, test_fraction=0.1, split_by="chunk"))
+    data: DataConfig = field(
+        default_factory=lambda: DataConfig(valid_fraction=0.1, test_fraction=0.1, split_by="chunk")
+    )
     tokenizers: StudyTokenizers = field(default_factory=StudyTokenizers)
     ngram: StudyNGram = field(default_factory=StudyNGram)
     bigram: StudyBigram = field(default_factory=StudyBigram)
@@ -167,9 +174,17 @@ def tokenizer_specs(cfg: StudyConfig) -> list[TokenizerSpec]:
     if t.bpe_type == "bpe":
         specs = [TokenizerSpec(f"bpe-{m}", "bpe", 260 + m, modelled=m in modelled) for m in t.bpe_merges]
     else:
-        specs = [TokenizerSpec(f"word_bpe-{m}" + ("" if i == 0 else f"-{norm}"), "word_bpe", merges=m,
-                               normalization=norm, modelled=i == 0 and m in modelled)
-                 for i, norm in enumerate(t.normalizations) for m in t.bpe_merges]
+        specs = [
+            TokenizerSpec(
+                f"word_bpe-{m}" + ("" if i == 0 else f"-{norm}"),
+                "word_bpe",
+                merges=m,
+                normalization=norm,
+                modelled=i == 0 and m in modelled,
+            )
+            for i, norm in enumerate(t.normalizations)
+            for m in t.bpe_merges
+        ]
     specs += [TokenizerSpec("char", "char")] if t.char else []
     specs += [TokenizerSpec("word", "word", t.word_vocab)] if t.word else []
     return sorted(specs, key=lambda s: not s.modelled)
@@ -181,15 +196,27 @@ def _flat(section: str, names: str, prefix: str = "") -> dict[str, str]:
 
 # the flat keys of study configs written before the sections -> their dotted keys (a field keeps its
 # name, without its bigram_ / gpt_ prefix, but for the last three)
-FLAT_KEYS = {**_flat("data", "source max_documents valid_fraction test_fraction"),
-             **_flat("tokenizers", "bpe_type bpe_merges normalizations model_merges char word word_vocab overlap_sample"),
-             **_flat("ngram", "orders smoothings start_padding fixed_weights"),
-             **_flat("bigram", "lrs lr_d_embed d_embeds weight_decays grid_lr batch_size mode schedule max_steps "
-                               "max_seconds eval_interval patience sweep_on", prefix="bigram_"),
-             **_flat("gpt", "sizes tokenizers data_fraction batch_size max_steps minutes lr eval_interval "
-                            "eval_batches", prefix="gpt_"),
-             **_flat("gpt", "context_length dropout"), **_flat("sampling", "prompts temperature"),
-             "train_path": "data.train", "gpt": "gpt.enabled", "sample_tokens": "sampling.max_new_tokens"}
+FLAT_KEYS = {
+    **_flat("data", "source max_documents valid_fraction test_fraction"),
+    **_flat("tokenizers", "bpe_type bpe_merges normalizations model_merges char word word_vocab overlap_sample"),
+    **_flat("ngram", "orders smoothings start_padding fixed_weights"),
+    **_flat(
+        "bigram",
+        "lrs lr_d_embed d_embeds weight_decays grid_lr batch_size mode schedule max_steps "
+        "max_seconds eval_interval patience sweep_on",
+        prefix="bigram_",
+    ),
+    **_flat(
+        "gpt",
+        "sizes tokenizers data_fraction batch_size max_steps minutes lr eval_interval eval_batches",
+        prefix="gpt_",
+    ),
+    **_flat("gpt", "context_length dropout"),
+    **_flat("sampling", "prompts temperature"),
+    "train_path": "data.train",
+    "gpt": "gpt.enabled",
+    "sample_tokens": "sampling.max_new_tokens",
+}
 
 
 def nest_flat_keys(raw: dict, flat_keys: dict[str, str]) -> dict:
@@ -212,7 +239,8 @@ def study_config(*layers: dict) -> StudyConfig:
     return check_config(cfg)
 
 
-def load_study_config(spec: str | None = "shakespeare-study", overrides: list[str] | None = None,
-                      quick: bool = False) -> StudyConfig:
+def load_study_config(
+    spec: str | None = "shakespeare-study", overrides: list[str] | None = None, quick: bool = False
+) -> StudyConfig:
     """The file or preset (its quick section too with ``quick``) <- ``key=value`` overrides."""
     return study_config(read_config(spec, quick), parse_overrides(overrides or []))

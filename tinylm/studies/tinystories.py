@@ -42,8 +42,18 @@ from typing import Callable, Literal
 import numpy as np
 import torch
 
-from tinylm.config import (GenerationConfig, RunConfig, apply_updates, check_config, config_from_dict, like,
-                           merge_dicts, option, parse_overrides, read_config)
+from tinylm.config import (
+    GenerationConfig,
+    RunConfig,
+    apply_updates,
+    check_config,
+    config_from_dict,
+    like,
+    merge_dicts,
+    option,
+    parse_overrides,
+    read_config,
+)
 from tinylm.data.cleaning import clean_documents
 from tinylm.data.prepare import Prepared, load_raw_documents, prepare
 from tinylm.errors import TinyLMError
@@ -82,12 +92,21 @@ class ExperimentsConfig:
     generation_table_stories: int = option(5, "rows of the prompt | ground truth | temperatures table", ge=1)
     embedding_micro_batches: int = option(200, "steps of each frozen / fine-tuned / random-init run", ge=1)
     accum_steps: list[int] = option([1, 2, 4, 8], ge=1)
-    accum_epochs: int = option(1, "epochs of the trade-off split at the smallest accumulation (equal tokens: every "
-                                  "k trains them; equal updates: k / smallest k times as many)", ge=1)
-    accum_micro_batch: int | None = option(None, "rows per micro-batch of the accumulation runs (None: "
-                                                 "train.batch_size; three reports used 16)", ge=1)
-    tradeoff_stories: int | None = option(None, "the first N training stories are the accumulation and "
-                                                "checkpointing runs' split (None: all; one report used 10%)", ge=1)
+    accum_epochs: int = option(
+        1,
+        "epochs of the trade-off split at the smallest accumulation (equal tokens: every "
+        "k trains them; equal updates: k / smallest k times as many)",
+        ge=1,
+    )
+    accum_micro_batch: int | None = option(
+        None, "rows per micro-batch of the accumulation runs (None: train.batch_size; three reports used 16)", ge=1
+    )
+    tradeoff_stories: int | None = option(
+        None,
+        "the first N training stories are the accumulation and "
+        "checkpointing runs' split (None: all; one report used 10%)",
+        ge=1,
+    )
     tradeoff_micro_batches: int = option(64, "micro-batches of each checkpointing run", ge=1)
     tradeoff_repeats: int = option(2, "each checkpointing run, in alternated rounds (median)", ge=0)
     attention_texts: list[str] = option(["Once upon a time there was a little girl named Lily."])
@@ -97,23 +116,25 @@ class ExperimentsConfig:
     # with 2 threads on a shared CPU (measured: 13-32 vs ~490 tokens/s); training uses train.threads
     decode_threads: int = option(1, ge=1)
     train_threads: int | None = option(None, "None: train.threads, else 2", ge=1)
-    decoding_examples: int = option(5, "prompts whose continuations the decoding comparison prints side by side",
-                                    ge=0)
+    decoding_examples: int = option(5, "prompts whose continuations the decoding comparison prints side by side", ge=0)
 
     def validate(self) -> None:
         smallest = min(self.accum_steps)
         bad = [k for k in self.accum_steps if k % smallest]
         if bad:
-            raise TinyLMError(f"experiments.accum_steps {bad} are not multiples of the smallest, {smallest}: the "
-                              "equal-updates runs train k / smallest times its epochs")
+            raise TinyLMError(
+                f"experiments.accum_steps {bad} are not multiples of the smallest, {smallest}: the "
+                "equal-updates runs train k / smallest times its epochs"
+            )
 
 
 # the experiments keys before the decoding section -> their place in it
 EXPERIMENTS_FLAT_KEYS = {"decoding_temperature": "decoding.temperature", "decoding_top_k": "decoding.top_k"}
 
 
-def load_experiment_config(path: str | Path | None, overrides: list[str] | None = None,
-                           quick: bool = False) -> tuple[RunConfig, ExperimentsConfig]:
+def load_experiment_config(
+    path: str | Path | None, overrides: list[str] | None = None, quick: bool = False
+) -> tuple[RunConfig, ExperimentsConfig]:
     """The run config and the experiments section, both checked whole; ``quick`` merges the file's
     ``quick`` section. Command-line overrides (``data.train=PATH``, ``experiments.bleu_samples=10``) come last."""
     raw = read_config(path, quick) if path else {}
@@ -169,33 +190,49 @@ def part_baseline(study: Study) -> dict:
     (study.run_dir / "eval.json").unlink(missing_ok=True)  # a failed training run must not leave the old one
     summary = run_pipeline(study.cfg, study.run_dir)
     model, _ = study.model
-    return {"summary": summary, "parameters_total": model.num_parameters(),
-            "parameters_trainable": model.num_parameters(trainable_only=True)}
+    return {
+        "summary": summary,
+        "parameters_total": model.num_parameters(),
+        "parameters_trainable": model.num_parameters(trainable_only=True),
+    }
 
 
 def _protocol(exp: ExperimentsConfig):
-    return BleuProtocol(exp.bleu_samples, exp.prompt_tokens, exp.max_continuation, exp.seed, exp.smoothing,
-                        exp.bleu_selection)
+    return BleuProtocol(
+        exp.bleu_samples, exp.prompt_tokens, exp.max_continuation, exp.seed, exp.smoothing, exp.bleu_selection
+    )
 
 
 def part_bleu(study: Study) -> dict:
     torch.set_num_threads(study.exp.decode_threads)
     model, tok = study.model
     settings = [Decoding(f"T{t:g}", temperature=t, top_k=study.exp.top_k) for t in study.exp.temperatures]
-    return {**run_bleu(model, tok, study.valid_texts, _protocol(study.exp), settings, csv_dir=study.run_dir),
-            "threads": study.exp.decode_threads}
+    return {
+        **run_bleu(model, tok, study.valid_texts, _protocol(study.exp), settings, csv_dir=study.run_dir),
+        "threads": study.exp.decode_threads,
+    }
 
 
 def part_decoding(study: Study) -> dict:
     torch.set_num_threads(study.exp.decode_threads)
     model, tok = study.model
     knobs = study.exp.decoding
-    sampling = Decoding(f"sample_T{knobs.temperature:g}" + (f"_k{knobs.top_k}" if knobs.top_k else ""),
-                        temperature=knobs.temperature, top_k=knobs.top_k)
+    sampling = Decoding(
+        f"sample_T{knobs.temperature:g}" + (f"_k{knobs.top_k}" if knobs.top_k else ""),
+        temperature=knobs.temperature,
+        top_k=knobs.top_k,
+    )
     settings = [sampling, Decoding("greedy", temperature=0.0)]
     settings += [Decoding(f"beam{k}", beam_width=k) for k in study.exp.beam_widths]
-    out = run_bleu(model, tok, study.valid_texts, _protocol(study.exp), settings, csv_dir=study.run_dir,
-                   csv_prefix="decoding_samples_")
+    out = run_bleu(
+        model,
+        tok,
+        study.valid_texts,
+        _protocol(study.exp),
+        settings,
+        csv_dir=study.run_dir,
+        csv_prefix="decoding_samples_",
+    )
     base = out["settings"][0].get("tokens_per_s")
     for row in out["settings"]:
         if base and "tokens_per_s" in row:
@@ -214,9 +251,17 @@ def _decoding_examples(run_dir: Path, settings: list[dict], n: int) -> list[dict
         with open(run_dir / s["csv"], newline="", encoding="utf-8") as f:
             columns[s["name"]] = list(csv.DictReader(f))[:n]
     first = next(iter(columns.values()))
-    return [{"prompt": row["prompt"], "reference": row["reference_continuation"],
-             **{name: {"text": rows[i]["hypothesis_continuation"], "sentence_bleu4": float(rows[i]["sentence_bleu4"])}
-                for name, rows in columns.items()}} for i, row in enumerate(first)]
+    return [
+        {
+            "prompt": row["prompt"],
+            "reference": row["reference_continuation"],
+            **{
+                name: {"text": rows[i]["hypothesis_continuation"], "sentence_bleu4": float(rows[i]["sentence_bleu4"])}
+                for name, rows in columns.items()
+            },
+        }
+        for i, row in enumerate(first)
+    ]
 
 
 def part_generations(study: Study) -> dict:
@@ -225,33 +270,65 @@ def part_generations(study: Study) -> dict:
     s = study.cfg.sample
     rows = []
     for t in study.exp.sample_temperatures:
-        cfg = GenerationConfig(max_new_tokens=s.max_new_tokens, temperature=t, top_k=s.top_k, top_p=s.top_p,
-                               seed=study.exp.seed, stop_ids=tok.stop_ids)
+        cfg = GenerationConfig(
+            max_new_tokens=s.max_new_tokens,
+            temperature=t,
+            top_k=s.top_k,
+            top_p=s.top_p,
+            seed=study.exp.seed,
+            stop_ids=tok.stop_ids,
+        )
         for c in complete(model, tok, s.prompts, cfg):
             new = c.results[0].tokens
-            rows.append({"temperature": t, "prompt": c.prompt, "prompt_as_tokenized": tok.decode(c.prompt_ids),
-                         "continuation": tok.decode(new), "text": tok.decode([*c.prompt_ids, *new]),
-                         "new_tokens": len(new)})
-    return {"top_k": s.top_k, "top_p": s.top_p, "max_new_tokens": s.max_new_tokens, "samples": rows,
-            "table": _ground_truth_table(study, model, tok)}
+            rows.append(
+                {
+                    "temperature": t,
+                    "prompt": c.prompt,
+                    "prompt_as_tokenized": tok.decode(c.prompt_ids),
+                    "continuation": tok.decode(new),
+                    "text": tok.decode([*c.prompt_ids, *new]),
+                    "new_tokens": len(new),
+                }
+            )
+    return {
+        "top_k": s.top_k,
+        "top_p": s.top_p,
+        "max_new_tokens": s.max_new_tokens,
+        "samples": rows,
+        "table": _ground_truth_table(study, model, tok),
+    }
 
 
 def _ground_truth_table(study: Study, model, tok) -> dict:
     """Validation stories drawn as for BLEU: their first tokens, the real rest, and one continuation
     per temperature of the same length (at most sample.max_new_tokens)."""
-    protocol = dataclasses.replace(_protocol(study.exp), n_samples=study.exp.generation_table_stories,
-                                   max_continuation=study.cfg.sample.max_new_tokens)
+    protocol = dataclasses.replace(
+        _protocol(study.exp),
+        n_samples=study.exp.generation_table_stories,
+        max_continuation=study.cfg.sample.max_new_tokens,
+    )
     chosen = select_samples(tok, study.valid_texts, protocol, model.config.context_length).samples
     rows = []
     for k, smp in enumerate(chosen):
         row = {"story": smp.index, "prompt": tok.decode(smp.prompt_ids), "ground_truth": tok.decode(smp.reference_ids)}
         for t in study.exp.sample_temperatures:
-            new = generate(model, [tok.bos_id, *smp.prompt_ids], len(smp.reference_ids), t, study.cfg.sample.top_k,
-                           study.cfg.sample.top_p, seed=study.exp.seed + k, stop_ids=tok.stop_ids)
+            new = generate(
+                model,
+                [tok.bos_id, *smp.prompt_ids],
+                len(smp.reference_ids),
+                t,
+                study.cfg.sample.top_k,
+                study.cfg.sample.top_p,
+                seed=study.exp.seed + k,
+                stop_ids=tok.stop_ids,
+            )
             row[f"T={t:g}"] = tok.decode(new)
         rows.append(row)
-    return {"temperatures": [f"T={t:g}" for t in study.exp.sample_temperatures], "top_k": study.cfg.sample.top_k,
-            "rows": rows}
+    return {
+        "temperatures": [f"T={t:g}" for t in study.exp.sample_temperatures],
+        "top_k": study.cfg.sample.top_k,
+        "rows": rows,
+    }
 
 
 def part_kv_cache(study: Study) -> dict:
@@ -263,13 +340,19 @@ def part_kv_cache(study: Study) -> dict:
     P, B = exp.kv_prompt_tokens, exp.kv_batch
     stories = [ids for ids in (tok.encode(t) for t in study.valid_texts) if len(ids) >= P][:B]
     if len(stories) < B:
-        raise TinyLMError(f"only {len(stories)} validation stories have the {P} tokens of a KV-cache prompt; "
-                          f"experiments.kv_batch={B} asks for more")
+        raise TinyLMError(
+            f"only {len(stories)} validation stories have the {P} tokens of a KV-cache prompt; "
+            f"experiments.kv_batch={B} asks for more"
+        )
     prompts = [[tok.bos_id, *ids[:P]] for ids in stories]
     context_length = model.config.context_length
-    decodings = [("greedy", {"temperature": 0.0}),
-                 (f"top-k {exp.decoding.top_k}, T={exp.decoding.temperature:g}",
-                  {"temperature": exp.decoding.temperature, "top_k": exp.decoding.top_k})]
+    decodings = [
+        ("greedy", {"temperature": 0.0}),
+        (
+            f"top-k {exp.decoding.top_k}, T={exp.decoding.temperature:g}",
+            {"temperature": exp.decoding.temperature, "top_k": exp.decoding.top_k},
+        ),
+    ]
     generate_many(model, prompts, GenerationConfig(max_new_tokens=4, temperature=0.0))  # warm-up
     rows = []
     for name, knobs in decodings:
@@ -277,24 +360,44 @@ def part_kv_cache(study: Study) -> dict:
             times, outs = {True: [], False: []}, {}
             for _ in range(exp.kv_repeats):
                 for use_cache in (True, False):
-                    gen = GenerationConfig(max_new_tokens=n, seed=exp.seed, seed_per_row=True, use_cache=use_cache,
-                                           **knobs)
+                    gen = GenerationConfig(
+                        max_new_tokens=n, seed=exp.seed, seed_per_row=True, use_cache=use_cache, **knobs
+                    )
                     t0 = time.perf_counter()
                     outs[use_cache] = [g.tokens for g in generate_many(model, prompts, gen)]
                     times[use_cache].append(time.perf_counter() - t0)
             med = {k: statistics.median(v) for k, v in times.items()}
             new_tokens = sum(len(t) for t in outs[True])
             slots = min(context_length, len(prompts[0]) + n)
-            rows.append({"decoding": name, "batch": B, "prompt_tokens": len(prompts[0]), "new_tokens": n,
-                         "total_tokens": len(prompts[0]) + n, "beyond_context": len(prompts[0]) + n > context_length,
-                         "cache_bytes": model.new_kv_cache(B, slots).nbytes, "cache_slots": slots,
-                         "cache_tokens_per_s": new_tokens / med[True], "nocache_tokens_per_s": new_tokens / med[False],
-                         "speedup": med[False] / med[True], "same_tokens": outs[True] == outs[False],
-                         "cache_seconds": times[True], "nocache_seconds": times[False]})
-            log.info(f"kv_cache: {name}, {B} x {n} new tokens: {rows[-1]['cache_tokens_per_s']:.0f} vs "
-                     f"{rows[-1]['nocache_tokens_per_s']:.0f} tokens/s ({rows[-1]['speedup']:.2f}x)")
-    return {"threads": exp.decode_threads, "repeats": exp.kv_repeats, "context_length": context_length, "batch": B,
-            "rows": rows}
+            rows.append(
+                {
+                    "decoding": name,
+                    "batch": B,
+                    "prompt_tokens": len(prompts[0]),
+                    "new_tokens": n,
+                    "total_tokens": len(prompts[0]) + n,
+                    "beyond_context": len(prompts[0]) + n > context_length,
+                    "cache_bytes": model.new_kv_cache(B, slots).nbytes,
+                    "cache_slots": slots,
+                    "cache_tokens_per_s": new_tokens / med[True],
+                    "nocache_tokens_per_s": new_tokens / med[False],
+                    "speedup": med[False] / med[True],
+                    "same_tokens": outs[True] == outs[False],
+                    "cache_seconds": times[True],
+                    "nocache_seconds": times[False],
+                }
+            )
+            log.info(
+                f"kv_cache: {name}, {B} x {n} new tokens: {rows[-1]['cache_tokens_per_s']:.0f} vs "
+                f"{rows[-1]['nocache_tokens_per_s']:.0f} tokens/s ({rows[-1]['speedup']:.2f}x)"
+            )
+    return {
+        "threads": exp.decode_threads,
+        "repeats": exp.kv_repeats,
+        "context_length": context_length,
+        "batch": B,
+        "rows": rows,
+    }
 
 
 def part_tokenizers(study: Study) -> dict:
@@ -312,10 +415,17 @@ def part_tokenizers(study: Study) -> dict:
         ids = [tok.encode(t) for t in valid]
         n_tokens, n_words = sum(map(len, ids)), sum(len(tok.split(t)) for t in valid)
         kept = sum(tok.decode(i) == tok.normalize(t) for i, t in zip(ids, valid))
-        rows.append({"oov": oov, "vocab_size": tok.vocab_size, "words_in_vocabulary": len(tok.words),
-                     "unk_rate": sum(x == tok.unk_id for doc in ids for x in doc) / max(n_tokens, 1),
-                     "tokens_per_word": n_tokens / max(n_words, 1), "stories_restored": kept / max(len(valid), 1),
-                     "train_seconds": seconds})
+        rows.append(
+            {
+                "oov": oov,
+                "vocab_size": tok.vocab_size,
+                "words_in_vocabulary": len(tok.words),
+                "unk_rate": sum(x == tok.unk_id for doc in ids for x in doc) / max(n_tokens, 1),
+                "tokens_per_word": n_tokens / max(n_words, 1),
+                "stories_restored": kept / max(len(valid), 1),
+                "train_seconds": seconds,
+            }
+        )
     return {"rows": rows, "stories": len(valid), "oov_merges": tc.oov_merges, "configured": tc.oov}
 
 
@@ -333,10 +443,18 @@ def part_attention(study: Study) -> dict:
         page = attention_html(maps, out_dir / f"text{i}.html")
         row_sum_err = max(float(abs(w.sum(-1) - 1).max()) for w in maps.weights)
         above = max(float(np.abs(np.triu(w, k=1)).max()) for w in maps.weights)
-        rows.append({"text": text, "tokens": maps.tokens, "layers": maps.n_layers, "heads": maps.n_heads,
-                     "pngs": [str(p.relative_to(study.run_dir)) for p in pngs],
-                     "html": str(page.relative_to(study.run_dir)),
-                     "max_row_sum_error": row_sum_err, "max_weight_above_diagonal": above})
+        rows.append(
+            {
+                "text": text,
+                "tokens": maps.tokens,
+                "layers": maps.n_layers,
+                "heads": maps.n_heads,
+                "pngs": [str(p.relative_to(study.run_dir)) for p in pngs],
+                "html": str(page.relative_to(study.run_dir)),
+                "max_row_sum_error": row_sum_err,
+                "max_weight_above_diagonal": above,
+            }
+        )
     return {"texts": rows}
 
 
@@ -347,11 +465,16 @@ def part_curves(study: Study) -> dict:
 def machine_info(threads: int | None = None) -> dict:
     import cpuinfo  # deferred: slow to import, and get_cpu_info() probes the CPU in a subprocess
 
-    info = {"platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
-            "cpu": cpuinfo.get_cpu_info().get("brand_raw") or platform.processor(), "cpu_count": os.cpu_count(),
-            "torch_threads": threads or torch.get_num_threads(),
-            "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-            "date_utc": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
+    info = {
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cpu": cpuinfo.get_cpu_info().get("brand_raw") or platform.processor(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": threads or torch.get_num_threads(),
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "date_utc": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+    }
     if hasattr(os, "getloadavg"):
         info["load_average_1m"] = round(os.getloadavg()[0], 2)
     return info
@@ -361,8 +484,13 @@ def part_machine(study: Study) -> dict:
     return {**machine_info(study.threads), "train_threads": study.threads, "decode_threads": study.exp.decode_threads}
 
 
-def _tradeoffs(study: Study, micro_batches: int | None = None, repeats: int | None = None,
-               whole_split: bool = False, batch_size: int | None = None) -> Tradeoffs:
+def _tradeoffs(
+    study: Study,
+    micro_batches: int | None = None,
+    repeats: int | None = None,
+    whole_split: bool = False,
+    batch_size: int | None = None,
+) -> Tradeoffs:
     """The trade-off runs' shared settings: on the first ``tradeoff_stories`` training stories
     unless ``whole_split``."""
     torch.set_num_threads(study.threads)
@@ -372,8 +500,14 @@ def _tradeoffs(study: Study, micro_batches: int | None = None, repeats: int | No
     prepared = study.prepared
     if study.exp.tradeoff_stories and not whole_split:
         prepared = first_stories(prepared, study.exp.tradeoff_stories)
-    return Tradeoffs(cfg, prepared, study.run_dir / "tradeoffs", micro_batches or study.exp.tradeoff_micro_batches,
-                     study.exp.tradeoff_repeats if repeats is None else repeats, study.threads)
+    return Tradeoffs(
+        cfg,
+        prepared,
+        study.run_dir / "tradeoffs",
+        micro_batches or study.exp.tradeoff_micro_batches,
+        study.exp.tradeoff_repeats if repeats is None else repeats,
+        study.threads,
+    )
 
 
 def part_accumulation(study: Study) -> dict:
@@ -383,15 +517,26 @@ def part_accumulation(study: Study) -> dict:
     tradeoffs = _tradeoffs(study, repeats=1, batch_size=exp.accum_micro_batch)
     rows = alternated_runs(tradeoffs, accumulation_variants(exp.accum_steps, exp.accum_epochs))
     png = figures.accumulation_curves(rows, tradeoffs.out_dir, study.run_dir / "accumulation.png")
-    return {"threads": study.threads, "repeats": 1, "rows": rows, "png": png.name, "epochs": exp.accum_epochs,
-            "train_stories": tradeoffs.prepared.splits["train"].n_docs,
-            "all_train_stories": study.prepared.splits["train"].n_docs}
+    return {
+        "threads": study.threads,
+        "repeats": 1,
+        "rows": rows,
+        "png": png.name,
+        "epochs": exp.accum_epochs,
+        "train_stories": tradeoffs.prepared.splits["train"].n_docs,
+        "all_train_stories": study.prepared.splits["train"].n_docs,
+    }
 
 
 def part_checkpointing(study: Study) -> dict:
-    rows = alternated_runs(_tradeoffs(study), [Variant("plain"),
-                                             Variant("ckpt_tinylm", "tinylm checkpointing", checkpointing="tinylm"),
-                                             Variant("ckpt_torch", "torch.utils.checkpoint", checkpointing="torch")])
+    rows = alternated_runs(
+        _tradeoffs(study),
+        [
+            Variant("plain"),
+            Variant("ckpt_tinylm", "tinylm checkpointing", checkpointing="tinylm"),
+            Variant("ckpt_torch", "torch.utils.checkpoint", checkpointing="torch"),
+        ],
+    )
     plain = rows[0]
     for row in rows:
         row["time_ratio"] = row["seconds"] / plain["seconds"]
@@ -407,12 +552,16 @@ def part_embedding_init(study: Study) -> dict:
     emb = study.cfg.embeddings
     kind = emb.kind if emb.kind != "none" else "train"
     source = {"kind": kind, "path": emb.path}
-    variants = [Variant("fasttext_finetuned", "FastText fine-tuned", embeddings={**source, "freeze": False}),
-                Variant("random_init", "random init", embeddings={"kind": "none", "freeze": False})]
+    variants = [
+        Variant("fasttext_finetuned", "FastText fine-tuned", embeddings={**source, "freeze": False}),
+        Variant("random_init", "random init", embeddings={"kind": "none", "freeze": False}),
+    ]
     notes = []
     if study.cfg.model.tie_weights:
-        notes.append("frozen FastText is left out: model.tie_weights=true would freeze the output layer too "
-                     "(set model.tie_weights=false to compare it)")
+        notes.append(
+            "frozen FastText is left out: model.tie_weights=true would freeze the output layer too "
+            "(set model.tie_weights=false to compare it)"
+        )
     else:
         variants.insert(0, Variant("fasttext_frozen", "FastText frozen", embeddings={**source, "freeze": True}))
     tradeoffs = _tradeoffs(study, study.exp.embedding_micro_batches, repeats=1, whole_split=True)
@@ -422,15 +571,28 @@ def part_embedding_init(study: Study) -> dict:
         row["coverage"] = report.get("coverage") if isinstance(report, dict) else None
         row["vectors"] = report.get("source") if isinstance(report, dict) else None
     png = figures.embedding_curves(rows, tradeoffs.out_dir, study.run_dir / "embedding_init.png")
-    return {"threads": study.threads, "rows": rows, "notes": notes, "png": png.name,
-            "steps": study.exp.embedding_micro_batches}
+    return {
+        "threads": study.threads,
+        "rows": rows,
+        "notes": notes,
+        "png": png.name,
+        "steps": study.exp.embedding_micro_batches,
+    }
 
 
 PARTS: dict[str, Callable[[Study], dict]] = {
-    "baseline": part_baseline, "bleu": part_bleu, "decoding": part_decoding, "generations": part_generations,
-    "kv_cache": part_kv_cache, "accumulation": part_accumulation, "checkpointing": part_checkpointing,
-    "embedding_init": part_embedding_init, "tokenizers": part_tokenizers, "attention": part_attention,
-    "curves": part_curves, "machine": part_machine,
+    "baseline": part_baseline,
+    "bleu": part_bleu,
+    "decoding": part_decoding,
+    "generations": part_generations,
+    "kv_cache": part_kv_cache,
+    "accumulation": part_accumulation,
+    "checkpointing": part_checkpointing,
+    "embedding_init": part_embedding_init,
+    "tokenizers": part_tokenizers,
+    "attention": part_attention,
+    "curves": part_curves,
+    "machine": part_machine,
 }
 
 
@@ -462,14 +624,21 @@ def _run_part(study: Study, name: str, stage: Stage) -> tuple[dict, str]:
             log.info(f"experiments: {name}: {exc}")
             result = {"error": str(exc)}
         return {**result, "finished_utc": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")}
+
     result = stage.compute(compute)
     if result.get("error"):
         return result, f"failed: {result['error']}"
     return result, ("missing: " + result["missing"] if result.get("missing") else "done")
 
 
-def run_experiments(cfg: RunConfig, exp: ExperimentsConfig, run_dir: str | Path, quick: bool = False,
-                    only: list[str] | None = None, command: str | None = None) -> dict:
+def run_experiments(
+    cfg: RunConfig,
+    exp: ExperimentsConfig,
+    run_dir: str | Path,
+    quick: bool = False,
+    only: list[str] | None = None,
+    command: str | None = None,
+) -> dict:
     """Run (or resume) every part, then write report.md and report.html. Returns the manifest."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -484,8 +653,9 @@ def run_experiments(cfg: RunConfig, exp: ExperimentsConfig, run_dir: str | Path,
         stage = Stage(run_dir / f"{name}.json", part_key(study, name, stamp, finished))
         if only and name not in only and name != "baseline":
             saved = stage.saved()
-            manifest["parts"][name] = "not requested" if not saved else ("done" if saved.get("key") == stage.key
-                                                                          else "stale")
+            manifest["parts"][name] = (
+                "not requested" if not saved else ("done" if saved.get("key") == stage.key else "stale")
+            )
             finished[name] = (saved or {}).get("finished_utc")
             continue
         result, manifest["parts"][name] = _run_part(study, name, stage)

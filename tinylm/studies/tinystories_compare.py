@@ -40,83 +40,141 @@ def _bleu_cell(b: dict) -> str:
 def _budget(r: dict) -> str:
     """What the report trained for, as printed: time, steps, epochs, batch."""
     tr, printed = r.get("training") or {}, r.get("training_time") or ""
-    return _join([printed, f"{tr['steps']:,} steps" if tr.get("steps") and "steps" not in printed else "",
-                  f"{tr['epochs']} epochs" if tr.get("epochs") and "epoch" not in printed else "",
-                  f"batch {tr['batch_size']}" if tr.get("batch_size") else ""])
+    return _join(
+        [
+            printed,
+            f"{tr['steps']:,} steps" if tr.get("steps") and "steps" not in printed else "",
+            f"{tr['epochs']} epochs" if tr.get("epochs") and "epoch" not in printed else "",
+            f"batch {tr['batch_size']}" if tr.get("batch_size") else "",
+        ]
+    )
 
 
 def _report_column(r: dict) -> dict[str, str]:
     vp, ev = r.get("validation_perplexity") or {}, r.get("eval_perplexity") or {}
     per_epoch = vp.get("per_epoch") or []
-    ppl = _join([f"final {_num(vp.get('final'))}" if vp.get("final") is not None else "",
-                 f"epoch {len(per_epoch)} (last of its epoch table) {_num(per_epoch[-1])}" if per_epoch else "",
-                 f"best {_num(vp.get('best'))}" if vp.get("best") is not None else "",
-                 f"on the 50 BLEU samples {_num(ev.get('value'))}" if ev.get("value") is not None else ""])
+    ppl = _join(
+        [
+            f"final {_num(vp.get('final'))}" if vp.get("final") is not None else "",
+            f"epoch {len(per_epoch)} (last of its epoch table) {_num(per_epoch[-1])}" if per_epoch else "",
+            f"best {_num(vp.get('best'))}" if vp.get("best") is not None else "",
+            f"on the 50 BLEU samples {_num(ev.get('value'))}" if ev.get("value") is not None else "",
+        ]
+    )
     if ppl != "-":
         ppl += f" (after: {_budget(r)})"
     dec = (r.get("decoding_comparison") or {}).get("rows") or []
-    dec_cell = _join(f"{d['setting']}: BLEU{'-4' if d.get('bleu4') is not None else ''} "
-                     f"{_num(d.get('bleu4', d.get('bleu')))}, {_num(d.get('tokens_per_s'))} tok/s" for d in dec)
+    dec_cell = _join(
+        f"{d['setting']}: BLEU{'-4' if d.get('bleu4') is not None else ''} "
+        f"{_num(d.get('bleu4', d.get('bleu')))}, {_num(d.get('tokens_per_s'))} tok/s"
+        for d in dec
+    )
     kv = r.get("kv_cache") or {}
-    kv_cell = _join([str(kv.get("speedup")) if kv.get("speedup") else "",
-                     f"batch {kv['batch']}" if kv.get("batch") else "",
-                     f"{_num(kv.get('without_cache', {}).get('tokens_per_s'))} -> "
-                     f"{_num(kv.get('with_cache', {}).get('tokens_per_s'))} tok/s" if kv.get("with_cache") else ""])
+    kv_cell = _join(
+        [
+            str(kv.get("speedup")) if kv.get("speedup") else "",
+            f"batch {kv['batch']}" if kv.get("batch") else "",
+            f"{_num(kv.get('without_cache', {}).get('tokens_per_s'))} -> "
+            f"{_num(kv.get('with_cache', {}).get('tokens_per_s'))} tok/s"
+            if kv.get("with_cache")
+            else "",
+        ]
+    )
     acc = (r.get("grad_accumulation") or {}).get("rows") or []
-    acc_cell = _join(f"k={a['accum_steps']}: loss {_num(a.get('final_loss'))}, "
-                     f"{a.get('time') or _num(a.get('time_per_epoch_s')) + ' s/epoch'}" for a in acc)
+    acc_cell = _join(
+        f"k={a['accum_steps']}: loss {_num(a.get('final_loss'))}, "
+        f"{a.get('time') or _num(a.get('time_per_epoch_s')) + ' s/epoch'}"
+        for a in acc
+    )
     ck = r.get("grad_checkpointing") or {}
     mem = [ck.get(k) for k in ("memory_without", "memory_with")]
     if mem[0] is None and ck.get("memory_without_mib") is not None:
         mem = [f"{ck['memory_without_mib']} MiB", f"{ck['memory_with_mib']} MiB"]
     if mem[0] is None and ck.get("memory_without_gb") is not None:
         mem = [f"{ck['memory_without_gb']} GB", f"{ck['memory_with_gb']} GB"]
-    time = [ck.get("time_without") or _num(ck.get("time_without_s")) + " s",
-            ck.get("time_with") or _num(ck.get("time_with_s")) + " s"] if ck else [None, None]
+    time = (
+        [
+            ck.get("time_without") or _num(ck.get("time_without_s")) + " s",
+            ck.get("time_with") or _num(ck.get("time_with_s")) + " s",
+        ]
+        if ck
+        else [None, None]
+    )
     ck_cell = _join([f"memory {mem[0]} -> {mem[1]}" if mem[0] else "", f"time {time[0]} -> {time[1]}" if ck else ""])
-    return {"hardware": r.get("hardware") or "-", "training time": r.get("training_time") or "-",
-            "validation perplexity": ppl, "BLEU-1 / 2 / 3 / 4": _join(_bleu_cell(b) for b in r.get("bleu") or []),
-            "decoding comparison": dec_cell, "KV cache": kv_cell, "gradient accumulation": acc_cell,
-            "gradient checkpointing": ck_cell}
+    return {
+        "hardware": r.get("hardware") or "-",
+        "training time": r.get("training_time") or "-",
+        "validation perplexity": ppl,
+        "BLEU-1 / 2 / 3 / 4": _join(_bleu_cell(b) for b in r.get("bleu") or []),
+        "decoding comparison": dec_cell,
+        "KV cache": kv_cell,
+        "gradient accumulation": acc_cell,
+        "gradient checkpointing": ck_cell,
+    }
 
 
 def _ours(parts: dict) -> dict[str, str]:
     ev, machine = parts.get("eval") or {}, parts.get("machine") or {}
     valid = (ev.get("eval") or {}).get("valid") or {}
-    hardware = (f"{machine.get('cpu')}, {machine.get('train_threads')} torch threads"
-                + (f", {machine['cuda']}" if machine.get("cuda") else ", no GPU")) if machine else "-"
+    hardware = (
+        (
+            f"{machine.get('cpu')}, {machine.get('train_threads')} torch threads"
+            + (f", {machine['cuda']}" if machine.get("cuda") else ", no GPU")
+        )
+        if machine
+        else "-"
+    )
     train_time = f"{ev.get('train_seconds', 0) / 60:.1f} min, {ev.get('steps')} steps" if ev else "-"
     if ev.get("tokens_per_s") and ev.get("train_seconds"):
         train_time += f", {ev['tokens_per_s'] * ev['train_seconds'] / 1e6:.2f}M training positions"
     bleu = parts.get("bleu") or {}
-    bleu_cell = _join(f"{s['name']}: {s['bleu1']:.3f} / {s['bleu2']:.3f} / {s['bleu3']:.3f} / {s['bleu4']:.3f}"
-                      + (f" (sentence-averaged BLEU-4 {s['sentence_bleu']['bleu4']:.4f})" if "sentence_bleu" in s else "")
-                      for s in bleu.get("settings", []) if "bleu4" in s)
+    bleu_cell = _join(
+        f"{s['name']}: {s['bleu1']:.3f} / {s['bleu2']:.3f} / {s['bleu3']:.3f} / {s['bleu4']:.3f}"
+        + (f" (sentence-averaged BLEU-4 {s['sentence_bleu']['bleu4']:.4f})" if "sentence_bleu" in s else "")
+        for s in bleu.get("settings", [])
+        if "bleu4" in s
+    )
     dec = parts.get("decoding") or {}
-    dec_cell = _join(f"{s['name']}: BLEU-4 {s['bleu4']:.3f}, {s['tokens_per_s']:.0f} tok/s"
-                     for s in dec.get("settings", []) if "bleu4" in s)
+    dec_cell = _join(
+        f"{s['name']}: BLEU-4 {s['bleu4']:.3f}, {s['tokens_per_s']:.0f} tok/s"
+        for s in dec.get("settings", [])
+        if "bleu4" in s
+    )
     kv = parts.get("kv_cache") or {}
-    kv_cell = _join(f"{r.get('decoding', 'greedy')}, batch {r.get('batch', 1)} x {r['new_tokens']}: "
-                    f"{r['speedup']:.2f}x" for r in kv.get("rows", []))
+    kv_cell = _join(
+        f"{r.get('decoding', 'greedy')}, batch {r.get('batch', 1)} x {r['new_tokens']}: {r['speedup']:.2f}x"
+        for r in kv.get("rows", [])
+    )
     acc = parts.get("accumulation") or {}
-    acc_cell = _join(f"k={r['accum_steps']}: loss {r['final_train_loss']:.3f}, {r['seconds']:.0f} s"
-                     for r in acc.get("rows", []))
+    acc_cell = _join(
+        f"k={r['accum_steps']}: loss {r['final_train_loss']:.3f}, {r['seconds']:.0f} s" for r in acc.get("rows", [])
+    )
     ck = parts.get("checkpointing") or {}
-    ck_cell = _join(f"{r.get('label') or r['name']}: memory x{r['memory_ratio']:.2f}, time x{r['time_ratio']:.2f}"
-                    for r in ck.get("rows", [])[1:] if "memory_ratio" in r)
+    ck_cell = _join(
+        f"{r.get('label') or r['name']}: memory x{r['memory_ratio']:.2f}, time x{r['time_ratio']:.2f}"
+        for r in ck.get("rows", [])[1:]
+        if "memory_ratio" in r
+    )
     ppl = f"{valid['token_ppl']:.2f} (every validation story)" if valid.get("token_ppl") else "-"
     if bleu.get("reference_ppl"):
         ppl += f"; on the BLEU samples' continuations {bleu['reference_ppl']:.2f}"
     if ppl != "-":
         ppl += f" (after: {train_time})"
-    return {"hardware": hardware, "training time": train_time, "validation perplexity": ppl,
-            "BLEU-1 / 2 / 3 / 4": bleu_cell, "decoding comparison": dec_cell, "KV cache": kv_cell,
-            "gradient accumulation": acc_cell, "gradient checkpointing": ck_cell}
+    return {
+        "hardware": hardware,
+        "training time": train_time,
+        "validation perplexity": ppl,
+        "BLEU-1 / 2 / 3 / 4": bleu_cell,
+        "decoding comparison": dec_cell,
+        "KV cache": kv_cell,
+        "gradient accumulation": acc_cell,
+        "gradient checkpointing": ck_cell,
+    }
 
 
 def comparison_table(parts: dict) -> tuple[list[str], list[tuple]]:
     """(headers, rows): a row per quantity, tinylm's column first, then one per report."""
     reports = published()
     columns = [_ours(parts)] + [_report_column(r) for r in reports]
-    headers = ["", "tinylm (this run)"] + [f"\"{r['title']}\"" for r in reports]
+    headers = ["", "tinylm (this run)"] + [f'"{r["title"]}"' for r in reports]
     return headers, [(q, *(c[q] for c in columns)) for q in columns[0]]

@@ -23,8 +23,15 @@ def _save(fig, plt, path: str | Path) -> Path:
 
 def _bar_labels(ax, bars, fmt: str) -> None:
     for bar in bars:
-        ax.annotate(fmt.format(bar.get_height()), (bar.get_x() + bar.get_width() / 2, bar.get_height()),
-                    ha="center", va="bottom", fontsize=8, xytext=(0, 2), textcoords="offset points")
+        ax.annotate(
+            fmt.format(bar.get_height()),
+            (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+            ha="center",
+            va="bottom",
+            fontsize=8,
+            xytext=(0, 2),
+            textcoords="offset points",
+        )
 
 
 def accumulation_curves(rows: list[dict], runs_dir: Path, path: str | Path) -> Path:
@@ -36,17 +43,27 @@ def accumulation_curves(rows: list[dict], runs_dir: Path, path: str | Path) -> P
     colors = {k: f"C{i}" for i, k in enumerate(sorted({r["accum_steps"] for r in rows}))}
     panels = ((ax_tokens, "tokens", {"equal tokens"}), (ax_steps, "step", {"equal updates"}))
     for row in rows:
-        metrics = [m for m in read_metrics(runs_dir / row["run_dir"] / "metrics.csv") if m.get("train_loss") is not None]
+        metrics = [
+            m for m in read_metrics(runs_dir / row["run_dir"] / "metrics.csv") if m.get("train_loss") is not None
+        ]
         epochs = f", {row['epochs']} epoch{'s' if row['epochs'] != 1 else ''}" if row.get("epochs") else ""
         label = f"k={row['accum_steps']} (batch {row['effective_batch']}, {row['optimizer_steps']} updates{epochs})"
         marker = "o-" if len(metrics) < 30 else "-"  # a run of few updates still shows its points
         for ax, x, wanted in panels:
             if row.get("comparison") in (*wanted, "both", "", None):
-                ax.plot([m[x] for m in metrics], [m["train_loss"] for m in metrics], marker, label=label,
-                        markersize=3, color=colors[row["accum_steps"]], linewidth=1)
+                ax.plot(
+                    [m[x] for m in metrics],
+                    [m["train_loss"] for m in metrics],
+                    marker,
+                    label=label,
+                    markersize=3,
+                    color=colors[row["accum_steps"]],
+                    linewidth=1,
+                )
     ax_tokens.set(xlabel="tokens seen", ylabel="training loss (nats / token)", title="equal tokens: the same epochs")
-    ax_steps.set(xlabel="optimizer updates", ylabel="training loss (nats / token)",
-                 title="equal updates: k times the tokens")
+    ax_steps.set(
+        xlabel="optimizer updates", ylabel="training loss (nats / token)", title="equal updates: k times the tokens"
+    )
     for ax in (ax_tokens, ax_steps):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
@@ -63,13 +80,19 @@ def checkpointing_bars(rows: list[dict], path: str | Path) -> Path:
     fig, axes = plt.subplots(1, 3 if cuda else 2, figsize=(13 if cuda else 9, 3.8))
     names = [(r.get("label") or r["name"]).replace(" ", "\n") for r in rows]
     colors = ["tab:gray", "tab:blue", "tab:green", "tab:orange"][: len(rows)]
-    panels = [([r["peak_activation_bytes"] / MIB for r in rows], "{:.3g}", "MiB",
-               "activations saved for backward (one micro-batch)"),
-              ([r["seconds"] for r in rows], "{:.3g}", "seconds",
-               f"training time, {rows[0]['micro_batches']} micro-batches")]
+    panels = [
+        (
+            [r["peak_activation_bytes"] / MIB for r in rows],
+            "{:.3g}",
+            "MiB",
+            "activations saved for backward (one micro-batch)",
+        ),
+        ([r["seconds"] for r in rows], "{:.3g}", "seconds", f"training time, {rows[0]['micro_batches']} micro-batches"),
+    ]
     if cuda:
-        panels.append(([r["cuda_peak_bytes"] / MIB for r in rows], "{:.0f}", "MiB",
-                       "CUDA peak memory (max_memory_allocated)"))
+        panels.append(
+            ([r["cuda_peak_bytes"] / MIB for r in rows], "{:.0f}", "MiB", "CUDA peak memory (max_memory_allocated)")
+        )
     for ax, (values, fmt, ylabel, title) in zip(axes, panels):
         _bar_labels(ax, ax.bar(names, values, color=colors), fmt)
         ax.set(ylabel=ylabel, title=title)
@@ -107,11 +130,19 @@ def embedding_curves(rows: list[dict], runs_dir: Path, path: str | Path) -> Path
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 3.8))
     for row in rows:
-        metrics = [m for m in read_metrics(runs_dir / row["run_dir"] / "metrics.csv") if m.get("train_loss") is not None]
-        ax.plot([m["step"] for m in metrics], [m["train_loss"] for m in metrics],
-                label=f"{row.get('label') or row['name']} (valid {row['final_val_loss']:.3f})")
-    ax.set(xlabel="step", ylabel="training loss (nats / token)",
-           title="Token embeddings: FastText frozen / fine-tuned vs random init, equal steps")
+        metrics = [
+            m for m in read_metrics(runs_dir / row["run_dir"] / "metrics.csv") if m.get("train_loss") is not None
+        ]
+        ax.plot(
+            [m["step"] for m in metrics],
+            [m["train_loss"] for m in metrics],
+            label=f"{row.get('label') or row['name']} (valid {row['final_val_loss']:.3f})",
+        )
+    ax.set(
+        xlabel="step",
+        ylabel="training loss (nats / token)",
+        title="Token embeddings: FastText frozen / fine-tuned vs random init, equal steps",
+    )
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     return _save(fig, plt, path)

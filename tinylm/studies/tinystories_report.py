@@ -28,8 +28,18 @@ def _bleu_rows(settings):
         if "missing" in s:
             rows.append((s["name"], *(["missing"] * 6), "missing: " + s["missing"]))
             continue
-        rows.append((s["name"], s["bleu1"], s["bleu2"], s["bleu3"], s["bleu4"], _sentence_bleu4(s),
-                     f"{s['sacrebleu']['bleu']:.2f}", f"{s['tokens_per_s']:.0f}"))
+        rows.append(
+            (
+                s["name"],
+                s["bleu1"],
+                s["bleu2"],
+                s["bleu3"],
+                s["bleu4"],
+                _sentence_bleu4(s),
+                f"{s['sacrebleu']['bleu']:.2f}",
+                f"{s['tokens_per_s']:.0f}",
+            )
+        )
     return rows
 
 
@@ -52,32 +62,47 @@ def _section_bleu(doc: Doc, run: Path, bleu, ev):
     if not _start_section(doc, "BLEU and perplexity", bleu, "bleu", "the BLEU protocol"):
         return
     pr = bleu["protocol"]
-    drawn = ("the first ones in file order" if pr.get("selection") == "first"
-             else f"drawn at random with seed {pr['seed']}")
-    rest = ("the rest of the story, as far as the context holds" if pr.get("max_continuation") is None
-            else f"the next tokens, at most {pr['max_continuation']}")
-    doc.p(f"{bleu['samples']} validation stories (of {bleu['requested']} requested; {drawn}), prompt = their first "
-          f"{pr['prompt_tokens']} tokens, reference = {rest}; sample k decodes with seed {pr['seed']} + k. "
-          f"BLEU-1..4: cumulative, uniform weights, NLTK-style corpus BLEU with smoothing `{pr['smoothing']}` "
-          f"(SmoothingFunction().method1: zero counts become 0.1) on tokens `{bleu['bleu_tokenization']}`. "
-          f"Sentence BLEU-4: the mean over the samples of each one's own BLEU-4 (NLTK's `sentence_bleu`, the same "
-          f"smoothing `{pr['smoothing']}`): the \"average BLEU over 50 samples\" two reports published, which "
-          "weighs every sample alike and is lifted by smoothing wherever a sample shares no 4-gram. "
-          f"sacreBLEU: 0-100, signature `{(bleu['settings'] or [{}])[0].get('sacrebleu', {}).get('signature', 'missing')}`.")
+    drawn = (
+        "the first ones in file order" if pr.get("selection") == "first" else f"drawn at random with seed {pr['seed']}"
+    )
+    rest = (
+        "the rest of the story, as far as the context holds"
+        if pr.get("max_continuation") is None
+        else f"the next tokens, at most {pr['max_continuation']}"
+    )
+    doc.p(
+        f"{bleu['samples']} validation stories (of {bleu['requested']} requested; {drawn}), prompt = their first "
+        f"{pr['prompt_tokens']} tokens, reference = {rest}; sample k decodes with seed {pr['seed']} + k. "
+        f"BLEU-1..4: cumulative, uniform weights, NLTK-style corpus BLEU with smoothing `{pr['smoothing']}` "
+        f"(SmoothingFunction().method1: zero counts become 0.1) on tokens `{bleu['bleu_tokenization']}`. "
+        f"Sentence BLEU-4: the mean over the samples of each one's own BLEU-4 (NLTK's `sentence_bleu`, the same "
+        f'smoothing `{pr["smoothing"]}`): the "average BLEU over 50 samples" two reports published, which '
+        "weighs every sample alike and is lifted by smoothing wherever a sample shares no 4-gram. "
+        f"sacreBLEU: 0-100, signature `{(bleu['settings'] or [{}])[0].get('sacrebleu', {}).get('signature', 'missing')}`."
+    )
     doc.p(bleu["meaning"])
     for note in bleu.get("notes", []):
         doc.p(f"**note:** {note}")
     doc.table(["temperature", *BLEU_HEADERS], _bleu_rows(bleu["settings"]))
     valid = (ev or {}).get("eval", {}).get("valid", {})
-    doc.table(["perplexity", "value", "meaning"], [
-        ("validation token ppl", valid.get("token_ppl"), "every validation story, from <sos>"),
-        ("validation word ppl", valid.get("word_ppl"), "same NLL per whitespace word"),
-        ("reference continuation ppl", bleu["reference_ppl"],
-         f"the {bleu['reference_tokens']:,} real continuation tokens given their prompts (not the model's own samples)"),
-        ("mean per-sample ppl", bleu["mean_per_sample_ppl"], "mean of the CSV's per_sample_ppl column")])
+    doc.table(
+        ["perplexity", "value", "meaning"],
+        [
+            ("validation token ppl", valid.get("token_ppl"), "every validation story, from <sos>"),
+            ("validation word ppl", valid.get("word_ppl"), "same NLL per whitespace word"),
+            (
+                "reference continuation ppl",
+                bleu["reference_ppl"],
+                f"the {bleu['reference_tokens']:,} real continuation tokens given their prompts (not the model's own samples)",
+            ),
+            ("mean per-sample ppl", bleu["mean_per_sample_ppl"], "mean of the CSV's per_sample_ppl column"),
+        ],
+    )
     files = ", ".join(f"`{s['csv']}`" for s in bleu["settings"] if s.get("csv"))
-    doc.p(f"Per-sample CSVs (prompt, reference_continuation, hypothesis_continuation, per_sample_ppl, "
-          f"sentence_bleu4): {files}")
+    doc.p(
+        f"Per-sample CSVs (prompt, reference_continuation, hypothesis_continuation, per_sample_ppl, "
+        f"sentence_bleu4): {files}"
+    )
 
 
 def _section_generations(doc: Doc, generations, run_samples):
@@ -85,12 +110,18 @@ def _section_generations(doc: Doc, generations, run_samples):
     if generations and not generations.get("error"):
         table = generations.get("table")
         if table and table.get("rows"):
-            doc.p(f"Validation stories drawn as for BLEU: their first tokens as the prompt, the rest of the story as "
-                  f"the ground truth, and one continuation per temperature of the same length (top-k {table['top_k']}).")
-            doc.table(["prompt", "ground truth", *table["temperatures"]],
-                      [(r["prompt"], r["ground_truth"], *(r[t] for t in table["temperatures"])) for r in table["rows"]])
-        doc.p(f"The preset's prompts: top-k {generations['top_k']}, top-p {generations['top_p']}, "
-              f"at most {generations['max_new_tokens']} new tokens.")
+            doc.p(
+                f"Validation stories drawn as for BLEU: their first tokens as the prompt, the rest of the story as "
+                f"the ground truth, and one continuation per temperature of the same length (top-k {table['top_k']})."
+            )
+            doc.table(
+                ["prompt", "ground truth", *table["temperatures"]],
+                [(r["prompt"], r["ground_truth"], *(r[t] for t in table["temperatures"])) for r in table["rows"]],
+            )
+        doc.p(
+            f"The preset's prompts: top-k {generations['top_k']}, top-p {generations['top_p']}, "
+            f"at most {generations['max_new_tokens']} new tokens."
+        )
         for s in generations["samples"]:
             doc.p(f"**T={s['temperature']}**, prompt `{s['prompt']}`")
             doc.code(s.get("text") or f"{s['prompt_as_tokenized']} {s['continuation']}".strip())
@@ -102,10 +133,14 @@ def _section_generations(doc: Doc, generations, run_samples):
 def _section_decoding(doc: Doc, run: Path, dec):
     if not _start_section(doc, "Decoding comparison", dec, "decoding", "the decoding comparison"):
         return
-    doc.p(f"The same {dec['samples']} prompts; BLEU as above; tokens/s = new tokens / generation time, "
-          f"torch threads: {dec.get('threads')}, one prompt at a time.")
-    rows = [(*base, f"{s['speed_vs_sampling']:.2f}x" if "speed_vs_sampling" in s else "missing")
-            for s, base in zip(dec["settings"], _bleu_rows(dec["settings"]))]
+    doc.p(
+        f"The same {dec['samples']} prompts; BLEU as above; tokens/s = new tokens / generation time, "
+        f"torch threads: {dec.get('threads')}, one prompt at a time."
+    )
+    rows = [
+        (*base, f"{s['speed_vs_sampling']:.2f}x" if "speed_vs_sampling" in s else "missing")
+        for s, base in zip(dec["settings"], _bleu_rows(dec["settings"]))
+    ]
     doc.table(["decoding", *BLEU_HEADERS, "speed vs sampling"], rows)
     _figure(doc, run, dec, "BLEU and decoding speed of each setting")
     files = ", ".join(f"`{s['csv']}`" for s in dec["settings"] if s.get("csv"))
@@ -123,30 +158,59 @@ def _decoding_examples(doc: Doc, dec: dict) -> None:
         doc.lack("decoding.json has no example continuations (a run from before they were kept)")
         return
     names = [s["name"] for s in dec["settings"] if s["name"] in examples[0]]
-    doc.p(f"The first {len(examples)} of these prompts, each setting's continuation side by side (the same tokens "
-          "the BLEU numbers above were computed on; its sentence BLEU-4 in brackets):")
-    doc.table(["prompt", "real continuation", *names],
-              [(e["prompt"], e["reference"], *(f"{e[n]['text']} ({e[n]['sentence_bleu4']:.3f})" for n in names))
-               for e in examples])
+    doc.p(
+        f"The first {len(examples)} of these prompts, each setting's continuation side by side (the same tokens "
+        "the BLEU numbers above were computed on; its sentence BLEU-4 in brackets):"
+    )
+    doc.table(
+        ["prompt", "real continuation", *names],
+        [
+            (e["prompt"], e["reference"], *(f"{e[n]['text']} ({e[n]['sentence_bleu4']:.3f})" for n in names))
+            for e in examples
+        ],
+    )
 
 
 def _section_kv(doc: Doc, kv):
     if not _start_section(doc, "KV cache", kv, "kv_cache", "the KV-cache timing"):
         return
-    doc.p(f"A batch of {kv.get('batch', 1)} prompts (the first tokens of validation stories) decoded together, "
-          f"torch threads: {kv['threads']}, median of {kv['repeats']} alternated runs (cache, no cache, ...); "
-          f"context {kv['context_length']}; sampling is seeded per row. Cache memory: keys and values of every layer "
-          "for the batch (float32); the cache never holds more than the context. Rows whose prompt + new tokens "
-          f"pass the context of {kv['context_length']} decode with a sliding window (tinylm.generation): when the "
-          f"cache is full it is emptied and re-filled with the last {kv['context_length'] // 2} tokens of each row "
-          f"(positions restart at 0), while the uncached path reads the last {kv['context_length']} tokens at every "
-          "step; the two therefore see different windows past the context, and their tokens may differ there.")
-    doc.table(["decoding", "batch x new tokens", "total tokens per row", "cache memory", "with cache tok/s",
-               "without tok/s", "speed-up", "same tokens", "past the context"],
-              [(r.get("decoding", "greedy"), f"{r.get('batch', 1)} x {r['new_tokens']}",
-                r.get("total_tokens", "missing"), _mib(r.get("cache_bytes")),
-                f"{r['cache_tokens_per_s']:.0f}", f"{r['nocache_tokens_per_s']:.0f}", f"{r['speedup']:.2f}x",
-                r["same_tokens"], "sliding window" if r["beyond_context"] else "no") for r in kv["rows"]])
+    doc.p(
+        f"A batch of {kv.get('batch', 1)} prompts (the first tokens of validation stories) decoded together, "
+        f"torch threads: {kv['threads']}, median of {kv['repeats']} alternated runs (cache, no cache, ...); "
+        f"context {kv['context_length']}; sampling is seeded per row. Cache memory: keys and values of every layer "
+        "for the batch (float32); the cache never holds more than the context. Rows whose prompt + new tokens "
+        f"pass the context of {kv['context_length']} decode with a sliding window (tinylm.generation): when the "
+        f"cache is full it is emptied and re-filled with the last {kv['context_length'] // 2} tokens of each row "
+        f"(positions restart at 0), while the uncached path reads the last {kv['context_length']} tokens at every "
+        "step; the two therefore see different windows past the context, and their tokens may differ there."
+    )
+    doc.table(
+        [
+            "decoding",
+            "batch x new tokens",
+            "total tokens per row",
+            "cache memory",
+            "with cache tok/s",
+            "without tok/s",
+            "speed-up",
+            "same tokens",
+            "past the context",
+        ],
+        [
+            (
+                r.get("decoding", "greedy"),
+                f"{r.get('batch', 1)} x {r['new_tokens']}",
+                r.get("total_tokens", "missing"),
+                _mib(r.get("cache_bytes")),
+                f"{r['cache_tokens_per_s']:.0f}",
+                f"{r['nocache_tokens_per_s']:.0f}",
+                f"{r['speedup']:.2f}x",
+                r["same_tokens"],
+                "sliding window" if r["beyond_context"] else "no",
+            )
+            for r in kv["rows"]
+        ],
+    )
 
 
 def _figure(doc: Doc, run: Path, part: dict, alt: str) -> None:
@@ -166,31 +230,64 @@ def _section_accum(doc: Doc, run: Path, acc):
     rows = acc["rows"]
     r0 = rows[0] if rows else {}
     if "epochs" not in acc:  # written before the two comparisons: equal micro-batches only
-        doc.p(f"Each run trains a fresh model on the same {r0.get('micro_batches')} micro-batches of "
-              f"{r0.get('micro_batch')} sequences; accumulation k makes {r0.get('micro_batches')}/k optimizer steps. "
-              "Epoch time is projected from the measured time per micro-batch.")
+        doc.p(
+            f"Each run trains a fresh model on the same {r0.get('micro_batches')} micro-batches of "
+            f"{r0.get('micro_batch')} sequences; accumulation k makes {r0.get('micro_batches')}/k optimizer steps. "
+            "Epoch time is projected from the measured time per micro-batch."
+        )
     else:
-        split = (f"the first {acc['train_stories']:,} of the {acc['all_train_stories']:,} training stories"
-                 if acc["train_stories"] < acc["all_train_stories"] else f"all {acc['train_stories']:,} training stories")
-        doc.p(f"Each run trains a fresh model on {split} (FastText vectors, when the run uses trained ones, are "
-              f"trained on that split), in micro-batches of {r0.get('micro_batch')} stories, whole "
-              f"epochs in the trainer's seeded order (torch threads: {acc['threads']}; one run per setting). Two "
-              f"comparisons: **equal tokens**, every k trains {acc['epochs']} epoch(s), so k makes k times fewer "
-              "updates of a k times larger batch; **equal updates**, k trains k times the epochs, so every k makes "
-              "the updates of the smallest k. The smallest k's run belongs to both. Seconds per epoch are measured: "
-              "the median over the run's epochs of the trainer's time between epoch ends (each includes the short "
-              "validation that ended the epoch before). Activation memory is per micro-batch (bytes autograd saves), "
-              "so accumulation does not change it. The reports compared at equal tokens: each trained every k on "
-              "the same data and printed the time per epoch and the loss reached.")
-    headers = ["comparison", "accumulation", "effective batch", "epochs", "updates", "final train loss",
-               "final valid loss", "seconds", "s / epoch (measured)", "tokens/s", "peak activation memory"]
+        split = (
+            f"the first {acc['train_stories']:,} of the {acc['all_train_stories']:,} training stories"
+            if acc["train_stories"] < acc["all_train_stories"]
+            else f"all {acc['train_stories']:,} training stories"
+        )
+        doc.p(
+            f"Each run trains a fresh model on {split} (FastText vectors, when the run uses trained ones, are "
+            f"trained on that split), in micro-batches of {r0.get('micro_batch')} stories, whole "
+            f"epochs in the trainer's seeded order (torch threads: {acc['threads']}; one run per setting). Two "
+            f"comparisons: **equal tokens**, every k trains {acc['epochs']} epoch(s), so k makes k times fewer "
+            "updates of a k times larger batch; **equal updates**, k trains k times the epochs, so every k makes "
+            "the updates of the smallest k. The smallest k's run belongs to both. Seconds per epoch are measured: "
+            "the median over the run's epochs of the trainer's time between epoch ends (each includes the short "
+            "validation that ended the epoch before). Activation memory is per micro-batch (bytes autograd saves), "
+            "so accumulation does not change it. The reports compared at equal tokens: each trained every k on "
+            "the same data and printed the time per epoch and the loss reached."
+        )
+    headers = [
+        "comparison",
+        "accumulation",
+        "effective batch",
+        "epochs",
+        "updates",
+        "final train loss",
+        "final valid loss",
+        "seconds",
+        "s / epoch (measured)",
+        "tokens/s",
+        "peak activation memory",
+    ]
     table = []
     for r in rows:
-        per_epoch = (f"{r['epoch_seconds']:.0f}" if r.get("epoch_seconds") is not None
-                     else f"{r['projected_epoch_seconds']:.0f} (projected)")
-        table.append((r.get("comparison") or "equal micro-batches", r["accum_steps"], r["effective_batch"], r.get("epochs") or "-",
-                      r["optimizer_steps"], r["final_train_loss"], r["final_val_loss"], f"{r['seconds']:.1f}",
-                      per_epoch, f"{r['tokens_per_s']:.0f}", _mib(r["peak_activation_bytes"])))
+        per_epoch = (
+            f"{r['epoch_seconds']:.0f}"
+            if r.get("epoch_seconds") is not None
+            else f"{r['projected_epoch_seconds']:.0f} (projected)"
+        )
+        table.append(
+            (
+                r.get("comparison") or "equal micro-batches",
+                r["accum_steps"],
+                r["effective_batch"],
+                r.get("epochs") or "-",
+                r["optimizer_steps"],
+                r["final_train_loss"],
+                r["final_val_loss"],
+                f"{r['seconds']:.1f}",
+                per_epoch,
+                f"{r['tokens_per_s']:.0f}",
+                _mib(r["peak_activation_bytes"]),
+            )
+        )
     doc.table(headers, table)
     _figure(doc, run, acc, "training loss of each accumulation setting at equal tokens and at equal updates")
     if acc.get("missing"):
@@ -202,63 +299,120 @@ def _section_ckpt(doc: Doc, run: Path, ck):
         return
     if ck.get("missing"):
         doc.lack(ck["missing"])
-        doc.table(["run", "peak activation memory"], [(r["name"], _mib(r["peak_activation_bytes"])) for r in ck["rows"]])
+        doc.table(
+            ["run", "peak activation memory"], [(r["name"], _mib(r["peak_activation_bytes"])) for r in ck["rows"]]
+        )
         return
     cuda = any(r.get("cuda_peak_bytes") for r in ck["rows"])
-    doc.p(f"Plain training vs tinylm's checkpointing (our autograd.Function) vs `torch.utils.checkpoint`, every block "
-          f"recomputed in backward, the same micro-batches, torch threads: {ck['threads']}, median of "
-          f"{ck.get('repeats', 1)} runs each in alternated rounds. Memory: peak bytes autograd holds for backward in "
-          "one micro-batch step" + ("; CUDA peak: `torch.cuda.max_memory_allocated` over the run." if cuda else
-                                    " (no GPU here, so no CUDA peak memory column)."))
-    doc.table(["run", "peak activation memory", "memory vs plain", *(["CUDA peak"] if cuda else []), "seconds",
-               "each run (s)", "time vs plain", "tokens/s", "final train loss"],
-              [(r.get("label") or r["name"], _mib(r["peak_activation_bytes"]),
+    doc.p(
+        f"Plain training vs tinylm's checkpointing (our autograd.Function) vs `torch.utils.checkpoint`, every block "
+        f"recomputed in backward, the same micro-batches, torch threads: {ck['threads']}, median of "
+        f"{ck.get('repeats', 1)} runs each in alternated rounds. Memory: peak bytes autograd holds for backward in "
+        "one micro-batch step"
+        + (
+            "; CUDA peak: `torch.cuda.max_memory_allocated` over the run."
+            if cuda
+            else " (no GPU here, so no CUDA peak memory column)."
+        )
+    )
+    doc.table(
+        [
+            "run",
+            "peak activation memory",
+            "memory vs plain",
+            *(["CUDA peak"] if cuda else []),
+            "seconds",
+            "each run (s)",
+            "time vs plain",
+            "tokens/s",
+            "final train loss",
+        ],
+        [
+            (
+                r.get("label") or r["name"],
+                _mib(r["peak_activation_bytes"]),
                 f"{r['memory_ratio']:.2f}" if "memory_ratio" in r else "missing",
-                *([_mib(r.get("cuda_peak_bytes"))] if cuda else []), f"{r['seconds']:.1f}", _each(r),
-                f"{r['time_ratio']:.2f}", f"{r['tokens_per_s']:.0f}", r["final_train_loss"]) for r in ck["rows"]])
+                *([_mib(r.get("cuda_peak_bytes"))] if cuda else []),
+                f"{r['seconds']:.1f}",
+                _each(r),
+                f"{r['time_ratio']:.2f}",
+                f"{r['tokens_per_s']:.0f}",
+                r["final_train_loss"],
+            )
+            for r in ck["rows"]
+        ],
+    )
     _figure(doc, run, ck, "memory and time with and without gradient checkpointing")
 
 
 def _section_embeddings(doc: Doc, run: Path, emb):
-    if not _start_section(doc, "Token embeddings: FastText vs random initialisation", emb, "embedding_init",
-                          "the embedding comparison"):
+    if not _start_section(
+        doc, "Token embeddings: FastText vs random initialisation", emb, "embedding_init", "the embedding comparison"
+    ):
         return
-    doc.p(f"Each run trains a fresh model for {emb['steps']} steps on the same batches; only the token embedding "
-          "rows differ (FastText vectors kept frozen, FastText vectors fine-tuned, or the model's own random "
-          f"initialisation). torch threads: {emb['threads']}.")
+    doc.p(
+        f"Each run trains a fresh model for {emb['steps']} steps on the same batches; only the token embedding "
+        "rows differ (FastText vectors kept frozen, FastText vectors fine-tuned, or the model's own random "
+        f"initialisation). torch threads: {emb['threads']}."
+    )
     for note in emb.get("notes", []):
         doc.p(f"**note:** {note}")
-    doc.table(["embeddings", "vectors", "coverage", "final train loss", "final valid loss", "valid ppl", "seconds"],
-              [(r.get("label") or r["name"], r.get("vectors") or "-",
-                "-" if r.get("coverage") is None else f"{r['coverage']:.1%}", r["final_train_loss"],
-                r["final_val_loss"], f"{math.exp(min(r['final_val_loss'], 50)):.2f}", f"{r['seconds']:.1f}")
-               for r in emb["rows"]])
+    doc.table(
+        ["embeddings", "vectors", "coverage", "final train loss", "final valid loss", "valid ppl", "seconds"],
+        [
+            (
+                r.get("label") or r["name"],
+                r.get("vectors") or "-",
+                "-" if r.get("coverage") is None else f"{r['coverage']:.1%}",
+                r["final_train_loss"],
+                r["final_val_loss"],
+                f"{math.exp(min(r['final_val_loss'], 50)):.2f}",
+                f"{r['seconds']:.1f}",
+            )
+            for r in emb["rows"]
+        ],
+    )
     _figure(doc, run, emb, "training loss of each embedding initialisation")
 
 
 def _section_tokenizers(doc: Doc, tk):
-    if not _start_section(doc, "Out-of-vocabulary words: <unk> or BPE pieces", tk, "tokenizers",
-                          "the tokenizer comparison"):
+    if not _start_section(
+        doc, "Out-of-vocabulary words: <unk> or BPE pieces", tk, "tokenizers", "the tokenizer comparison"
+    ):
         return
     if tk.get("missing"):
         doc.lack(tk["missing"])
         return
-    doc.p(f"The same word vocabulary, trained on the training stories; words outside it become `<unk>`, or are "
-          f"spelled with character BPE pieces ({tk['oov_merges']} merges learned on the training words). On the "
-          f"{tk['stories']:,} validation stories (this run trains with `tokenizer.oov={tk['configured']}`); 'stories "
-          "restored': share of stories whose decoded tokens give back every word.")
-    doc.table(["out-of-vocabulary words", "vocabulary", "<unk> rate", "tokens per word", "stories restored"],
-              [("<unk>" if r["oov"] == "unk" else "BPE pieces", r["vocab_size"], f"{r['unk_rate']:.3%}",
-                f"{r['tokens_per_word']:.3f}", f"{r['stories_restored']:.1%}") for r in tk["rows"]])
+    doc.p(
+        f"The same word vocabulary, trained on the training stories; words outside it become `<unk>`, or are "
+        f"spelled with character BPE pieces ({tk['oov_merges']} merges learned on the training words). On the "
+        f"{tk['stories']:,} validation stories (this run trains with `tokenizer.oov={tk['configured']}`); 'stories "
+        "restored': share of stories whose decoded tokens give back every word."
+    )
+    doc.table(
+        ["out-of-vocabulary words", "vocabulary", "<unk> rate", "tokens per word", "stories restored"],
+        [
+            (
+                "<unk>" if r["oov"] == "unk" else "BPE pieces",
+                r["vocab_size"],
+                f"{r['unk_rate']:.3%}",
+                f"{r['tokens_per_word']:.3f}",
+                f"{r['stories_restored']:.1%}",
+            )
+            for r in tk["rows"]
+        ],
+    )
 
 
 def _section_reports(doc: Doc, parts: dict):
     doc.h("Beside the reports")
-    doc.p("The four TinyStories reports' published numbers (as printed; `tinylm/studies/data/tinystories_reports.yaml` "
-          "says where each comes from) beside this run's. Their models trained for hours on GPUs, on more of "
-          "TinyStories, with other vocabularies and sampling settings; this run's budget is in its training-time cell. "
-          "Perplexities and BLEU are comparable only in kind (a different vocabulary changes both); speed-ups and "
-          "memory ratios depend on hardware and batch size, so compare ratios, not absolute rates.")
+    doc.p(
+        "The four TinyStories reports' published numbers (as printed; `tinylm/studies/data/tinystories_reports.yaml` "
+        "says where each comes from) beside this run's. Their models trained for hours on GPUs, on more of "
+        "TinyStories, with other vocabularies and sampling settings; this run's budget is in its training-time cell. "
+        "Perplexities and BLEU are comparable only in kind (a different vocabulary changes both); speed-ups and "
+        "memory ratios depend on hardware and batch size, so compare ratios, not absolute rates."
+    )
     doc.table(*comparison_table(parts))
 
 
@@ -269,9 +423,11 @@ def _section_attention(doc: Doc, run: Path, att):
         if "missing" in t:
             doc.lack(f"attention map for `{t['text']}`: {t['missing']}")
             continue
-        doc.p(f"`{t['text']}`: {t['layers']} layers x {t['heads']} heads; rows sum to 1 within "
-              f"{t['max_row_sum_error']:.1e}, largest weight above the diagonal {t['max_weight_above_diagonal']:.1e}. "
-              f"Browse every layer and head: [{t['html']}]({t['html']})")
+        doc.p(
+            f"`{t['text']}`: {t['layers']} layers x {t['heads']} heads; rows sum to 1 within "
+            f"{t['max_row_sum_error']:.1e}, largest weight above the diagonal {t['max_weight_above_diagonal']:.1e}. "
+            f"Browse every layer and head: [{t['html']}]({t['html']})"
+        )
         for png in t["pngs"]:
             if (run / png).is_file():
                 doc.img(png, png)
@@ -282,13 +438,23 @@ def _section_attention(doc: Doc, run: Path, att):
 def _section_machine(doc: Doc, machine):
     doc.h("Machine")
     if machine and not machine.get("error"):
-        threads = (f"{machine.get('train_threads', machine['torch_threads'])} / "
-                   f"{machine.get('decode_threads', machine['torch_threads'])}")
-        doc.table(["machine", "value"], [
-            ("CPU", machine["cpu"]), ("cores", machine["cpu_count"]), ("torch threads (training / decoding)", threads),
-            ("CUDA", machine["cuda"] or "no"), ("platform", machine["platform"]),
-            ("Python / torch", f"{machine['python']} / {machine['torch']}"),
-            ("load average (1 min) at the end", str(machine.get("load_average_1m"))), ("date", machine["date_utc"])])
+        threads = (
+            f"{machine.get('train_threads', machine['torch_threads'])} / "
+            f"{machine.get('decode_threads', machine['torch_threads'])}"
+        )
+        doc.table(
+            ["machine", "value"],
+            [
+                ("CPU", machine["cpu"]),
+                ("cores", machine["cpu_count"]),
+                ("torch threads (training / decoding)", threads),
+                ("CUDA", machine["cuda"] or "no"),
+                ("platform", machine["platform"]),
+                ("Python / torch", f"{machine['python']} / {machine['torch']}"),
+                ("load average (1 min) at the end", str(machine.get("load_average_1m"))),
+                ("date", machine["date_utc"]),
+            ],
+        )
     else:
         doc.p(f"(no machine.json; the machine writing this report:) {report.this_machine()}")
 
@@ -299,8 +465,10 @@ def build_report(run_dir: str | Path) -> Doc:
     ev, manifest = read("eval.json"), read("experiments.json") or {}
     doc = Doc()
     safely(doc, report.section_config, run, ev, read("baseline.json"), read("prepare.json"))
-    parts = {name: read(f"{name}.json") for name in ("eval", "machine", "bleu", "decoding", "kv_cache", "accumulation",
-                                                     "checkpointing")}
+    parts = {
+        name: read(f"{name}.json")
+        for name in ("eval", "machine", "bleu", "decoding", "kv_cache", "accumulation", "checkpointing")
+    }
     safely(doc, _section_reports, {k: v for k, v in parts.items() if isinstance(v, dict) and not v.get("error")})
     safely(doc, report.section_training, run, ev, want_curves=True)
     safely(doc, report.section_eval, ev)
@@ -317,8 +485,14 @@ def build_report(run_dir: str | Path) -> Doc:
     for part, status in (manifest.get("parts") or {}).items():
         if status == "stale":  # left alone by --only although its settings changed
             doc.missing.append(f"{part}.json is stale (computed with other settings; re-run without --only)")
-    intro = (f"Produced by `{manifest['command']}`{' (quick)' if manifest.get('quick') else ''}; every number below "
-             "is read from the files in this directory.") if manifest.get("command") else None
+    intro = (
+        (
+            f"Produced by `{manifest['command']}`{' (quick)' if manifest.get('quick') else ''}; every number below "
+            "is read from the files in this directory."
+        )
+        if manifest.get("command")
+        else None
+    )
     return report.with_head(doc, f"tinylm experiments: {run.name}", intro)
 
 

@@ -85,8 +85,9 @@ def first_stories(prepared: Prepared, n: int) -> Prepared:
         return prepared
     end = int(split.offsets[n])
     share = end / max(split.n_tokens, 1)  # bytes and words are counted per split, not per story
-    head = TokenSplit(split.name, split.ids[:end], split.offsets[: n + 1], round(split.n_bytes * share),
-                      round(split.n_words * share))
+    head = TokenSplit(
+        split.name, split.ids[:end], split.offsets[: n + 1], round(split.n_bytes * share), round(split.n_words * share)
+    )
     return dataclasses.replace(prepared, splits={**prepared.splits, "train": head})
 
 
@@ -95,10 +96,15 @@ def accumulation_variants(accum_steps: list[int], epochs: int) -> list[Variant]:
     trains k / smallest times as many epochs, so every run makes the smallest k's number of updates.
     The smallest k's run belongs to both comparisons."""
     k0 = min(accum_steps)
-    variants = [Variant(f"tokens_k{k}", f"k={k}", accum=k, epochs=epochs,
-                        comparison="both" if k == k0 else "equal tokens") for k in accum_steps]
-    variants += [Variant(f"updates_k{k}", f"k={k}", accum=k, epochs=epochs * k // k0, comparison="equal updates")
-                 for k in accum_steps if k != k0]
+    variants = [
+        Variant(f"tokens_k{k}", f"k={k}", accum=k, epochs=epochs, comparison="both" if k == k0 else "equal tokens")
+        for k in accum_steps
+    ]
+    variants += [
+        Variant(f"updates_k{k}", f"k={k}", accum=k, epochs=epochs * k // k0, comparison="equal updates")
+        for k in accum_steps
+        if k != k0
+    ]
     return variants
 
 
@@ -107,9 +113,11 @@ def _tradeoff_config(tradeoffs: Tradeoffs, v: Variant) -> RunConfig:
     if v.epochs:  # the trainer derives the same step count from train.epochs (a last partial step is dropped)
         steps = v.epochs * (epoch_units(tradeoffs.prepared, cfg) // (cfg.train.batch_size * v.accum))
         if steps < 1:
-            raise TinyLMError(f"an epoch of the trade-off runs' {epoch_units(tradeoffs.prepared, cfg)} training rows "
-                              f"is less than one update of {cfg.train.batch_size} x {v.accum} rows; give more "
-                              "experiments.tradeoff_stories or fewer accumulation steps")
+            raise TinyLMError(
+                f"an epoch of the trade-off runs' {epoch_units(tradeoffs.prepared, cfg)} training rows "
+                f"is less than one update of {cfg.train.batch_size} x {v.accum} rows; give more "
+                "experiments.tradeoff_stories or fewer accumulation steps"
+            )
     else:
         steps = tradeoffs.micro_batches // v.accum
     cfg.train.grad_accum_steps = v.accum
@@ -156,19 +164,36 @@ def _tradeoff_run(tradeoffs: Tradeoffs, v: Variant, name: str) -> dict:
     # training time only: the metrics row of the last step is written before its validation and saves
     last = read_metrics(out / "metrics.csv")[-1]
     seconds, tok_s = last["elapsed_s"], last["tokens_per_s"]
-    row = {"name": name, "label": v.label or v.name, "comparison": v.comparison, "accum_steps": v.accum,
-           "grad_checkpointing": v.checkpointing is not None,
-           "checkpoint_impl": v.checkpointing, "embeddings": v.embeddings, "run_dir": name,
-           "micro_batch": cfg.train.batch_size, "cuda_peak_bytes": cuda_peak,
-           "effective_batch": cfg.train.batch_size * v.accum, "optimizer_steps": result.steps, "micro_batches": M,
-           "final_train_loss": result.final_train_loss, "final_val_loss": result.best_val_loss,
-           "seconds": seconds, "tokens_per_s": tok_s, "seconds_with_eval_and_saves": result.seconds,
-           "projected_epoch_seconds": seconds / M * per_epoch, "micro_batches_per_epoch": per_epoch,
-           "epochs": v.epochs, "train_stories": prepared.splits["train"].n_docs}
+    row = {
+        "name": name,
+        "label": v.label or v.name,
+        "comparison": v.comparison,
+        "accum_steps": v.accum,
+        "grad_checkpointing": v.checkpointing is not None,
+        "checkpoint_impl": v.checkpointing,
+        "embeddings": v.embeddings,
+        "run_dir": name,
+        "micro_batch": cfg.train.batch_size,
+        "cuda_peak_bytes": cuda_peak,
+        "effective_batch": cfg.train.batch_size * v.accum,
+        "optimizer_steps": result.steps,
+        "micro_batches": M,
+        "final_train_loss": result.final_train_loss,
+        "final_val_loss": result.best_val_loss,
+        "seconds": seconds,
+        "tokens_per_s": tok_s,
+        "seconds_with_eval_and_saves": result.seconds,
+        "projected_epoch_seconds": seconds / M * per_epoch,
+        "micro_batches_per_epoch": per_epoch,
+        "epochs": v.epochs,
+        "train_stories": prepared.splits["train"].n_docs,
+    }
     if v.epochs:
         row.update(_epoch_times(out / "epochs.csv"))
-    log.info(f"{name}: {result.steps} steps x {v.accum}, final train loss {result.final_train_loss:.4f}, "
-            f"{seconds:.1f} s of training")
+    log.info(
+        f"{name}: {result.steps} steps x {v.accum}, final train loss {result.final_train_loss:.4f}, "
+        f"{seconds:.1f} s of training"
+    )
     return row
 
 
@@ -178,8 +203,11 @@ def _epoch_times(epochs_csv: Path) -> dict:
     rows = read_metrics(epochs_csv)
     ends = [0.0] + [r["elapsed_s"] for r in rows]
     each = [b - a for a, b in zip(ends, ends[1:])]
-    return {"epoch_seconds_each": each, "epoch_seconds": statistics.median(each) if each else None,
-            "epoch_train_losses": [r["train_loss"] for r in rows]}
+    return {
+        "epoch_seconds_each": each,
+        "epoch_seconds": statistics.median(each) if each else None,
+        "epoch_train_losses": [r["train_loss"] for r in rows],
+    }
 
 
 def _warm_up_training(tradeoffs: Tradeoffs) -> None:
@@ -201,9 +229,14 @@ def alternated_runs(tradeoffs: Tradeoffs, variants: list[Variant]) -> list[dict]
     rows = []
     for v in variants:
         rs = runs[v.name]
-        row = {**rs[0], "name": v.name, "runs": len(rs), "seconds_each": [r["seconds"] for r in rs],
-               "seconds": statistics.median(r["seconds"] for r in rs),
-               "tokens_per_s": statistics.median(r["tokens_per_s"] for r in rs)}
+        row = {
+            **rs[0],
+            "name": v.name,
+            "runs": len(rs),
+            "seconds_each": [r["seconds"] for r in rs],
+            "seconds": statistics.median(r["seconds"] for r in rs),
+            "tokens_per_s": statistics.median(r["tokens_per_s"] for r in rs),
+        }
         if any(r["cuda_peak_bytes"] is not None for r in rs):
             row["cuda_peak_bytes"] = max(r["cuda_peak_bytes"] or 0 for r in rs)
         row["projected_epoch_seconds"] = row["seconds"] / row["micro_batches"] * row["micro_batches_per_epoch"]

@@ -2,6 +2,7 @@
 
 Specials ``<pad> <unk> <sos> <eos>`` are ids 0-3 in every tinylm tokenizer (tinylm.constants).
 """
+
 from tinylm.tokenizers.base import Tokenizer
 from tinylm.tokenizers.bpe import BPETokenizer
 from tinylm.tokenizers.char import CharTokenizer
@@ -10,5 +11,15 @@ from tinylm.tokenizers.llama2c import Llama2cTokenizer
 from tinylm.tokenizers.word import WordTokenizer
 from tinylm.tokenizers.word_bpe import WordBPETokenizer
 
-__all__ = ["Tokenizer", "BPETokenizer", "CharTokenizer", "WordTokenizer", "WordBPETokenizer", "Llama2cTokenizer", "load_tokenizer",
-           "new_tokenizer", "train_from_config", "TOKENIZER_TYPES"]
+__all__ = [
+    "Tokenizer",
+    "BPETokenizer",
+    "CharTokenizer",
+    "WordTokenizer",
+    "WordBPETokenizer",
+    "Llama2cTokenizer",
+    "load_tokenizer",
+    "new_tokenizer",
+    "train_from_config",
+    "TOKENIZER_TYPES",
+]

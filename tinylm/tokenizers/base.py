@@ -79,11 +79,16 @@ class Tokenizer:
         puts between words, which decoding the new tokens alone would lose)."""
         prompt_text = self.decode(prompt_ids)
         full = self.decode(list(prompt_ids) + list(new_ids))
-        return full[len(prompt_text):] if full.startswith(prompt_text) else self.decode(new_ids)
+        return full[len(prompt_text) :] if full.startswith(prompt_text) else self.decode(new_ids)
 
     def save(self, path: str | Path) -> None:
-        data = {"format": FORMAT_NAME, "version": FORMAT_VERSION, "type": self.type_name,
-                "special_tokens": list(self.special_tokens), **self._state()}
+        data = {
+            "format": FORMAT_NAME,
+            "version": FORMAT_VERSION,
+            "type": self.type_name,
+            "special_tokens": list(self.special_tokens),
+            **self._state(),
+        }
         path = Path(path)
         tmp = path.with_name(path.name + ".tmp")
         tmp.write_text(json.dumps(data, ensure_ascii=False))

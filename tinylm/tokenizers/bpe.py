@@ -95,8 +95,10 @@ class BPETokenizer(Tokenizer):
     def train(self, texts: Iterable[str], vocab_size: int) -> "BPETokenizer":
         """Learn ``vocab_size - 260`` merges (fewer when no pair is left to merge)."""
         if vocab_size < FIRST_MERGE_ID:
-            raise TinyLMError(f"BPE vocab_size {vocab_size} is smaller than the byte alphabet plus specials "
-                              f"({FIRST_MERGE_ID}); use at least {FIRST_MERGE_ID}")
+            raise TinyLMError(
+                f"BPE vocab_size {vocab_size} is smaller than the byte alphabet plus specials "
+                f"({FIRST_MERGE_ID}); use at least {FIRST_MERGE_ID}"
+            )
         counts = count_pieces(texts, self._split.findall)
         counts.pop("", None)
         if not counts:
@@ -201,5 +203,5 @@ class BPETokenizer(Tokenizer):
     def _from_state(cls, state: dict) -> "BPETokenizer":
         merges = state.get("merges")
         if not isinstance(merges, list) or any(not isinstance(m, list) or len(m) != 2 for m in merges):
-            raise TinyLMError("BPE tokenizer file: \"merges\" must be a list of [left id, right id] pairs")
+            raise TinyLMError('BPE tokenizer file: "merges" must be a list of [left id, right id] pairs')
         return cls([tuple(m) for m in merges], state.get("pattern", "gpt2"))

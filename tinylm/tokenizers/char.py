@@ -72,5 +72,5 @@ class CharTokenizer(Tokenizer):
     def _from_state(cls, state: dict) -> "CharTokenizer":
         chars = state.get("chars")
         if not isinstance(chars, list) or any(not isinstance(c, str) or len(c) != 1 for c in chars):
-            raise TinyLMError("char tokenizer file: \"chars\" must be a list of single characters")
+            raise TinyLMError('char tokenizer file: "chars" must be a list of single characters')
         return cls(chars)

@@ -56,11 +56,11 @@ def _visible(raw: bytes, table: dict[int, str]) -> str:
 # ------------------------------------------------------------------------------------- export
 REFUSALS = {
     "word": "a word-level tokenizer drops the text's spacing (and unknown words), so a Hugging Face copy "
-            "could not count the bytes and tokens the model scores",
+    "could not count the bytes and tokens the model scores",
     "word_bpe": "a word_bpe tokenizer normalises the text (case, punctuation, spacing) before splitting it, "
-                "so a Hugging Face copy could not count the bytes and tokens the model scores",
+    "so a Hugging Face copy could not count the bytes and tokens the model scores",
     "llama2c": "llama2.c's merge rule (the best-scoring pair anywhere, ties to the leftmost, merging through "
-               "BOS) has no exact Hugging Face equivalent; use the model's original Hugging Face tokenizer",
+    "BOS) has no exact Hugging Face equivalent; use the model's original Hugging Face tokenizer",
 }
 
 
@@ -78,15 +78,19 @@ def _bpe_to_hf(tok: BPETokenizer, hf_lib):
     for i in range(BYTE_BASE, tok.vocab_size):
         text = _visible(tok.token_bytes[i], table)
         if text in vocab:
-            raise TinyLMError(f"token {i} ({tok.id_to_piece(i)!r}) has the same bytes as token {vocab[text]}; "
-                              "a Hugging Face vocabulary cannot hold two ids for one string")
+            raise TinyLMError(
+                f"token {i} ({tok.id_to_piece(i)!r}) has the same bytes as token {vocab[text]}; "
+                "a Hugging Face vocabulary cannot hold two ids for one string"
+            )
         vocab[text] = i
     merges = [(_visible(tok.token_bytes[a], table), _visible(tok.token_bytes[b], table)) for a, b in tok.merges]
     hf = hf_lib.Tokenizer(hf_lib.models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
-    hf.pre_tokenizer = hf_lib.pre_tokenizers.Sequence([
-        hf_lib.pre_tokenizers.Split(hf_lib.Regex(total_pattern(tok.pattern)), behavior="isolated"),
-        hf_lib.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
+    hf.pre_tokenizer = hf_lib.pre_tokenizers.Sequence(
+        [
+            hf_lib.pre_tokenizers.Split(hf_lib.Regex(total_pattern(tok.pattern)), behavior="isolated"),
+            hf_lib.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     hf.decoder = hf_lib.decoders.ByteLevel()
     return hf
 
@@ -106,8 +110,10 @@ def to_hf_tokenizer(tok):
     kind = getattr(tok, "type_name", type(tok).__name__)
     if not isinstance(tok, (BPETokenizer, CharTokenizer)):
         reason = REFUSALS.get(kind, f"no Hugging Face tokenizer gives the ids of a {type(tok).__name__}")
-        raise TinyLMError(f"the {kind} tokenizer cannot be exported to Hugging Face: {reason} "
-                          "(only BPE tokenizers and char tokenizers can)")
+        raise TinyLMError(
+            f"the {kind} tokenizer cannot be exported to Hugging Face: {reason} "
+            "(only BPE tokenizers and char tokenizers can)"
+        )
     hf_lib = _tokenizers_modules()
     hf = _bpe_to_hf(tok, hf_lib) if isinstance(tok, BPETokenizer) else _char_to_hf(tok, hf_lib)
     hf.add_special_tokens([hf_lib.AddedToken(s, special=True, normalized=False) for s in SPECIAL_TOKENS])
@@ -125,11 +131,17 @@ def hf_tokenizer_config(tok, model_max_length: int | None = None) -> dict:
     """``tokenizer_config.json`` for ``tok``: its special tokens by role, special strings in text
     kept as text, and no clean-up of spaces on decoding (tinylm's decode adds or drops none)."""
     names = tok.special_tokens
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "split_special_tokens": True,
-              "clean_up_tokenization_spaces": False, "add_bos_token": False, "add_eos_token": False,
-              "bos_token": names[tok.bos_id] if tok.bos_id is not None else None,
-              "eos_token": names[tok.stop_ids[0]] if tok.stop_ids else None,
-              "unk_token": names[tok.unk_id], "pad_token": names[tok.pad_id]}
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "split_special_tokens": True,
+        "clean_up_tokenization_spaces": False,
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "bos_token": names[tok.bos_id] if tok.bos_id is not None else None,
+        "eos_token": names[tok.stop_ids[0]] if tok.stop_ids else None,
+        "unk_token": names[tok.unk_id],
+        "pad_token": names[tok.pad_id],
+    }
     if model_max_length is not None:
         config["model_max_length"] = model_max_length
     return config
@@ -169,13 +181,15 @@ def _pretokenizer_pattern(pre: dict | None, where: str) -> str:
         elif kind == "Split":
             regex_text = (step.get("pattern") or {}).get("Regex")
             if regex_text is None or step.get("behavior", "").lower() != "isolated" or step.get("invert"):
-                raise TinyLMError(f"{where}: only Split pre-tokenizers with a Regex and behavior Isolated are supported")
+                raise TinyLMError(
+                    f"{where}: only Split pre-tokenizers with a Regex and behavior Isolated are supported"
+                )
             if pattern is not None:
                 raise TinyLMError(f"{where}: more than one split regex; not supported")
             named = [name for name, p in SPLIT_PATTERNS.items() if p == regex_text]
             suffix = "|[\\s\\S]"
             if regex_text.startswith("(?:") and regex_text.endswith(")" + suffix):
-                regex_text = regex_text[3: -len(suffix) - 1]  # a pattern tinylm itself made total
+                regex_text = regex_text[3 : -len(suffix) - 1]  # a pattern tinylm itself made total
             pattern = named[0] if named else regex_text
         else:
             raise TinyLMError(f"{where}: pre-tokenizer {kind!r} is not supported (ByteLevel and Split are)")
@@ -224,12 +238,16 @@ def import_hf(path: str | Path) -> BPETokenizer:
     added = {t.get("content") for t in data.get("added_tokens", [])}
     lost = [s for s in unreachable if s not in added]
     if lost:
-        warnings.warn(f"{path}: {len(lost)} vocabulary entries are neither bytes nor merge results and were "
-                      f"dropped (e.g. {lost[:3]})", stacklevel=2)
+        warnings.warn(
+            f"{path}: {len(lost)} vocabulary entries are neither bytes nor merge results and were "
+            f"dropped (e.g. {lost[:3]})",
+            stacklevel=2,
+        )
     extra_specials = sorted(added - set(SPECIAL_TOKENS))
     if extra_specials:
-        warnings.warn(f"{path}: added tokens {extra_specials[:5]} have no tinylm id; they are encoded as text",
-                      stacklevel=2)
+        warnings.warn(
+            f"{path}: added tokens {extra_specials[:5]} have no tinylm id; they are encoded as text", stacklevel=2
+        )
     # tinylm id -> HF id (None where HF has no such entry)
     table = byte_to_unicode()
     tok.hf_id_map = [hf_vocab.get(s, None) for s in SPECIAL_TOKENS] + [
@@ -238,5 +256,12 @@ def import_hf(path: str | Path) -> BPETokenizer:
     return tok
 
 
-__all__ = ["byte_to_unicode", "to_hf_tokenizer", "export_hf", "save_hf_tokenizer", "hf_tokenizer_config",
-           "import_hf", "GPT2_SPLIT"]
+__all__ = [
+    "byte_to_unicode",
+    "to_hf_tokenizer",
+    "export_hf",
+    "save_hf_tokenizer",
+    "hf_tokenizer_config",
+    "import_hf",
+    "GPT2_SPLIT",
+]

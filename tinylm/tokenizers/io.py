@@ -34,18 +34,27 @@ def train_from_config(tok_cfg, texts) -> Tokenizer:
     """Train the tokenizer a ``TokenizerConfig`` describes (with the options of its type)."""
     kind = tok_cfg.type
     if kind == "word":
-        tok = new_tokenizer(kind, lowercase=tok_cfg.lowercase, keep_punctuation=tok_cfg.keep_punctuation,
-                            splitter=tok_cfg.splitter, special_tokens=tuple(tok_cfg.special_tokens),
-                            specials_at=tok_cfg.specials_at, oov=tok_cfg.oov)
+        tok = new_tokenizer(
+            kind,
+            lowercase=tok_cfg.lowercase,
+            keep_punctuation=tok_cfg.keep_punctuation,
+            splitter=tok_cfg.splitter,
+            special_tokens=tuple(tok_cfg.special_tokens),
+            specials_at=tok_cfg.specials_at,
+            oov=tok_cfg.oov,
+        )
         return tok.train(texts, tok_cfg.vocab_size, min_count=tok_cfg.min_count, oov_merges=tok_cfg.oov_merges)
     if tuple(tok_cfg.special_tokens) != SPECIAL_TOKENS or tok_cfg.specials_at != "start" or tok_cfg.oov != "unk":
-        raise TinyLMError(f"tokenizer.special_tokens, tokenizer.specials_at and tokenizer.oov are word-level options; "
-                          f"the {kind} tokenizer keeps <pad> <unk> <sos> <eos> at ids 0-3")
+        raise TinyLMError(
+            f"tokenizer.special_tokens, tokenizer.specials_at and tokenizer.oov are word-level options; "
+            f"the {kind} tokenizer keeps <pad> <unk> <sos> <eos> at ids 0-3"
+        )
     if kind == "bpe":
         return new_tokenizer(kind, pattern=tok_cfg.pattern).train(texts, tok_cfg.vocab_size)
     if kind == "word_bpe":
         return new_tokenizer(kind, normalization=tok_cfg.normalization).train(
-            texts, tok_cfg.vocab_size, merges=tok_cfg.merges)
+            texts, tok_cfg.vocab_size, merges=tok_cfg.merges
+        )
     return new_tokenizer(kind).train(texts, tok_cfg.vocab_size)
 
 
@@ -65,10 +74,12 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     if isinstance(data, dict) and "model" in data and "pre_tokenizer" in data:
         return import_hf(path)  # a Hugging Face tokenizer.json
     if not isinstance(data, dict) or data.get("format") != FORMAT_NAME:
-        raise TinyLMError(f"{path} is not a tinylm tokenizer file (no \"format\": \"{FORMAT_NAME}\")")
+        raise TinyLMError(f'{path} is not a tinylm tokenizer file (no "format": "{FORMAT_NAME}")')
     if data.get("version") != FORMAT_VERSION:
-        raise TinyLMError(f"tokenizer file {path} has format version {data.get('version')}; "
-                          f"this tinylm reads version {FORMAT_VERSION}")
+        raise TinyLMError(
+            f"tokenizer file {path} has format version {data.get('version')}; "
+            f"this tinylm reads version {FORMAT_VERSION}"
+        )
     kind = data.get("type")
     if not isinstance(kind, str) or kind not in TOKENIZER_TYPES:
         raise TinyLMError(f"unknown tokenizer type {kind!r} in {path} (known: {', '.join(TOKENIZER_TYPES)})")

@@ -128,14 +128,16 @@ class Llama2cTokenizer(Tokenizer):
                     f"{name}: piece {len(pieces)} at byte {offset - 8} has length {length} "
                     f"(max_token_length {max_len}, {len(data) - offset} bytes left); not a llama2.c tokenizer.bin?"
                 )
-            pieces.append(data[offset: offset + length])
+            pieces.append(data[offset : offset + length])
             scores.append(score)
             offset += length
         if vocab_size is not None and len(pieces) < vocab_size:
             raise TinyLMError(f"{name} holds {len(pieces)} pieces, fewer than the vocab_size {vocab_size} asked for")
         if len(pieces) < BYTE_FALLBACK_BASE + 256:  # encode falls back to ids 3..258 for any byte
-            raise TinyLMError(f"{name} holds {len(pieces)} pieces; a llama2.c tokenizer.bin has at least "
-                              f"{BYTE_FALLBACK_BASE + 256} (<unk>, <s>, </s> and the 256 byte pieces)")
+            raise TinyLMError(
+                f"{name} holds {len(pieces)} pieces; a llama2.c tokenizer.bin has at least "
+                f"{BYTE_FALLBACK_BASE + 256} (<unk>, <s>, </s> and the 256 byte pieces)"
+            )
         return cls(pieces, scores, max_len)
 
     def to_bytes(self) -> bytes:

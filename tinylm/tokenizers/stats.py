@@ -31,7 +31,10 @@ def split_stats(tokenizer, docs: list[str]) -> dict:
             n_unk += sum(1 for i in ids if i == unk)
         exact += tokenizer.decode(ids) == doc
     return {
-        "vocab_size": tokenizer.vocab_size, "documents": len(docs), "words": n_words, "tokens": n_tokens,
+        "vocab_size": tokenizer.vocab_size,
+        "documents": len(docs),
+        "words": n_words,
+        "tokens": n_tokens,
         "tokens_per_word": n_tokens / n_words if n_words else 0.0,
         "bytes_per_token": n_bytes / n_tokens if n_tokens else 0.0,
         "unk_rate": n_unk / n_tokens if n_tokens else 0.0,
@@ -50,13 +53,32 @@ def train_spec(spec: str, docs: list[str]):
 
 
 def collect(tokenizers: dict[str, object], splits: dict[str, list[str]]) -> list[dict]:
-    return [{"tokenizer": tname, "split": sname, **split_stats(tok, docs)}
-            for tname, tok in tokenizers.items() for sname, docs in splits.items()]
+    return [
+        {"tokenizer": tname, "split": sname, **split_stats(tok, docs)}
+        for tname, tok in tokenizers.items()
+        for sname, docs in splits.items()
+    ]
 
 
 def format_table(rows: list[dict]) -> str:
-    body = [[r["tokenizer"], r["split"], r["vocab_size"], r["documents"], r["words"], r["tokens"], r["tokens_per_word"],
-             r["bytes_per_token"], 100 * r["unk_rate"], 100 * r["roundtrip_exact"]] for r in rows]
-    return tabulate(body, ["tokenizer", "split", "vocab", "docs", "words", "tokens", "tok/word", "bytes/tok", "unk %",
-                           "exact %"], floatfmt=("", "", ",", ",", ",", ",", ".3f", ".3f", ".2f", ".1f"),
-                    intfmt=",")
+    body = [
+        [
+            r["tokenizer"],
+            r["split"],
+            r["vocab_size"],
+            r["documents"],
+            r["words"],
+            r["tokens"],
+            r["tokens_per_word"],
+            r["bytes_per_token"],
+            100 * r["unk_rate"],
+            100 * r["roundtrip_exact"],
+        ]
+        for r in rows
+    ]
+    return tabulate(
+        body,
+        ["tokenizer", "split", "vocab", "docs", "words", "tokens", "tok/word", "bytes/tok", "unk %", "exact %"],
+        floatfmt=("", "", ",", ",", ",", ",", ".3f", ".3f", ".2f", ".1f"),
+        intfmt=",",
+    )

@@ -55,21 +55,35 @@ class Coverage:
         return 1.0 - self.token_coverage
 
     def as_dict(self) -> dict:
-        return {**asdict(self), "token_coverage": self.token_coverage, "type_coverage": self.type_coverage,
-                "unk_rate": self.unk_rate}
+        return {
+            **asdict(self),
+            "token_coverage": self.token_coverage,
+            "type_coverage": self.type_coverage,
+            "unk_rate": self.unk_rate,
+        }
 
 
 class WordTokenizer(Tokenizer):
     type_name = "word"
 
-    def __init__(self, words: list[str] | None = None, lowercase: bool = False, pattern: str = WORD_PATTERN,
-                 keep_punctuation: bool = True, splitter: str = "regex", special_tokens=SPECIAL_TOKENS,
-                 specials_at: str = "start", oov: str = "unk", oov_bpe: WordBPETokenizer | None = None):
+    def __init__(
+        self,
+        words: list[str] | None = None,
+        lowercase: bool = False,
+        pattern: str = WORD_PATTERN,
+        keep_punctuation: bool = True,
+        splitter: str = "regex",
+        special_tokens=SPECIAL_TOKENS,
+        specials_at: str = "start",
+        oov: str = "unk",
+        oov_bpe: WordBPETokenizer | None = None,
+    ):
         if splitter not in SPLITTERS:
             raise TinyLMError(f"word splitter {splitter!r} is not one of {', '.join(SPLITTERS)}")
         if sorted(special_tokens) != sorted(SPECIAL_TOKENS):
-            raise TinyLMError(f"word special_tokens {list(special_tokens)} must be an ordering of "
-                              f"{list(SPECIAL_TOKENS)}")
+            raise TinyLMError(
+                f"word special_tokens {list(special_tokens)} must be an ordering of {list(SPECIAL_TOKENS)}"
+            )
         if specials_at not in ("start", "end"):
             raise TinyLMError(f"word specials_at {specials_at!r} is not one of start, end")
         if oov not in OOV_MODES:
@@ -127,15 +141,17 @@ class WordTokenizer(Tokenizer):
             words = [w for w in words if not _PUNCT.fullmatch(w)]
         return words
 
-    def train(self, texts: Iterable[str], vocab_size: int | None = None, min_count: int = 1,
-              oov_merges: int = 1000) -> "WordTokenizer":
+    def train(
+        self, texts: Iterable[str], vocab_size: int | None = None, min_count: int = 1, oov_merges: int = 1000
+    ) -> "WordTokenizer":
         """Keep the most frequent words (ties alphabetical): at most ``vocab_size`` ids for the
         specials and words (None or 0 for no cap), and only words seen ``min_count`` times. With
         ``oov="bpe"``, ``oov_merges`` BPE merges learned on every training word (by frequency)
         spell the words left out, after the words' ids."""
         if vocab_size is not None and 0 < vocab_size <= len(SPECIAL_TOKENS):
-            raise TinyLMError(f"word vocab_size {vocab_size} leaves no room for words after the "
-                              f"{len(SPECIAL_TOKENS)} special tokens")
+            raise TinyLMError(
+                f"word vocab_size {vocab_size} leaves no room for words after the {len(SPECIAL_TOKENS)} special tokens"
+            )
         if min_count < 1:
             raise TinyLMError(f"word min_count must be at least 1 (got {min_count})")
         counts = count_pieces(texts, self.split)
@@ -146,10 +162,20 @@ class WordTokenizer(Tokenizer):
             ranked = ranked[: vocab_size - len(SPECIAL_TOKENS)]
         bpe = None
         if self.oov == "bpe":  # words never hold whitespace, so word_bpe without normalisation keeps them whole
-            bpe = WordBPETokenizer(normalization="none").train([" ".join([w] * c) for w, c in counts.items()],
-                                                               merges=oov_merges)
-        self.__init__(ranked, self.lowercase, self.pattern, self.keep_punctuation, self.splitter,
-                      self.special_tokens, self.specials_at, self.oov, bpe)
+            bpe = WordBPETokenizer(normalization="none").train(
+                [" ".join([w] * c) for w, c in counts.items()], merges=oov_merges
+            )
+        self.__init__(
+            ranked,
+            self.lowercase,
+            self.pattern,
+            self.keep_punctuation,
+            self.splitter,
+            self.special_tokens,
+            self.specials_at,
+            self.oov,
+            bpe,
+        )
         self.word_counts = counts  # kept for coverage reports right after training (not saved)
         return self
 
@@ -160,8 +186,7 @@ class WordTokenizer(Tokenizer):
             if i is not None:
                 out.append(i)
             elif self.oov_bpe is not None:
-                out.extend(b + self._piece_offset if b >= EOW_ID else self.unk_id
-                           for b in self.oov_bpe.encode_word(w))
+                out.extend(b + self._piece_offset if b >= EOW_ID else self.unk_id for b in self.oov_bpe.encode_word(w))
             else:
                 out.append(self.unk_id)
         return out
@@ -201,7 +226,8 @@ class WordTokenizer(Tokenizer):
         counts = count_pieces(texts, self.split)
         known = self._word_to_id
         return Coverage(
-            n_tokens=sum(counts.values()), n_types=len(counts),
+            n_tokens=sum(counts.values()),
+            n_types=len(counts),
             tokens_covered=sum(c for w, c in counts.items() if w in known),
             types_covered=sum(1 for w in counts if w in known),
         )
@@ -222,8 +248,15 @@ class WordTokenizer(Tokenizer):
         return self._pieces[i]
 
     def _state(self) -> dict:
-        state = {"lowercase": self.lowercase, "pattern": self.pattern, "keep_punctuation": self.keep_punctuation,
-                 "splitter": self.splitter, "words": self.words, "specials_at": self.specials_at, "oov": self.oov}
+        state = {
+            "lowercase": self.lowercase,
+            "pattern": self.pattern,
+            "keep_punctuation": self.keep_punctuation,
+            "splitter": self.splitter,
+            "words": self.words,
+            "specials_at": self.specials_at,
+            "oov": self.oov,
+        }
         if self.oov_bpe is not None:
             state["oov_bpe"] = self.oov_bpe._state()
         return state
@@ -231,12 +264,19 @@ class WordTokenizer(Tokenizer):
     @classmethod
     def _from_state(cls, state: dict) -> "WordTokenizer":
         if not isinstance(state.get("words"), list) or any(not isinstance(w, str) for w in state["words"]):
-            raise TinyLMError("word tokenizer file: \"words\" must be a list of strings")
+            raise TinyLMError('word tokenizer file: "words" must be a list of strings')
         bpe = WordBPETokenizer._from_state(state["oov_bpe"]) if state.get("oov_bpe") else None
-        return cls(state["words"], state.get("lowercase", False), state.get("pattern", WORD_PATTERN),
-                   state.get("keep_punctuation", True), state.get("splitter", "regex"),
-                   state.get("special_tokens", SPECIAL_TOKENS), state.get("specials_at", "start"),
-                   state.get("oov", "unk"), bpe)
+        return cls(
+            state["words"],
+            state.get("lowercase", False),
+            state.get("pattern", WORD_PATTERN),
+            state.get("keep_punctuation", True),
+            state.get("splitter", "regex"),
+            state.get("special_tokens", SPECIAL_TOKENS),
+            state.get("specials_at", "start"),
+            state.get("oov", "unk"),
+            bpe,
+        )
 
 
 _NLP = None
@@ -249,6 +289,8 @@ def _spacy_tokenizer():
         try:
             import spacy  # deferred: optional, and slow to import; only splitter=spacy needs it
         except ImportError as exc:
-            raise TinyLMError("splitter 'spacy' needs spaCy (pip install spacy); the default 'regex' needs nothing") from exc
+            raise TinyLMError(
+                "splitter 'spacy' needs spaCy (pip install spacy); the default 'regex' needs nothing"
+            ) from exc
         _NLP = spacy.blank("en").tokenizer
     return _NLP

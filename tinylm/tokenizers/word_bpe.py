@@ -56,8 +56,12 @@ class WordBPETokenizer(Tokenizer):
     normalizes = True
     decode_with_prompt = True  # a prompt is shown as normalised, the way the model saw it
 
-    def __init__(self, alphabet: Iterable[str] = (), merges: list[tuple[int, int]] | None = None,
-                 normalization: str = "lower_nopunct"):
+    def __init__(
+        self,
+        alphabet: Iterable[str] = (),
+        merges: list[tuple[int, int]] | None = None,
+        normalization: str = "lower_nopunct",
+    ):
         normalize_text("", normalization)  # refuse an unknown normalisation now
         self.normalization = normalization
         self.alphabet = list(alphabet)
@@ -91,8 +95,10 @@ class WordBPETokenizer(Tokenizer):
         first_merge = FIRST_CHAR_ID + len(alphabet)
         n_merges = merges if merges is not None else vocab_size - first_merge
         if n_merges < 0:
-            raise TinyLMError(f"word_bpe vocab_size {vocab_size} is smaller than the specials, {END_OF_WORD} and "
-                              f"the {len(alphabet)} characters of the corpus ({first_merge})")
+            raise TinyLMError(
+                f"word_bpe vocab_size {vocab_size} is smaller than the specials, {END_OF_WORD} and "
+                f"the {len(alphabet)} characters of the corpus ({first_merge})"
+            )
         char_ids = {c: FIRST_CHAR_ID + i for i, c in enumerate(alphabet)}
         words = [[char_ids[c] for c in w] for w in counts]
         learned = learn_merges(words, list(counts.values()), n_merges, first_merge)
@@ -131,12 +137,15 @@ class WordBPETokenizer(Tokenizer):
         return END_OF_WORD if i == EOW_ID else SPECIAL_TOKENS[i] if i < EOW_ID else self.pieces[i]
 
     def _state(self) -> dict:
-        return {"normalization": self.normalization, "alphabet": self.alphabet,
-                "merges": [list(m) for m in self.merges]}
+        return {
+            "normalization": self.normalization,
+            "alphabet": self.alphabet,
+            "merges": [list(m) for m in self.merges],
+        }
 
     @classmethod
     def _from_state(cls, state: dict) -> "WordBPETokenizer":
         merges = state.get("merges")
         if not isinstance(merges, list) or any(not isinstance(m, list) or len(m) != 2 for m in merges):
-            raise TinyLMError("word_bpe tokenizer file: \"merges\" must be a list of [left id, right id] pairs")
+            raise TinyLMError('word_bpe tokenizer file: "merges" must be a list of [left id, right id] pairs')
         return cls(state["alphabet"], [tuple(m) for m in merges], state.get("normalization", "lower_nopunct"))

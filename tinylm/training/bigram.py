@@ -111,7 +111,9 @@ def train_bigram(train_ids, valid_ids, vocab_size: int, cfg: BigramConfig | None
             val = pair_nll(model, vprev, vnxt) / vprev.size
             history.append({"step": step, "train_loss": float(np.mean(running)), "val_loss": val})
             running = []
-            log.debug(f"bigram d={cfg.d_embed} wd={cfg.weight_decay}: step {step} train {history[-1]['train_loss']:.4f} valid {val:.4f}")
+            log.debug(
+                f"bigram d={cfg.d_embed} wd={cfg.weight_decay}: step {step} train {history[-1]['train_loss']:.4f} valid {val:.4f}"
+            )
             if val < best - 1e-5:
                 best, bad = val, 0
                 best_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
@@ -127,10 +129,19 @@ def train_bigram(train_ids, valid_ids, vocab_size: int, cfg: BigramConfig | None
     return BigramResult(model, cfg, history, best, step, time.perf_counter() - start, stopped)
 
 
-def sweep_bigram(train_ids, valid_ids, vocab_size: int, d_embeds=(32, 128), weight_decays=(0.0, 0.1),
-                 base: BigramConfig | None = None) -> list[BigramResult]:
+def sweep_bigram(
+    train_ids,
+    valid_ids,
+    vocab_size: int,
+    d_embeds=(32, 128),
+    weight_decays=(0.0, 0.1),
+    base: BigramConfig | None = None,
+) -> list[BigramResult]:
     """One run per (embedding size, weight decay); the results sorted best validation loss first."""
     base = base or BigramConfig()
-    results = [train_bigram(train_ids, valid_ids, vocab_size, dataclasses.replace(base, d_embed=d, weight_decay=wd))
-               for d in d_embeds for wd in weight_decays]
+    results = [
+        train_bigram(train_ids, valid_ids, vocab_size, dataclasses.replace(base, d_embed=d, weight_decay=wd))
+        for d in d_embeds
+        for wd in weight_decays
+    ]
     return sorted(results, key=lambda r: r.best_val_loss)

@@ -54,8 +54,10 @@ def read_metrics(path: str | Path) -> list[dict]:
     with open(path, newline="") as f:
         rows = list(csv.DictReader(f))
     try:
-        return [{k: None if v in (None, "") else int(v) if v.isdigit() else float(v) for k, v in row.items()}
-                for row in rows]
+        return [
+            {k: None if v in (None, "") else int(v) if v.isdigit() else float(v) for k, v in row.items()}
+            for row in rows
+        ]
     except ValueError as exc:
         raise TinyLMError(f"{path} holds a cell that is not a number ({exc})") from exc
 
@@ -72,4 +74,3 @@ def read_eval_samples(path: Path) -> list[dict]:
         except (ValueError, KeyError, TypeError):
             continue
     return [by_step[k] for k in sorted(by_step)]
-

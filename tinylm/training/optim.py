@@ -51,11 +51,28 @@ class Muon(torch.optim.Optimizer):
     (a fused q/k/v weight): each block of rows is orthogonalised and scaled as its own matrix, so
     the update is the one the separate matrices would get."""
 
-    def __init__(self, params, lr: float = 0.02, weight_decay: float = 0.0, momentum: float = 0.95,
-                 nesterov: bool = True, ns_steps: int = 5, ns_dtype: str = "float32",
-                 split_sizes: dict[int, tuple[int, ...]] | None = None):
-        super().__init__(params, dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
-                                      ns_steps=ns_steps, ns_dtype=ns_dtype))
+    def __init__(
+        self,
+        params,
+        lr: float = 0.02,
+        weight_decay: float = 0.0,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        ns_steps: int = 5,
+        ns_dtype: str = "float32",
+        split_sizes: dict[int, tuple[int, ...]] | None = None,
+    ):
+        super().__init__(
+            params,
+            dict(
+                lr=lr,
+                weight_decay=weight_decay,
+                momentum=momentum,
+                nesterov=nesterov,
+                ns_steps=ns_steps,
+                ns_dtype=ns_dtype,
+            ),
+        )
         self.split_sizes = dict(split_sizes or {})
 
     @torch.no_grad()
@@ -120,7 +137,9 @@ class MuonWithAdamW:
         offset, n_groups = 0, 0
         for opt, size in zip(self.parts, self._sizes()):
             k = len(opt.param_groups)
-            groups = [{**g, "params": [i - offset for i in g["params"]]} for g in sd["param_groups"][n_groups : n_groups + k]]
+            groups = [
+                {**g, "params": [i - offset for i in g["params"]]} for g in sd["param_groups"][n_groups : n_groups + k]
+            ]
             state = {int(i) - offset: v for i, v in sd["state"].items() if offset <= int(i) < offset + size}
             opt.load_state_dict({"state": state, "param_groups": groups})
             offset, n_groups = offset + size, n_groups + k
@@ -154,9 +173,14 @@ def make_optimizer(model: torch.nn.Module, cfg: TrainConfig):
         raise TinyLMError("train.optimizer=muon needs a model with transformer blocks (model.blocks)")
     hidden = [p for p in model.parameters() if id(p) in matrices and p.requires_grad]
     ns_dtype = "bfloat16" if hidden[0].is_cuda else "float32"
-    muon = Muon([{"params": hidden, "lr_scale": cfg.muon_lr / cfg.lr}], lr=cfg.muon_lr,
-                weight_decay=cfg.weight_decay * cfg.lr / cfg.muon_lr, momentum=cfg.muon_momentum, ns_dtype=ns_dtype,
-                split_sizes=split_sizes_by_parameter(model))  # fused q/k/v (gate/up): each its own matrix
+    muon = Muon(
+        [{"params": hidden, "lr_scale": cfg.muon_lr / cfg.lr}],
+        lr=cfg.muon_lr,
+        weight_decay=cfg.weight_decay * cfg.lr / cfg.muon_lr,
+        momentum=cfg.muon_momentum,
+        ns_dtype=ns_dtype,
+        split_sizes=split_sizes_by_parameter(model),
+    )  # fused q/k/v (gate/up): each its own matrix
     rest = param_groups(model, cfg.weight_decay)
     for g in rest:
         g["params"] = [p for p in g["params"] if id(p) not in matrices]
@@ -169,8 +193,15 @@ def lr_at(step: int, cfg: TrainConfig, wall_fraction: float | None = None) -> fl
     return scheduled_lr(step, cfg.lr, cfg.min_lr, cfg.warmup_steps, cfg.max_steps, cfg.schedule, wall_fraction)
 
 
-def scheduled_lr(step: int, lr: float, min_lr: float, warmup_steps: int, max_steps: int, schedule: str = "cosine",
-                 wall_fraction: float | None = None) -> float:
+def scheduled_lr(
+    step: int,
+    lr: float,
+    min_lr: float,
+    warmup_steps: int,
+    max_steps: int,
+    schedule: str = "cosine",
+    wall_fraction: float | None = None,
+) -> float:
     """Linear warmup over ``warmup_steps``, then cosine (or linear) decay to ``min_lr`` at ``max_steps``.
 
     ``wall_fraction`` (elapsed / wall budget, for ``schedule_clock="wall"``) replaces the step-based

@@ -17,8 +17,10 @@ from tinylm.errors import TinyLMError
 def check_precision(device: torch.device, precision: str) -> None:
     """Raise a one-line error for a precision this device cannot train in."""
     if precision == "fp16" and device.type != "cuda":
-        raise TinyLMError(f"train.precision=fp16 needs a CUDA device (its gradient scaler is CUDA-only); "
-                          f"on {device.type} use bf16 or fp32")
+        raise TinyLMError(
+            f"train.precision=fp16 needs a CUDA device (its gradient scaler is CUDA-only); "
+            f"on {device.type} use bf16 or fp32"
+        )
     if precision == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
         raise TinyLMError("train.precision=bf16 is not supported by this GPU; use fp16 or fp32")
     if precision == "bf16" and device.type == "mps":

@@ -43,8 +43,15 @@ class Progress:
         if getattr(stream, "isatty", lambda: False)():
             from tqdm import tqdm  # deferred: only a terminal gets a bar
 
-            self.bar = tqdm(total=tc.max_steps, initial=first_step, desc="train", unit="step", dynamic_ncols=True,
-                            leave=False, file=stream)
+            self.bar = tqdm(
+                total=tc.max_steps,
+                initial=first_step,
+                desc="train",
+                unit="step",
+                dynamic_ncols=True,
+                leave=False,
+                file=stream,
+            )
 
     def update(self, step: int, loss: float, tokens_per_s: float, elapsed: float, memory_gib: float | None = None):
         if self.bar is not None:
@@ -58,9 +65,11 @@ class Progress:
             return
         left = seconds_left(self.tc, self.first_step, step, elapsed)
         budget = f"/{self.tc.max_steps:,}" if self.tc.max_minutes is None else ""
-        self.say(f"train: step {step:,}{budget} | loss {loss:.4f} | {tokens_per_s:,.0f} tokens/s | "
-                 f"elapsed {format_seconds(elapsed)} | ETA {'?' if left is None else format_seconds(left)}"
-                 + (f" | {memory_gib:.2f} GiB" if memory_gib is not None else ""))
+        self.say(
+            f"train: step {step:,}{budget} | loss {loss:.4f} | {tokens_per_s:,.0f} tokens/s | "
+            f"elapsed {format_seconds(elapsed)} | ETA {'?' if left is None else format_seconds(left)}"
+            + (f" | {memory_gib:.2f} GiB" if memory_gib is not None else "")
+        )
 
     def message(self, text: str) -> None:
         """A line of its own: above the bar on a terminal, logged like the progress lines elsewhere."""

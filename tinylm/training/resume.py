@@ -28,8 +28,15 @@ import numpy as np
 import torch
 from safetensors.torch import load_file
 
-from tinylm.config import (RunConfig, apply_updates, build_config, config_from_dict, diff_configs, load_config_file,
-                           parse_overrides)
+from tinylm.config import (
+    RunConfig,
+    apply_updates,
+    build_config,
+    config_from_dict,
+    diff_configs,
+    load_config_file,
+    parse_overrides,
+)
 from tinylm.errors import TinyLMError
 from tinylm.models.checkpoint import REQUIRED_FILES, STEP_PREFIX, checkpoint_model_config, read_checkpoint_meta
 
@@ -39,10 +46,21 @@ STATE_VERSION = 1
 # Keys a resumed run may change with --force: they steer how long to train, what to log or where
 # to run, not the arithmetic of an update. (max_steps also stretches the cosine schedule.)
 FORCE_ALLOWED = (
-    "train.max_steps", "train.max_minutes", "train.eval_interval", "train.eval_batches",
-    "train.log_interval", "train.save_interval", "train.keep_last", "train.early_stopping_patience",
-    "train.tensorboard", "train.progress", "train.threads", "train.device", "train.grad_checkpointing",
-    "train.checkpoint_impl", "sample.",
+    "train.max_steps",
+    "train.max_minutes",
+    "train.eval_interval",
+    "train.eval_batches",
+    "train.log_interval",
+    "train.save_interval",
+    "train.keep_last",
+    "train.early_stopping_patience",
+    "train.tensorboard",
+    "train.progress",
+    "train.threads",
+    "train.device",
+    "train.grad_checkpointing",
+    "train.checkpoint_impl",
+    "sample.",
 )
 IGNORED_KEYS = ("out_dir",)
 
@@ -55,8 +73,13 @@ def capture_rng() -> dict:
         "torch_cpu": torch.get_rng_state(),
         "torch_cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
         "python": random.getstate(),
-        "numpy": (np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), int(np_state[2]),
-                  int(np_state[3]), float(np_state[4])),
+        "numpy": (
+            np_state[0],
+            torch.from_numpy(np_state[1].astype(np.int64)),
+            int(np_state[2]),
+            int(np_state[3]),
+            float(np_state[4]),
+        ),
     }
 
 
@@ -93,10 +116,20 @@ def state_payload(optimizer, scaler, rng_per_rank: list[dict], counters: dict) -
         name, key, pos, has_gauss, cached = rng["numpy"]
         rng_tensors[f"rank{rank}.numpy_key"] = key
         version, internal, gauss = rng["python"]
-        rng_json.append({"python": [version, list(internal), gauss], "numpy": [name, pos, has_gauss, cached],
-                         "cuda_devices": len(rng["torch_cuda"])})
-    state = {"version": STATE_VERSION, **counters, "optimizer": opt_json,
-             "scaler": scaler.state_dict() if scaler is not None else {}, "rng": rng_json}
+        rng_json.append(
+            {
+                "python": [version, list(internal), gauss],
+                "numpy": [name, pos, has_gauss, cached],
+                "cuda_devices": len(rng["torch_cuda"]),
+            }
+        )
+    state = {
+        "version": STATE_VERSION,
+        **counters,
+        "optimizer": opt_json,
+        "scaler": scaler.state_dict() if scaler is not None else {},
+        "rng": rng_json,
+    }
     files = {"training_state.json": json.dumps(state, indent=1).encode()}
     return {"optimizer.safetensors": opt_tensors, "rng.safetensors": rng_tensors}, files
 
@@ -133,8 +166,10 @@ def find_resume_checkpoint(path: str | Path) -> Path:
             rank = 2 if d.name.startswith(STEP_PREFIX) else 1 if d.name == "last" else 0
             candidates.append((step, rank, d))
     if not candidates:
-        raise TinyLMError(f"resume: {path} holds no complete resumable checkpoint "
-                          f"(a directory with {', '.join(REQUIRED_FILES + STATE_FILES)})")
+        raise TinyLMError(
+            f"resume: {path} holds no complete resumable checkpoint "
+            f"(a directory with {', '.join(REQUIRED_FILES + STATE_FILES)})"
+        )
     return max(candidates, key=lambda c: (c[0], c[1]))[2]
 
 
@@ -155,8 +190,14 @@ def read_training_state(ckpt: Path) -> dict:
     return state
 
 
-COUNTERS = {"step": int, "tokens_seen": int, "best_val": (int, float), "bad_evals": int, "world_size": int,
-            "data_position": int}
+COUNTERS = {
+    "step": int,
+    "tokens_seen": int,
+    "best_val": (int, float),
+    "bad_evals": int,
+    "world_size": int,
+    "data_position": int,
+}
 
 
 def load_resume_state(path: str | Path) -> ResumeState:
@@ -181,12 +222,14 @@ def load_resume_state(path: str | Path) -> ResumeState:
         for rank, info in enumerate(state["rng"]):
             version, internal, gauss = info["python"]
             name, pos, has_gauss, cached = info["numpy"]
-            rng_per_rank.append({
-                "torch_cpu": rng_tensors[f"rank{rank}.torch_cpu"],
-                "torch_cuda": [rng_tensors[f"rank{rank}.torch_cuda.{d}"] for d in range(info["cuda_devices"])],
-                "python": (version, internal, gauss),
-                "numpy": (name, rng_tensors[f"rank{rank}.numpy_key"], pos, has_gauss, cached),
-            })
+            rng_per_rank.append(
+                {
+                    "torch_cpu": rng_tensors[f"rank{rank}.torch_cpu"],
+                    "torch_cuda": [rng_tensors[f"rank{rank}.torch_cuda.{d}"] for d in range(info["cuda_devices"])],
+                    "python": (version, internal, gauss),
+                    "numpy": (name, rng_tensors[f"rank{rank}.numpy_key"], pos, has_gauss, cached),
+                }
+            )
         current = capture_rng()
         try:  # every saved RNG state must be one this process can restore
             for rng in rng_per_rank:
@@ -202,11 +245,19 @@ def load_resume_state(path: str | Path) -> ResumeState:
         if not isinstance(state.get("scaler", {}), dict):
             raise TypeError(f"scaler is {state['scaler']!r}")
     except (KeyError, TypeError, ValueError, AttributeError, IndexError, RuntimeError, OverflowError) as exc:
-        raise TinyLMError(f"resume: the training state in {ckpt} ({', '.join(STATE_FILES)}) is corrupt "
-                          f"({type(exc).__name__}: {exc})") from exc
+        raise TinyLMError(
+            f"resume: the training state in {ckpt} ({', '.join(STATE_FILES)}) is corrupt ({type(exc).__name__}: {exc})"
+        ) from exc
     run_config = load_config_file(ckpt / "config.yaml") if (ckpt / "config.yaml").is_file() else {}
-    return ResumeState(ckpt, state["step"], counters, {"state": entries, "param_groups": groups},
-                       state.get("scaler", {}), rng_per_rank, run_config)
+    return ResumeState(
+        ckpt,
+        state["step"],
+        counters,
+        {"state": entries, "param_groups": groups},
+        state.get("scaler", {}),
+        rng_per_rank,
+        run_config,
+    )
 
 
 def _same_kind(fresh, saved) -> bool:
@@ -232,16 +283,20 @@ def restore_optimizer(optimizer: torch.optim.Optimizer, state: ResumeState) -> N
     if saved_count > len(params):
         # the q, k, v (and SwiGLU's gate, up) matrices became one parameter each: an optimizer state
         # from before holds their moments per part, numbered in the old parameter order
-        raise TinyLMError(f"{where} is for {saved_count} parameters, the model has {len(params)}: a run saved "
-                          "before tinylm fused attention's q, k, v (and SwiGLU's gate, up) into one matrix each "
-                          "cannot resume its optimizer; its checkpoints still load (evaluate, generate, export)")
+        raise TinyLMError(
+            f"{where} is for {saved_count} parameters, the model has {len(params)}: a run saved "
+            "before tinylm fused attention's q, k, v (and SwiGLU's gate, up) into one matrix each "
+            "cannot resume its optimizer; its checkpoints still load (evaluate, generate, export)"
+        )
     for idx, entry in state.optimizer_state["state"].items():
         if not 0 <= idx < len(params):
             raise TinyLMError(f"{where} is for parameter {idx}; the model has {len(params)}")
         for name, value in entry.items():
             if isinstance(value, torch.Tensor) and value.dim() and value.shape != params[idx].shape:
-                raise TinyLMError(f"{where} does not fit the model: {idx}.{name} has shape {tuple(value.shape)}, "
-                                  f"the parameter {tuple(params[idx].shape)}")
+                raise TinyLMError(
+                    f"{where} does not fit the model: {idx}.{name} has shape {tuple(value.shape)}, "
+                    f"the parameter {tuple(params[idx].shape)}"
+                )
     saved_groups = state.optimizer_state["param_groups"]
     for fresh, saved in zip(optimizer.param_groups, saved_groups):
         bad = [k for k, v in fresh.items() if k != "params" and k in saved and not _same_kind(v, saved[k])]
@@ -263,11 +318,15 @@ def check_resume_config(saved: dict, requested: dict, force: bool) -> list[str]:
     differ = [k for k in diff_configs(saved, requested) if k not in IGNORED_KEYS]
     refused = [k for k in differ if not _allowed(k)]
     if refused:
-        raise TinyLMError(f"resume: the requested config differs from the checkpoint's in {', '.join(refused)}; "
-                          "these change the training itself and cannot be overridden (start a new run instead)")
+        raise TinyLMError(
+            f"resume: the requested config differs from the checkpoint's in {', '.join(refused)}; "
+            "these change the training itself and cannot be overridden (start a new run instead)"
+        )
     if differ and not force:
-        raise TinyLMError(f"resume: the requested config differs from the checkpoint's in {', '.join(differ)}; "
-                          "pass --force to resume with the new values")
+        raise TinyLMError(
+            f"resume: the requested config differs from the checkpoint's in {', '.join(differ)}; "
+            "pass --force to resume with the new values"
+        )
     return differ
 
 
@@ -283,8 +342,9 @@ def _normalise(cfg: RunConfig, saved_model: dict) -> dict:
     return dataclasses.replace(cfg, model=model).to_dict()  # tuples as lists, as the saved YAML holds them
 
 
-def resume_run_config(resume: str | Path, config_path: str | None, overrides: list[str] | None,
-                      force: bool = False, quick: bool = False) -> tuple[RunConfig, Path, list[str]]:
+def resume_run_config(
+    resume: str | Path, config_path: str | None, overrides: list[str] | None, force: bool = False, quick: bool = False
+) -> tuple[RunConfig, Path, list[str]]:
     """(config to run, checkpoint to resume from, keys changed with --force).
 
     Without ``--config`` the checkpoint's config is the base and ``overrides`` change it; with a

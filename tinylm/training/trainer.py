@@ -44,10 +44,18 @@ from tinylm.training.metrics import EPOCH_COLUMNS, MetricsLog
 from tinylm.training.optim import lr_at, make_optimizer, wall_schedule_enabled
 from tinylm.training.precision import autocast, check_precision, make_grad_scaler
 from tinylm.training.progress import Progress
-from tinylm.training.resume import (capture_rng, check_resume_config, load_resume_state, restore_optimizer,
-                                    restore_rng, state_payload, step_dir_name)
+from tinylm.training.resume import (
+    capture_rng,
+    check_resume_config,
+    load_resume_state,
+    restore_optimizer,
+    restore_rng,
+    state_payload,
+    step_dir_name,
+)
 
 log = logging.getLogger(__name__)
+
 
 @dataclass
 class TrainResult:
@@ -91,20 +99,26 @@ def per_rank_batch_size(tc, world_size: int) -> int:
         return tc.batch_size
     parts = world_size * tc.grad_accum_steps
     if tc.global_batch_size % parts:
-        raise TinyLMError(f"train.global_batch_size={tc.global_batch_size} is not divisible by world size {world_size} "
-                          f"x train.grad_accum_steps {tc.grad_accum_steps} = {parts}; use a multiple of {parts}")
+        raise TinyLMError(
+            f"train.global_batch_size={tc.global_batch_size} is not divisible by world size {world_size} "
+            f"x train.grad_accum_steps {tc.grad_accum_steps} = {parts}; use a multiple of {parts}"
+        )
     return tc.global_batch_size // parts
 
 
 def check_batch_fits(split, rows_per_step: int, context_length: int, mode: str) -> None:
     """A step's global batch must not ask for more data than the training split holds."""
     if mode == "stories" and rows_per_step > split.n_docs:
-        raise TinyLMError(f"the global batch of {rows_per_step} sequences is larger than the train split's "
-                          f"{split.n_docs} documents; lower train.batch_size or train.grad_accum_steps")
+        raise TinyLMError(
+            f"the global batch of {rows_per_step} sequences is larger than the train split's "
+            f"{split.n_docs} documents; lower train.batch_size or train.grad_accum_steps"
+        )
     if mode == "packed" and rows_per_step * context_length > split.n_tokens:
-        raise TinyLMError(f"the global batch of {rows_per_step} x {context_length} = "
-                          f"{rows_per_step * context_length:,} tokens is larger than the train split's "
-                          f"{split.n_tokens:,} tokens; lower train.batch_size or train.grad_accum_steps")
+        raise TinyLMError(
+            f"the global batch of {rows_per_step} x {context_length} = "
+            f"{rows_per_step * context_length:,} tokens is larger than the train split's "
+            f"{split.n_tokens:,} tokens; lower train.batch_size or train.grad_accum_steps"
+        )
 
 
 def micro_batches(batches: Batches, step: int, batch_size: int, accum: int, dist: DistContext) -> list:
@@ -112,9 +126,16 @@ def micro_batches(batches: Batches, step: int, batch_size: int, accum: int, dist
     return [batches.get(step, *shard_rows(m, dist.rank, dist.world_size, batch_size)) for m in range(accum)]
 
 
-def accumulate_gradients(run_model, micro: list, device, precision: str = "fp32", scaler=None,
-                         dist: DistContext | None = None, ddp_model=None,
-                         label_smoothing: float = 0.0) -> tuple[float, int]:
+def accumulate_gradients(
+    run_model,
+    micro: list,
+    device,
+    precision: str = "fp32",
+    scaler=None,
+    dist: DistContext | None = None,
+    ddp_model=None,
+    label_smoothing: float = 0.0,
+) -> tuple[float, int]:
     """Forward and backward over the micro-batches; returns (mean loss per target token, targets).
 
     The gradient equals that of one batch holding every micro-batch of every rank: each summed
@@ -142,9 +163,16 @@ def accumulate_gradients(run_model, micro: list, device, precision: str = "fp32"
 
 
 @torch.no_grad()
-def validation_loss(model, batches: Batches, cfg: RunConfig, device, precision: str = "fp32",
-                    dist: DistContext | None = None, batch_size: int | None = None,
-                    document_start: int | None = None) -> float:
+def validation_loss(
+    model,
+    batches: Batches,
+    cfg: RunConfig,
+    device,
+    precision: str = "fp32",
+    dist: DistContext | None = None,
+    batch_size: int | None = None,
+    document_start: int | None = None,
+) -> float:
     """Mean token NLL over ``eval_batches`` fixed batches (the same every time), or the whole split.
 
     An evaluation batch holds ``batch_size * world_size`` rows; under DDP each rank scores its own
@@ -159,8 +187,11 @@ def validation_loss(model, batches: Batches, cfg: RunConfig, device, precision: 
             rows = shard_rows(0, dist.rank, dist.world_size, batch_size)
             source = (batches.get(i, *rows) for i in range(cfg.train.eval_batches))
         else:
-            source = (xy for i, xy in enumerate(batches.sequential(batch_size * dist.world_size))
-                      if i % dist.world_size == dist.rank)
+            source = (
+                xy
+                for i, xy in enumerate(batches.sequential(batch_size * dist.world_size))
+                if i % dist.world_size == dist.rank
+            )
         for x, y in source:
             with autocast(device, precision):
                 within = {"document_start": document_start} if document_start is not None else {}
@@ -202,6 +233,7 @@ def _tensorboard_writer(out_dir: Path):
 class TrainState:
     """One training session: what it trains and writes, its clock, and the counters a resumable
     checkpoint saves (``step`` = steps done, ``tokens_seen``, ``best_val``, ``bad_evals``)."""
+
     cfg: RunConfig  # as saved: the resolved model config, and with train.epochs the step count
     dist: DistContext
     device: torch.device
@@ -234,9 +266,15 @@ class TrainState:
     on_evaluate: Callable[[GPT, int, int], None] | None = None
 
 
-def train(cfg: RunConfig, prepared: Prepared, out_dir: str | Path, *,
-          resume: str | Path | None = None, force: bool = False,
-          on_evaluate: Callable[[GPT, int, int], None] | None = None) -> TrainResult:
+def train(
+    cfg: RunConfig,
+    prepared: Prepared,
+    out_dir: str | Path,
+    *,
+    resume: str | Path | None = None,
+    force: bool = False,
+    on_evaluate: Callable[[GPT, int, int], None] | None = None,
+) -> TrainResult:
     """Train (or, with ``resume``, continue training) and write checkpoints into ``out_dir``.
     ``on_evaluate(model, step, tokens_seen)`` runs on rank 0 after each evaluation, with the random
     state saved and restored around it (what it draws cannot change the run).
@@ -272,8 +310,14 @@ def _set_up(cfg: RunConfig, prepared: Prepared, out_dir: Path, say, dist: DistCo
     tokenizer, splits = prepared.tokenizer, prepared.splits
     model = build_model(cfg, tokenizer.vocab_size).to(device)  # the same initial weights on every rank
     if getattr(cfg, "embeddings", None) is not None and cfg.embeddings.kind != "none":
-        apply_pretrained_embeddings(model, tokenizer, cfg.embeddings, splits["train"].ids,
-                                    out_dir if dist.is_main else None, cache_dir=prepared.data_dir)
+        apply_pretrained_embeddings(
+            model,
+            tokenizer,
+            cfg.embeddings,
+            splits["train"].ids,
+            out_dir if dist.is_main else None,
+            cache_dir=prepared.data_dir,
+        )
     if dist.rank:
         torch.manual_seed(tc.seed + 1_000_003 * dist.rank)  # ranks draw different dropout masks
     cfg = dataclasses.replace(cfg, model=model.config)  # the resolved model config goes on disk
@@ -282,13 +326,20 @@ def _set_up(cfg: RunConfig, prepared: Prepared, out_dir: Path, say, dist: DistCo
         raise TinyLMError("no validation split was prepared")
     rows_per_step = batch_size * tc.grad_accum_steps * dist.world_size
     check_batch_fits(splits["train"], rows_per_step, context_length, cfg.data.batching)
-    train_batches = Batches(splits["train"], context_length, cfg.data.batching, seed=tc.seed,
-                            epoch_rows=rows_per_step if tc.epochs else None)
+    train_batches = Batches(
+        splits["train"],
+        context_length,
+        cfg.data.batching,
+        seed=tc.seed,
+        epoch_rows=rows_per_step if tc.epochs else None,
+    )
     if tc.epochs:  # the step count follows from the data: the schedule and the saved config use it
         tc = dataclasses.replace(tc, max_steps=tc.epochs * train_batches.steps_per_epoch)
         cfg = dataclasses.replace(cfg, train=tc)
-        say(f"train: {tc.epochs} epoch(s) of {train_batches.steps_per_epoch} steps ({rows_per_step} rows each) = "
-            f"{tc.max_steps} steps")
+        say(
+            f"train: {tc.epochs} epoch(s) of {train_batches.steps_per_epoch} steps ({rows_per_step} rows each) = "
+            f"{tc.max_steps} steps"
+        )
     if tc.max_tokens:  # likewise from the token budget (every row is context_length positions)
         step_tokens = rows_per_step * context_length
         tc = dataclasses.replace(tc, max_steps=math.ceil(tc.max_tokens / step_tokens))
@@ -301,8 +352,23 @@ def _set_up(cfg: RunConfig, prepared: Prepared, out_dir: Path, say, dist: DistCo
         enable_grad_checkpointing(model, tc.checkpoint_impl)
     metrics = MetricsLog(out_dir / "metrics.csv", fresh=fresh) if dist.is_main else None
     epoch_log = MetricsLog(out_dir / "epochs.csv", EPOCH_COLUMNS, fresh=fresh) if dist.is_main and tc.epochs else None
-    return TrainState(cfg, dist, device, out_dir, say, tokenizer, model, optimizer, scaler, ema, batch_size,
-                      train_batches, valid_batches, metrics, epoch_log)
+    return TrainState(
+        cfg,
+        dist,
+        device,
+        out_dir,
+        say,
+        tokenizer,
+        model,
+        optimizer,
+        scaler,
+        ema,
+        batch_size,
+        train_batches,
+        valid_batches,
+        metrics,
+        epoch_log,
+    )
 
 
 def _resume(state: TrainState, resume: str | Path, force: bool) -> None:
@@ -310,8 +376,10 @@ def _resume(state: TrainState, resume: str | Path, force: bool) -> None:
     saved = load_resume_state(resume)
     check_resume_config(saved.run_config, state.cfg.to_dict(), force)
     if saved.counters["world_size"] != state.dist.world_size:
-        raise TinyLMError(f"resume: {saved.path} was written by {saved.counters['world_size']} process(es) and "
-                          f"this run has {state.dist.world_size}; resume with the same number of processes")
+        raise TinyLMError(
+            f"resume: {saved.path} was written by {saved.counters['world_size']} process(es) and "
+            f"this run has {state.dist.world_size}; resume with the same number of processes"
+        )
     load_model_state(state.model, saved.path, read_model_state(saved.path, state.model.config))
     restore_optimizer(state.optimizer, saved)
     if state.ema is not None:  # a run resumed with EMA must have saved its average
@@ -323,7 +391,11 @@ def _resume(state: TrainState, resume: str | Path, force: bool) -> None:
     if saved.scaler_state:
         state.scaler.load_state_dict(saved.scaler_state)
     state.step, state.tokens_seen, state.best_val, state.bad_evals = (
-        saved.step, saved.counters["tokens_seen"], float(saved.counters["best_val"]), saved.counters["bad_evals"])
+        saved.step,
+        saved.counters["tokens_seen"],
+        float(saved.counters["best_val"]),
+        saved.counters["bad_evals"],
+    )
     restore_rng(saved.rng_per_rank[state.dist.rank])  # last: nothing below draws random numbers before step 1
     for log_file in (state.metrics, state.epoch_log):
         if log_file is not None:
@@ -348,10 +420,13 @@ def _start_session(state: TrainState) -> None:
         state.run_model = compile_for_training(state.model, state.run_model, tc)
     if tc.document_attention:
         state.run_model = partial(state.run_model, document_start=_document_start(state))
-    state.say(f"train: {state.model.num_parameters():,} parameters on {state.device}, context "
-              f"{state.model.config.context_length}, batch {state.batch_size} x {tc.grad_accum_steps} accumulation "
-              f"x {dist.world_size} process(es), {tc.precision}" + (", torch.compile" if tc.compile else "")
-              + (f", gradient checkpointing ({tc.checkpoint_impl})" if tc.grad_checkpointing else ""))
+    state.say(
+        f"train: {state.model.num_parameters():,} parameters on {state.device}, context "
+        f"{state.model.config.context_length}, batch {state.batch_size} x {tc.grad_accum_steps} accumulation "
+        f"x {dist.world_size} process(es), {tc.precision}"
+        + (", torch.compile" if tc.compile else "")
+        + (f", gradient checkpointing ({tc.checkpoint_impl})" if tc.grad_checkpointing else "")
+    )
     state.writer = _tensorboard_writer(state.out_dir) if tc.tensorboard and dist.is_main else None
     state.start = time.perf_counter()
     if tc.progress and dist.is_main:
@@ -375,8 +450,14 @@ def _run_steps(state: TrainState) -> TrainResult:
         out_of_time = tc.max_minutes is not None and elapsed >= tc.max_minutes * 60
         if tc.max_minutes is not None and dist.enabled:  # every rank must stop at the same step
             out_of_time = all_reduce_sum([float(out_of_time)], dist, state.device)[0] > 0
-        row = {"step": state.step, "tokens": state.tokens_seen, "lr": f"{lr:.3e}",
-               "train_loss": repr(state.last_loss), "tokens_per_s": f"{tok_s:.1f}", "elapsed_s": f"{elapsed:.2f}"}
+        row = {
+            "step": state.step,
+            "tokens": state.tokens_seen,
+            "lr": f"{lr:.3e}",
+            "train_loss": repr(state.last_loss),
+            "tokens_per_s": f"{tok_s:.1f}",
+            "elapsed_s": f"{elapsed:.2f}",
+        }
         if state.writer is not None:
             for name, value in (("train/loss", state.last_loss), ("train/lr", lr), ("train/tokens_per_s", tok_s)):
                 state.writer.add_scalar(name, value, state.step)
@@ -399,8 +480,15 @@ def _run_steps(state: TrainState) -> TrainResult:
     seconds = time.perf_counter() - state.start
     save_resumable(state, "last", state.best_val)
     dist_utils.barrier(dist)
-    return TrainResult(state.step, state.best_val, state.last_loss, seconds,
-                       state.session_tokens / max(seconds, 1e-9), state.out_dir / "checkpoints", state.stopped)
+    return TrainResult(
+        state.step,
+        state.best_val,
+        state.last_loss,
+        seconds,
+        state.session_tokens / max(seconds, 1e-9),
+        state.out_dir / "checkpoints",
+        state.stopped,
+    )
 
 
 def _update(state: TrainState, step: int, by_wall: bool) -> float:
@@ -415,8 +503,16 @@ def _update(state: TrainState, step: int, by_wall: bool) -> float:
     for group in state.optimizer.param_groups:
         group["lr"] = lr * group.get("lr_scale", 1.0)  # Muon's groups keep their own peak rate
     micro = micro_batches(state.train_batches, step, state.batch_size, tc.grad_accum_steps, state.dist)
-    state.last_loss, n_targets = accumulate_gradients(state.run_model, micro, state.device, tc.precision, state.scaler,
-                                                      state.dist, state.ddp_model, tc.label_smoothing)
+    state.last_loss, n_targets = accumulate_gradients(
+        state.run_model,
+        micro,
+        state.device,
+        tc.precision,
+        state.scaler,
+        state.dist,
+        state.ddp_model,
+        tc.label_smoothing,
+    )
     state.epoch_loss_sum += state.last_loss * n_targets
     state.epoch_targets += n_targets
     if not math.isfinite(state.last_loss):
@@ -424,7 +520,8 @@ def _update(state: TrainState, step: int, by_wall: bool) -> float:
         raise TinyLMError(
             f"training loss became {state.last_loss} at step {step + 1}; stopped before that update, the last good "
             f"checkpoint is kept in {state.out_dir / 'checkpoints'} (lower train.lr, enable train.grad_clip or use "
-            "fp32)")
+            "fp32)"
+        )
     if tc.grad_clip > 0:
         state.scaler.unscale_(state.optimizer)
         torch.nn.utils.clip_grad_norm_(state.model.parameters(), tc.grad_clip)
@@ -444,8 +541,16 @@ def _evaluate(state: TrainState, row: dict, tok_s: float) -> None:
     """The validation loss into ``row``; the ``best`` checkpoint when it improved; the progress
     line; early stopping after ``early_stopping_patience`` evaluations without improvement."""
     tc = state.cfg.train
-    val = validation_loss(state.model, state.valid_batches, state.cfg, state.device, tc.precision, state.dist,
-                          state.batch_size, _document_start(state))
+    val = validation_loss(
+        state.model,
+        state.valid_batches,
+        state.cfg,
+        state.device,
+        tc.precision,
+        state.dist,
+        state.batch_size,
+        _document_start(state),
+    )
     row.update(val_loss=repr(val), val_ppl=f"{math.exp(min(val, 50)):.3f}")
     improved = val < state.best_val
     state.best_val, state.bad_evals = (val, 0) if improved else (state.best_val, state.bad_evals + 1)
@@ -453,8 +558,10 @@ def _evaluate(state: TrainState, row: dict, tok_s: float) -> None:
         state.writer.add_scalar("valid/loss", val, state.step)
     if improved:
         save_resumable(state, "best", val)
-    msg = (f"step {state.step}: train {state.last_loss:.4f}, valid {val:.4f} (ppl {math.exp(min(val, 50)):.2f}), "
-           f"{tok_s:,.0f} tok/s")
+    msg = (
+        f"step {state.step}: train {state.last_loss:.4f}, valid {val:.4f} (ppl {math.exp(min(val, 50)):.2f}), "
+        f"{tok_s:,.0f} tok/s"
+    )
     (state.progress.message if state.progress is not None else state.say)(msg)
     if state.on_evaluate is not None and state.dist.is_main:
         devices = [state.device] if state.device.type == "cuda" else []
@@ -467,21 +574,41 @@ def _evaluate(state: TrainState, row: dict, tok_s: float) -> None:
                 state.model.train(was_training)
     if tc.early_stopping_patience and state.bad_evals >= tc.early_stopping_patience:
         state.stopped = "early_stopping"
-        state.say(f"train: early stopping at step {state.step}: no validation improvement in {state.bad_evals} "
-                  "evaluations")
+        state.say(
+            f"train: early stopping at step {state.step}: no validation improvement in {state.bad_evals} evaluations"
+        )
 
 
 def _end_epoch(state: TrainState, row: dict, elapsed: float) -> None:
     """The epoch's mean training loss and its validation loss into epochs.csv; the sum restarts."""
     tc, epoch = state.cfg.train, state.step // state.train_batches.steps_per_epoch
-    val = float(row["val_loss"]) if "val_loss" in row else validation_loss(
-        state.model, state.valid_batches, state.cfg, state.device, tc.precision, state.dist, state.batch_size,
-        _document_start(state))
+    val = (
+        float(row["val_loss"])
+        if "val_loss" in row
+        else validation_loss(
+            state.model,
+            state.valid_batches,
+            state.cfg,
+            state.device,
+            tc.precision,
+            state.dist,
+            state.batch_size,
+            _document_start(state),
+        )
+    )
     train_mean = state.epoch_loss_sum / max(state.epoch_targets, 1)
     if state.epoch_log is not None:
-        state.epoch_log.write({"step": state.step, "epoch": epoch, "train_loss": f"{train_mean:.6f}",
-                               "val_loss": f"{val:.6f}", "train_ppl": f"{math.exp(min(train_mean, 50)):.3f}",
-                               "val_ppl": f"{math.exp(min(val, 50)):.3f}", "elapsed_s": f"{elapsed:.2f}"})
+        state.epoch_log.write(
+            {
+                "step": state.step,
+                "epoch": epoch,
+                "train_loss": f"{train_mean:.6f}",
+                "val_loss": f"{val:.6f}",
+                "train_ppl": f"{math.exp(min(train_mean, 50)):.3f}",
+                "val_ppl": f"{math.exp(min(val, 50)):.3f}",
+                "elapsed_s": f"{elapsed:.2f}",
+            }
+        )
     state.say(f"epoch {epoch}/{tc.epochs}: train {train_mean:.4f}, valid {val:.4f}")
     state.epoch_loss_sum, state.epoch_targets = 0.0, 0
 
@@ -493,17 +620,29 @@ def save_resumable(state: TrainState, name: str, val_loss: float) -> None:
     if not state.dist.is_main:
         return
     ckpt_dir = state.out_dir / "checkpoints"
-    counters = {"step": state.step, "data_position": state.step, "tokens_seen": state.tokens_seen,
-                "best_val": state.best_val, "bad_evals": state.bad_evals, "world_size": state.dist.world_size}
+    counters = {
+        "step": state.step,
+        "data_position": state.step,
+        "tokens_seen": state.tokens_seen,
+        "best_val": state.best_val,
+        "bad_evals": state.bad_evals,
+        "world_size": state.dist.world_size,
+    }
     tensors, files = state_payload(state.optimizer, state.scaler, rngs, counters)
     meta = {"step": state.step, "val_loss": val_loss, "tokens_seen": state.tokens_seen}
     if state.ema is not None:
         tensors["ema.safetensors"] = state.ema.state_tensors()
         if name != "best":  # the averaged weights as a model of their own: evaluate / generate it
-            save_checkpoint(ckpt_dir / "ema", state.ema.averaged_model(state.model), state.tokenizer, state.cfg,
-                            {**meta, "ema_decay": state.cfg.train.ema_decay, "ema_updates": state.ema.updates})
-    save_checkpoint(ckpt_dir / name, state.model, state.tokenizer, state.cfg, meta, extra_files=files,
-                    extra_tensors=tensors)
+            save_checkpoint(
+                ckpt_dir / "ema",
+                state.ema.averaged_model(state.model),
+                state.tokenizer,
+                state.cfg,
+                {**meta, "ema_decay": state.cfg.train.ema_decay, "ema_updates": state.ema.updates},
+            )
+    save_checkpoint(
+        ckpt_dir / name, state.model, state.tokenizer, state.cfg, meta, extra_files=files, extra_tensors=tensors
+    )
 
 
 def _close(state: TrainState) -> None:
