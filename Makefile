@@ -4,7 +4,7 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: demo test test-fast setup browser clean
+.PHONY: demo test test-fast lint setup browser clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -33,9 +33,14 @@ browser:
 	  fi; \
 	fi
 
-# -rs lists every skipped test with its reason: on a fresh machine only the CUDA ones may skip.
-test: $(STAMP) browser
+# ruff first (seconds): the code as formatted and linted; then every test. -rs lists every skipped
+# test with its reason: on a fresh machine only the CUDA ones may skip.
+test: $(STAMP) browser lint
 	$(BIN)/python -m pytest tests -rs $(ARGS)
+
+lint: $(STAMP)
+	$(BIN)/ruff check tinylm tests benchmarks
+	$(BIN)/ruff format --check tinylm tests benchmarks
 
 # Everything not marked slow: under 20 s on an idle 2-core machine (`make test` runs everything, as CI does).
 test-fast: $(STAMP)

@@ -39,11 +39,12 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from tinylm.generation.decode import Prepared, _linear, decode_step, prepare_for_inference  # noqa: E402
+from tinylm.generation.decode import decode_step  # noqa: E402
 from tinylm.interop.loading import load_any_checkpoint  # noqa: E402
+from tinylm.models.gpt import GPT  # noqa: E402
 
 
-def step_runner(model, prepared: Prepared, batch: int, slots: int, compile: bool):
+def step_runner(model: GPT, batch: int, slots: int, compile: bool):
     """One decoding step of ``batch`` rows at the middle of a ``slots``-slot cache, repeatable."""
     cache = model.new_kv_cache(batch, slots)
     cache.key_mask = torch.ones(batch, slots, dtype=torch.bool)  # the server's bucketed cache has one
@@ -52,28 +53,34 @@ def step_runner(model, prepared: Prepared, batch: int, slots: int, compile: bool
 
     def run():
         cache.length = slots // 2
-        decode_step(prepared, cache, tokens, positions, compile)
+        decode_step(model, cache, tokens, positions, compile)
 
     return run
 
 
-def products_runner(prepared: Prepared, batch: int):
-    """The step's matrix products alone, on inputs of the step's shapes."""
-    weights = [w for layer in prepared.layers for w in (layer.qkv, layer.out, layer.ffn_in, layer.ffn_down)]
-    weights.append((prepared.head, None))
-    inputs = [torch.randn(batch, w.shape[0]) for w, _ in weights]
+def products_runner(model: GPT, batch: int):
+    """The step's matrix products alone (every projection and the head, in their decoding layout),
+    on inputs of the step's shapes, through the layers' own forward."""
+    layers = [
+        m
+        for block in model.blocks
+        for m in (block.attn.qkv, block.attn.out_proj, *block.ffn.children())
+        if hasattr(m, "in_features")
+    ] + [model.lm_head]
+    inputs = [torch.randn(batch, layer.in_features) for layer in layers]
 
     def run():
-        for x, weight in zip(inputs, weights):
-            _linear(x, weight)  # the step's own product call
+        for x, layer in zip(inputs, layers):
+            layer(x)  # a (rows, in) input: the decoding layout's product
 
     return run
 
 
-def attention_runner(prepared: Prepared, batch: int, slots: int):
+def attention_runner(model: GPT, batch: int, slots: int):
     """The step's attention ops alone, at its shapes: one query per head against every cached slot."""
-    H, Hkv, D = prepared.n_heads, prepared.n_kv_heads, prepared.head_dim
-    caches = [(torch.randn(batch * Hkv, slots, D), torch.randn(batch * Hkv, slots, D)) for _ in prepared.layers]
+    cfg = model.config
+    H, Hkv, D = cfg.n_heads, cfg.n_kv_heads, cfg.d_attn // cfg.n_heads
+    caches = [(torch.randn(batch * Hkv, slots, D), torch.randn(batch * Hkv, slots, D)) for _ in model.blocks]
     q, bias = torch.randn(batch * Hkv, H // Hkv, D), torch.zeros(batch * Hkv, 1, slots)
 
     def run():
@@ -96,14 +103,14 @@ def time_alternately(runners: dict, steps: int, repeats: int) -> dict[str, float
 
 
 def measure(model, batches: list[int], slots: int, steps: int, repeats: int) -> list[dict]:
-    prepared = prepare_for_inference(model)
+    model.prepare_for_decoding()
     rows = []
     for batch in batches:
         runners = {
-            "eager": step_runner(model, prepared, batch, slots, False),
-            "compiled": step_runner(model, prepared, batch, slots, True),
-            "products": products_runner(prepared, batch),
-            "attention": attention_runner(prepared, batch, slots),
+            "eager": step_runner(model, batch, slots, False),
+            "compiled": step_runner(model, batch, slots, True),
+            "products": products_runner(model, batch),
+            "attention": attention_runner(model, batch, slots),
         }
         t0 = time.perf_counter()
         runners["compiled"]()  # compiles this batch size

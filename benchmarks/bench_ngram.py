@@ -33,13 +33,13 @@ from pathlib import Path
 import numpy as np
 
 HERE = Path(__file__).resolve().parent
+from tinylm.constants import EOS_ID
 from tinylm.data.corpora import load_shakespeare
 from tinylm.data.splits import split_chunks
 from tinylm.errors import TinyLMError
 from tinylm.models.ngram import NGramLM
 from tinylm.tokenizers import new_tokenizer
 from tinylm.tokenizers.base import SOS_ID
-from tinylm.constants import EOS_ID
 
 LMPLZ = HERE / ".kenlm" / "bin" / "lmplz"
 

@@ -22,7 +22,8 @@ valid file; on that full file the script checks its own measurement against it (
 ``--tokens`` training tokens (the same amount of training on any machine), in this run, one after
 the other on the same machine, then scores the run's result (its ``checkpoints/ema`` when the recipe
 averages weights, else ``checkpoints/best``) in the same table. NAME is ``v1`` (the first CPU-hour
-recipe, preset ``tinystories-cpu-1h-v1``), ``r2`` / ``r3`` (rounds 2 and 3, ``tinystories-cpu-1h-r2`` / ``-r3``), ``current``
+recipe, preset ``tinystories-cpu-1h-v1``), ``r2`` / ``r3`` (rounds 2 and 3, ``tinystories-cpu-1h-r2`` /
+``-r3``), ``current``
 (preset ``tinystories-cpu-1h``) or any preset / config file; the recipe's cosine follows the
 shortened clock or the token budget's steps. ``--set KEY=VALUE`` overrides every recipe alike
 (e.g. ``train.threads=1``).

@@ -29,7 +29,8 @@ Every table has each system's tokens/s (or seconds), the ratio to the reference,
 slope of the growth (least squares over the rows). The JSON also records the machine (lscpu's
 model name, CPU count, torch threads) and the versions.
 
-    .venv/bin/python benchmarks/bench_scaling.py --engine all --json scaling.json --plot docs/images --docs docs/scaling.md
+    .venv/bin/python benchmarks/bench_scaling.py --engine all --json scaling.json --plot docs/images \
+        --docs docs/scaling.md
     .venv/bin/python benchmarks/bench_scaling.py --from-json scaling.json --plot docs/images --docs docs/scaling.md
 
 --docs PAGE rewrites the blocks between ``<!-- scaling:NAME -->`` and ``<!-- /scaling:NAME -->``
@@ -217,7 +218,8 @@ def run_decoding(args) -> dict:
                 }
             )
             log(
-                f"  decoding context {L} {'cache' if cache else 'no cache'}: tinylm {ours:,.1f} tok/s, HF {hf_rate:,.1f} "
+                f"  decoding context {L} {'cache' if cache else 'no cache'}: tinylm {ours:,.1f} tok/s, "
+                f"HF {hf_rate:,.1f} "
                 f"tok/s, same tokens {same}"
             )
     slopes = {}
@@ -287,7 +289,8 @@ def run_serve(args) -> dict:
                     }
                 )
                 log(
-                    f"  serve {n} clients: {r['tokens_per_s']:,.1f} tok/s, {r['errors']} errors, TTFT p50 {r['ttft_p50_ms']} ms"
+                    f"  serve {n} clients: {r['tokens_per_s']:,.1f} tok/s, {r['errors']} errors, "
+                    f"TTFT p50 {r['ttft_p50_ms']} ms"
                 )
                 for example in r["error_examples"]:
                     log(f"     error: {example}")

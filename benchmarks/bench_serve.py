@@ -8,13 +8,15 @@ printed), both by default, eager alone with ``--quick``. For each, for 1, 4 and 
 clients it runs bounded load: each client sends ``--requests`` streaming completions one
 after another (a fixed count, and at most ``--seconds`` per level), every request
 ``--max-tokens`` tokens long unless the model ends it (the demo model, trained on whole plays,
-practically never ends within 64 tokens; the tokens counted are the tokens streamed). Reported per level: requests, errors (must be 0),
+practically never ends within 64 tokens; the tokens counted are the tokens streamed). Reported per level:
+requests, errors (must be 0),
 p50/p95 time to first token, p50 time per token after the first, aggregate tokens/s over the
 level's wall time, the ratio of aggregate tokens/s to one client's of the same mode (the reference
 measured in the same run: how much batching the concurrent requests buys) and, for the compiled
 server, to the eager server's at the same number of clients.
 
-Then, on the first mode's server, a burst of malformed and oversized requests (every kind the API refuses: bad values, unknown
+Then, on the first mode's server, a burst of malformed and oversized requests (every kind the API
+refuses: bad values, unknown
 model, empty prompt, beam_width above the vocabulary, invalid JSON, wrong types, unknown fields,
 bodies over the limit, chat completions), a few hundred in all, 16 in flight; every one must get
 its 4xx answer in OpenAI's error shape, after which ``/health`` must answer and one normal
@@ -24,7 +26,8 @@ Targets on a 2-core CPU: 16 clients >= 5x the tokens/s of 1 client (each mode); 
 server >= 1.5x the eager server's tokens/s at 16 clients; p95 time to first token at 4 clients
 <= 250 ms; 0 errors; healthy after the burst.
 
-    python benchmarks/bench_serve.py [--quick] [--modes eager,compiled] [--threads 1] [--checkpoint runs/demo] [--json out.json]
+    python benchmarks/bench_serve.py [--quick] [--modes eager,compiled] [--threads 1] [--checkpoint runs/demo]
+                                     [--json out.json]
 
 ``--json PATH`` writes {"rows": [{"mode", "clients", "requests", "errors", "ttft_p50_ms",
 "ttft_p95_ms", "tokens_per_s", "vs_1_client", "vs_eager", ...}], "burst": {...}, "targets": {...},
@@ -298,7 +301,8 @@ async def burst(url: str, model: str, vocab: int, max_body: int, total: int) -> 
 # ---------------------------------------------------------------------------------------- main
 def print_table(rows: list[dict], b: dict, targets: dict) -> None:
     print(
-        "\n| mode | clients | requests | errors | TTFT p50 ms | TTFT p95 ms | per-token p50 ms | tokens/s | vs 1 client "
+        "\n| mode | clients | requests | errors | TTFT p50 ms | TTFT p95 ms | per-token p50 ms | tokens/s "
+        "| vs 1 client "
         "| vs eager |"
     )
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")

@@ -66,6 +66,7 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -75,10 +76,10 @@ import torch.nn.functional as F
 
 from tinylm.config import ModelConfig, TrainConfig
 from tinylm.models.gpt import GPT
-from tinylm.training.grad_checkpoint import enable_grad_checkpointing
+from tinylm.training.grad_checkpoint import checkpoint_function
 from tinylm.training.memory import ActivationMeter, cuda_peak_bytes, cuda_peak_scope
 from tinylm.training.optim import make_optimizer, param_groups
-from tinylm.training.trainer import accumulate_gradients, compile_for_training
+from tinylm.training.trainer import accumulate_gradients, setup_forward
 
 SHARED = HERE.parents[1] / "shared"
 TINYSTORIES = SHARED / "data" / "tinystories"
@@ -115,9 +116,8 @@ def load_token_stream(
 
         text = "\n".join(load_shakespeare(None).values())
         train_text, valid_text = text[:max_chars], text[-200_000:]
-        source = (
-            "Shakespeare (" + ("asked for" if corpus == "shakespeare" else "../shared/data/tinystories is absent") + ")"
-        )
+        why = "asked for" if corpus == "shakespeare" else "../shared/data/tinystories is absent"
+        source = f"Shakespeare ({why})"
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -176,7 +176,7 @@ def build(row: str, s: Sizes) -> torch.nn.Module:
         )
         cfg._attn_implementation = "sdpa"  # F.scaled_dot_product_attention, like tinylm's default
         return HFLoss(GPT2LMHeadModel(cfg)).train()
-    model = GPT(
+    return GPT(
         ModelConfig(
             vocab_size=s.vocab,
             context_length=s.context,
@@ -186,11 +186,12 @@ def build(row: str, s: Sizes) -> torch.nn.Module:
             dropout=0.0,
         )
     ).train()
-    if row == "checkpointing":
-        enable_grad_checkpointing(model, "tinylm")
-    elif row == "checkpointing_torch":
-        enable_grad_checkpointing(model, "torch")
-    return model
+
+
+def forward_of(row: str, model: torch.nn.Module):
+    """What a step of ``row`` calls: the model, its blocks checkpointed in the checkpointing rows."""
+    impl = {"checkpointing": "tinylm", "checkpointing_torch": "torch"}.get(row)
+    return model if impl is None else partial(model, checkpoint_blocks=checkpoint_function(impl))
 
 
 def accum_of(row: str) -> int:
@@ -212,7 +213,7 @@ def train_row(
     start, cpu_start = time.perf_counter(), time.process_time()
     for first in range(0, s.micro_batches, accum):
         micro = [batch_at(train_tokens, i, s.batch, s.context, seed=1) for i in range(first, first + accum)]
-        accumulate_gradients(model, micro, cpu)  # token-weighted, the trainer's own code path
+        accumulate_gradients(forward_of(row, model), micro, cpu)  # token-weighted, the trainer's own code path
         torch.nn.utils.clip_grad_norm_(model.parameters(), tcfg.grad_clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -241,7 +242,7 @@ def activation_bytes(row: str, s: Sizes, train_tokens, initial_state) -> tuple[i
     x, y = batch_at(train_tokens, 0, s.batch, s.context, seed=1)
     meter = ActivationMeter.for_model(model)
     with cuda_peak_scope(), meter:
-        _, loss = model(x, y)
+        _, loss = forward_of(row, model)(x, y)
         loss.backward()
     return meter.peak_bytes, cuda_peak_bytes()
 
@@ -267,8 +268,8 @@ def default_table(args) -> None:
     )
 
     for row in rows:  # warm-up: one step of each system (allocator, kernels), not timed
-        model = build(row, s)
-        accumulate_gradients(model, [batch_at(train_tokens, 10_000, s.batch, s.context, seed=1)], torch.device("cpu"))
+        batch = batch_at(train_tokens, 10_000, s.batch, s.context, seed=1)
+        accumulate_gradients(forward_of(row, build(row, s)), [batch], torch.device("cpu"))
 
     seconds = {row: [] for row in rows}
     cpu_seconds = {row: [] for row in rows}
@@ -470,7 +471,7 @@ class RoofRow:
         self.initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
         self.tcfg = TrainConfig(lr=1e-3, weight_decay=0.1, beta1=0.9, beta2=0.95, grad_clip=1.0, compile=self.compile)
         # the trainer's own compile call: the reference gets the same help
-        self.run = compile_for_training(model, model, self.tcfg) if self.compile else model
+        self.run = setup_forward(model, self.tcfg)
         self.seconds: list[float] = []
         self.warmup_s = 0.0
 
@@ -508,8 +509,9 @@ def roofline_table(args) -> None:
     print(
         f"device: {device} ({name}), torch {torch.__version__}, "
         + (f"{torch.get_num_threads()} threads; " if not cuda else "")
-        + f"{ROOF_LAYERS} layers, context {ROOF_CONTEXT}, vocab {ROOF_VOCAB}, d_model {spec.sizes}; batch {spec.batch} "
-        f"x {ROOF_CONTEXT} tokens, {spec.steps} AdamW steps per row, {spec.rounds} rounds; settings {spec.settings}"
+        + f"{ROOF_LAYERS} layers, context {ROOF_CONTEXT}, vocab {ROOF_VOCAB}, d_model {spec.sizes}; "
+        f"batch {spec.batch} x {ROOF_CONTEXT} tokens, {spec.steps} AdamW steps per row, {spec.rounds} rounds; "
+        f"settings {spec.settings}"
     )
 
     # 1. the machine's matmul peaks
@@ -645,10 +647,8 @@ def roofline_table(args) -> None:
                 print(f"speed-up vs fp32 eager, {system} d{d}: " + ", ".join(parts))
             bf = by.get(f"{system}_d{d}_bf16")
             if bf and "loss_vs_fp32" in bf:
-                print(
-                    f"  bf16 loss within 1% of fp32 ({system} d{d}): {'yes' if abs(bf['loss_vs_fp32']) <= 0.01 else 'NO'} "
-                    f"({bf['loss_vs_fp32']:+.3%})"
-                )
+                within = "yes" if abs(bf["loss_vs_fp32"]) <= 0.01 else "NO"
+                print(f"  bf16 loss within 1% of fp32 ({system} d{d}): {within} ({bf['loss_vs_fp32']:+.3%})")
     print(f"total {time.perf_counter() - t0:.1f} s")
     if args.json:
         Path(args.json).write_text(json.dumps(table, indent=2))
@@ -709,8 +709,9 @@ def profile_table(args) -> None:
         tuple(t.to(device) for t in batch_at(train_tokens, i, spec.batch, ROOF_CONTEXT, seed=1)) for i in range(4)
     ]
     print(
-        f"device: {device}, torch {torch.__version__}; data: {source}; {ROOF_LAYERS} layers, context {ROOF_CONTEXT}, "
-        f"vocab {ROOF_VOCAB}, batch {spec.batch}; one profiled step per row (after one unprofiled)"
+        f"device: {device}, torch {torch.__version__}; data: {source}; {ROOF_LAYERS} layers, "
+        f"context {ROOF_CONTEXT}, vocab {ROOF_VOCAB}, batch {spec.batch}; "
+        "one profiled step per row (after one unprofiled)"
     )
     table = []
     for d in spec.sizes:
@@ -737,8 +738,9 @@ def profile_table(args) -> None:
         for setting in settings:
             t, h = by[("tinylm", d, setting)], by[("hf_gpt2", d, setting)]
             print(
-                f"d{d} {setting}: tinylm step {t['step_wall_s'] * 1e3:,.1f} ms, hf_gpt2 {h['step_wall_s'] * 1e3:,.1f} ms "
-                f"(tinylm {h['step_wall_s'] / t['step_wall_s']:.3f}x hf under the profiler, one step: not a speed measure)"
+                f"d{d} {setting}: tinylm step {t['step_wall_s'] * 1e3:,.1f} ms, "
+                f"hf_gpt2 {h['step_wall_s'] * 1e3:,.1f} ms (tinylm {h['step_wall_s'] / t['step_wall_s']:.3f}x hf "
+                "under the profiler, one step: not a speed measure)"
             )
     print(f"total {time.perf_counter() - t0:.1f} s")
     if args.json:
@@ -779,8 +781,9 @@ def main() -> None:
     ap.add_argument(
         "--profile",
         action="store_true",
-        help=f"instead of a table: the top {PROFILE_TOP} ops by self CPU time of one training step of tinylm "
-        "and of HF GPT-2 (roofline models; --sizes, --settings (default fp32), --batch, --device apply)",
+        help=f"instead of a table: the top {PROFILE_TOP} ops by self CPU time of one training step of "
+        "tinylm and of HF GPT-2 (roofline models; --sizes, --settings (default fp32), --batch, "
+        "--device apply)",
     )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)

@@ -122,7 +122,7 @@ def tiny_run_config(out_dir, train_file, **train_overrides) -> RunConfig:
 
 
 def prepared_stories_run(root, **train_overrides):
-    """(config, Prepared) for a tiny run on ``make_stories()`` written under ``root``: the shared
+    """(config, PreparedData) for a tiny run on ``make_stories()`` written under ``root``: the shared
     start of the trainer tests' module-scoped fixtures."""
     from tinylm.data.prepare import prepare
 

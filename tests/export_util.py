@@ -7,7 +7,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-
 from conftest import make_stories, tiny_run_config
 
 LLAMA_SHAPE = dict(

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import httpx
 import torch
-
 from conftest import make_stories
+
 from tinylm.config import ModelConfig
 from tinylm.models.checkpoint import save_checkpoint
 from tinylm.models.gpt import GPT

@@ -6,18 +6,18 @@ import random
 
 import pytest
 import torch
-
 from conftest import tiny_run_config
+
 from tinylm.config import ModelConfig, check_config
+from tinylm.constants import IGNORE_INDEX
 from tinylm.data.prepare import prepare
 from tinylm.data.tokens import Batches, encode_split
 from tinylm.errors import TinyLMError
 from tinylm.models.gpt import GPT
-from tinylm.constants import IGNORE_INDEX
 from tinylm.tokenizers import new_tokenizer
+from tinylm.training.distributed import DistContext
 from tinylm.training.optim import make_optimizer
 from tinylm.training.trainer import accumulate_gradients, micro_batches, per_rank_batch_size, train
-from tinylm.training.distributed import DistContext
 
 
 @pytest.fixture(scope="module")
@@ -88,9 +88,8 @@ def test_trainer_with_accumulation_matches_big_batch(tmp_path, stories_file):
     prepared = prepare(cfg, tmp_path / "prep")
     states = []
     for batch, accum in ((8, 1), (2, 4)):
-        run_cfg = dataclasses.replace(
-            cfg, train=dataclasses.replace(cfg.train, batch_size=batch, grad_accum_steps=accum)
-        )
+        run_train = dataclasses.replace(cfg.train, batch_size=batch, grad_accum_steps=accum)
+        run_cfg = dataclasses.replace(cfg, train=run_train)
         train(run_cfg, prepared, tmp_path / f"run{accum}")
         from safetensors.torch import load_file
 

@@ -2,8 +2,8 @@
 seeded fraction of the training stories only."""
 
 import pytest
-
 from conftest import make_stories, tiny_run_config
+
 from tinylm.data.augment import augment_mojibake, curly_punctuation, mojibake, mojibake_punctuation
 from tinylm.data.prepare import prepare
 from tinylm.errors import TinyLMError

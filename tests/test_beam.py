@@ -2,13 +2,12 @@
 
 import pytest
 import torch
-
 from conftest import slow_except
+
 from tinylm.config import ModelConfig
 from tinylm.generation import GenerationConfig, generate, generate_many
 from tinylm.generation.beam import beam_search
 from tinylm.models.gpt import GPT
-
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.one_thread
 
@@ -95,7 +94,7 @@ def test_beam_runs_past_the_context_length():
 
 
 def test_cache_reorder_from_the_shared_slots_equals_a_full_reorder():
-    from tinylm.generation.beam import _common_prefix, _reorder_cache
+    from tinylm.generation.beam import _common_prefix
 
     model = tiny_model()
     torch.manual_seed(1)
@@ -107,7 +106,7 @@ def test_cache_reorder_from_the_shared_slots_equals_a_full_reorder():
     full.length = part.length = 10
     rows = torch.tensor([2, 2, 0, 5, 4, 1])
     full.reorder(rows)
-    _reorder_cache(part, rows, 7)
+    part.reorder(rows, start=7)
     for a, b in zip((*full.k, *full.v), (*part.k, *part.v)):
         assert torch.equal(a, b)
     generated = torch.tensor([[3, 4, 5, 0], [3, 4, 6, 0], [3, 4, 5, 0], [3, 9, 5, 0]])  # 2 prompts x 2 beams

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from conftest import make_stories
 
 REPO = Path(__file__).resolve().parents[1]

@@ -6,7 +6,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from serving_util import make_run
 
 REPO = Path(__file__).resolve().parents[1]

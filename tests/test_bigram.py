@@ -7,13 +7,13 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-
 from test_ngram import sample
+
+from tinylm.constants import EOS_ID, SOS_ID
 from tinylm.errors import TinyLMError
 from tinylm.models.bigram import NeuralBigramLM, pair_nll, stream_pairs
 from tinylm.models.ngram import NGramLM
 from tinylm.training.bigram import BigramConfig, sweep_bigram, train_bigram
-from tinylm.constants import EOS_ID, SOS_ID
 
 V = 12
 

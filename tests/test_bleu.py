@@ -9,11 +9,12 @@ import math
 
 import pytest
 import torch
+from conftest import make_stories
 from sacrebleu.metrics import BLEU
 from sacrebleu.tokenizers.tokenizer_13a import Tokenizer13a
 
-from conftest import make_stories
 from tinylm.config import ModelConfig
+from tinylm.constants import SOS_ID
 from tinylm.errors import TinyLMError
 from tinylm.evaluation.bleu import (
     bleu_from_stats,
@@ -26,7 +27,6 @@ from tinylm.evaluation.bleu import (
 from tinylm.evaluation.protocol import CSV_COLUMNS, BleuProtocol, Decoding, reference_nll, run_bleu, select_samples
 from tinylm.models.gpt import GPT
 from tinylm.tokenizers import WordTokenizer
-from tinylm.constants import SOS_ID
 
 HYPS = [
     "the cat sat on the mat and looked at the dog .",

@@ -10,9 +10,9 @@ import math
 import numpy as np
 import pytest
 import torch
-
 from conftest import make_stories
 from serving_util import make_run
+
 from tinylm.cli import main
 from tinylm.constants import EOS_ID, SOS_ID
 from tinylm.errors import TinyLMError

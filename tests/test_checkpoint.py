@@ -4,15 +4,14 @@ import os
 
 import pytest
 import torch
-
 from safetensors.torch import load_file, save_file
 
 from tinylm.config import ModelConfig, TrainConfig
 from tinylm.errors import TinyLMError
-from tinylm.models.gpt import GPT, state_dict_by_parts
-from tinylm.tokenizers import new_tokenizer
 from tinylm.models import checkpoint as ckpt_mod
 from tinylm.models.checkpoint import load_checkpoint, prune_step_checkpoints, resolve_checkpoint_dir, save_checkpoint
+from tinylm.models.gpt import GPT, state_dict_by_parts
+from tinylm.tokenizers import new_tokenizer
 from tinylm.training.optim import make_optimizer, param_groups
 from tinylm.training.resume import ResumeState, restore_optimizer
 

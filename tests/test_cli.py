@@ -13,15 +13,15 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-
 from conftest import make_stories, tiny_run_config
-from tinylm.training.metrics import EVAL_SAMPLES, read_eval_samples
+
 from tinylm.cli import COMMANDS, build_parser, main, options_from
 from tinylm.config import GENERATION_SURFACES, GenerationConfig, build_config
 from tinylm.models.checkpoint import load_checkpoint, save_checkpoint
 from tinylm.pipeline import run_pipeline
 from tinylm.serving.completions import generation_config
 from tinylm.serving.schemas import CompletionRequest
+from tinylm.training.metrics import EVAL_SAMPLES, read_eval_samples
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -240,6 +240,19 @@ def test_demo_quick_end_to_end(tmp_path):
     assert "bits per byte" in proc.stderr and "demo finished" in proc.stdout  # progress on stderr, result on stdout
     for name in ("report.md", "metrics.csv", "samples.txt", "config.yaml", "checkpoints/best/model.safetensors"):
         assert (tmp_path / "demo" / name).is_file()
+
+
+def test_commands_that_do_not_serve_start_without_the_web_stack():
+    """Only `tinylm serve` imports FastAPI, pydantic and uvicorn: `tinylm --version`, `--help` and
+    a training run start without them."""
+    code = (
+        "import sys; from tinylm.cli import main; assert main(['--version']) == 0; "
+        "assert main(['train', '--help']) == 0; "
+        "print(sorted(m for m in ('fastapi', 'pydantic', 'starlette', 'uvicorn') if m in sys.modules))"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip().splitlines()[-1] == "[]"
 
 
 def test_every_subcommand_has_help_listing_every_option(capsys):

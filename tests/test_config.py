@@ -1,4 +1,7 @@
 import dataclasses
+import json
+from pathlib import Path
+from typing import get_args
 
 import pytest
 import yaml
@@ -8,6 +11,9 @@ from tinylm.config import (
     ModelConfig,
     RunConfig,
     SampleConfig,
+    TokenizerType,
+    WordOOV,
+    apply_updates,
     build_config,
     check_config,
     config_from_dict,
@@ -17,6 +23,12 @@ from tinylm.config import (
     read_config,
 )
 from tinylm.errors import TinyLMError
+from tinylm.studies.study_config import load_study_config
+from tinylm.studies.tinystories import ExperimentsConfig, load_experiment_config
+from tinylm.tokenizers import TOKENIZER_TYPES
+from tinylm.tokenizers.word import WordTokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_overrides_are_typed_and_nested(tmp_path):
@@ -86,7 +98,7 @@ def test_the_token_budget_preset_is_the_hour_recipe_without_its_clock():
     assert changed == {"out_dir", "train.max_tokens", "train.max_minutes", "train.schedule_clock"}
 
 
-def test_earlier_rounds_are_kept_and_each_round_changes_only_what_its_ablation_chose():
+def test_the_reference_recipes_differ_from_the_hour_recipe_only_where_its_ablation_chose():
     r2, r3, current = (build_config(f"tinystories-cpu-1h{s}") for s in ("-r2", "-r3", ""))
     assert (r2.tokenizer.vocab_size, r2.model.value_embeddings, r2.model.n_layers) == (2048, "none", 6)
     assert set(diff_configs(r2.to_dict(), r3.to_dict())) == {
@@ -162,3 +174,31 @@ def test_every_run_config_default_passes_its_own_checks():
         if "experiments" in raw or not set(raw) <= {f.name for f in dataclasses.fields(RunConfig)}:
             continue  # a study's preset: its own loader checks it
         check_config(build_config(name))
+
+
+def test_every_preset_loads_with_its_own_loader():
+    for name in preset_names():
+        raw = read_config(name)
+        if "experiments" in raw:
+            load_experiment_config(name)
+        elif set(raw) <= {f.name for f in dataclasses.fields(RunConfig)}:
+            build_config(name)
+        else:
+            load_study_config(name)
+
+
+def test_the_run_configs_committed_in_docs_load():
+    configs = sorted((ROOT / "docs" / "results").rglob("config*.yaml"))
+    assert configs, "docs/results holds the assignment's run config"
+    for path in configs:
+        config_from_dict(yaml.safe_load(path.read_text(encoding="utf-8")))
+    for path in sorted((ROOT / "docs" / "results").rglob("experiments.json")):
+        exp = ExperimentsConfig()
+        apply_updates(exp, json.loads(path.read_text(encoding="utf-8"))["experiments"], prefix="experiments.")
+        check_config(exp, "experiments.")
+
+
+def test_each_closed_choice_is_declared_once_in_the_schema():
+    assert set(get_args(TokenizerType)) == set(TOKENIZER_TYPES)
+    with pytest.raises(TinyLMError, match=f"word oov 'drop' is not one of {', '.join(get_args(WordOOV))}$"):
+        WordTokenizer(oov="drop")

@@ -1,17 +1,17 @@
-"""The static-shape decoding step: equal to the model's own forward, its prepared weights cached
-and rebuilt when they change, and the compiled step equal to the eager one token for token."""
+"""The static-shape decoding step: equal to the model's uncached forward, its decoding layout kept
+until a weight changes, and the compiled step equal to the eager one token for token."""
 
 import json
 
 import pytest
 import torch
-
 from conftest import make_stories
+
 from tinylm.cli import main
 from tinylm.config import ModelConfig
 from tinylm.generation import GenerationConfig, generate_many
 from tinylm.generation.core import cache_slots, prefill
-from tinylm.generation.decode import decode_step, prepare_for_inference
+from tinylm.generation.decode import decode_step
 from tinylm.models.checkpoint import save_checkpoint
 from tinylm.models.gpt import GPT
 from tinylm.tokenizers.char import CharTokenizer
@@ -40,12 +40,12 @@ def test_step_logits_equal_the_full_forward_on_a_left_padded_batch(arch):
     seqs = [list(r) for r in rows]
     with torch.inference_mode():
         cache, last, positions = prefill(model, rows, 40)
-        prepared = prepare_for_inference(model)
+        model.prepare_for_decoding()
         for _ in range(25):
             nxt = last.argmax(-1)
             for s, t in zip(seqs, nxt.tolist()):
                 s.append(t)
-            last = decode_step(prepared, cache, nxt, positions)
+            last = decode_step(model, cache, nxt, positions)
             positions += 1
             for i, s in enumerate(seqs):  # each row alone, recomputed from scratch
                 full = model(torch.tensor([s]))[0][0, -1]
@@ -57,24 +57,28 @@ def test_step_matches_the_forward_in_float64():
     model = tiny(**ARCHS["llama_gqa"]).double()
     with torch.inference_mode():
         cache, last, _ = prefill(model, [[2, 7, 11]], 8)
-        step = decode_step(prepare_for_inference(model), cache, torch.tensor([5]))
+        step = decode_step(model, cache, torch.tensor([5]))
         full = model(torch.tensor([[2, 7, 11, 5]]))[0][0, -1]
     assert step.dtype == torch.float64
     torch.testing.assert_close(step[0], full, atol=1e-12, rtol=0)
 
 
-def test_prepared_weights_are_reused_until_a_weight_changes():
+def test_the_decoding_layout_is_renewed_when_a_weight_changes():
     model = tiny()
-    first = prepare_for_inference(model)
-    assert prepare_for_inference(model) is first
+    model.prepare_for_decoding()
+    up = model.blocks[0].ffn.up
+    first = up.decode_weight
+    model.prepare_for_decoding()
+    assert up.decode_weight is first  # unchanged weights: the layout is kept
     with torch.no_grad():
-        model.blocks[0].ffn.up.weight.add_(0.5)  # an optimizer step changes weights in place
-    second = prepare_for_inference(model)
-    assert second is not first
-    expected = model.blocks[0].ffn.up.weight.t()
-    assert torch.equal(second.layers[0].ffn_in[0], expected)
+        up.weight.add_(0.5)  # an optimizer step changes weights in place
+    model.prepare_for_decoding()
+    assert up.decode_weight is not first
+    assert torch.equal(up.decode_weight, up.weight.t())
+    second = up.decode_weight
     model.load_state_dict(tiny().state_dict())
-    assert prepare_for_inference(model) is not second
+    model.prepare_for_decoding()
+    assert up.decode_weight is not second
 
 
 def test_a_full_cache_is_refused_with_a_clear_error():
@@ -82,15 +86,16 @@ def test_a_full_cache_is_refused_with_a_clear_error():
     with torch.inference_mode():
         cache, _, _ = prefill(model, [[2, 3, 4]], 3)
         with pytest.raises(ValueError, match="KV cache is full"):
-            decode_step(prepare_for_inference(model), cache, torch.tensor([5]))
+            decode_step(model, cache, torch.tensor([5]))
 
 
-def test_compiled_cache_sizes_are_rounded_up_to_64_within_the_context():
-    assert cache_slots(256, 37, static=False) == 37
-    assert cache_slots(256, 37, static=True) == 64
-    assert cache_slots(512, 272, static=True) == 320
-    assert cache_slots(256, 250, static=True) == 256
-    assert cache_slots(100, 90, static=True) == 100
+def test_compiled_cache_sizes_come_from_a_few_buckets_within_the_context():
+    assert cache_slots(37, 256, bucketed=False) == 37
+    assert cache_slots(37, 512, bucketed=True) == 64
+    assert cache_slots(272, 512, bucketed=True) == 512
+    assert cache_slots(700, 1024, bucketed=True) == 1024
+    assert cache_slots(37, 256, bucketed=True) == 256  # a short context: one shape
+    assert cache_slots(900, 100, bucketed=False) == 100
 
 
 def test_bfloat16_model_decodes_with_float32_softmax_and_stays_close():
@@ -176,7 +181,7 @@ def test_cuda_step_matches_the_forward_and_compiled_equals_eager(arch):
     prompts = [[2, 7, 11, 5, 9, 4, 8], [3, 4]]
     with torch.inference_mode():
         cache, last, positions = prefill(model, prompts, 16)
-        step = decode_step(prepare_for_inference(model), cache, last.argmax(-1), positions)
+        step = decode_step(model, cache, last.argmax(-1), positions)
         for i, p in enumerate(prompts):
             full = model(torch.tensor([p + [int(last[i].argmax())]], device="cuda"))[0][0, -1]
             torch.testing.assert_close(step[i], full, atol=1e-4, rtol=0)

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import tiny_run_config
 from safetensors.torch import load_file
 
-from conftest import tiny_run_config
 from tinylm.data.prepare import prepare
 from tinylm.data.tokens import Batches
 from tinylm.training.distributed import DistContext, setup_distributed, shard_rows

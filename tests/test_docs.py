@@ -238,6 +238,65 @@ def test_pages_exist_and_are_linked_from_the_readme():
     assert len(readme.splitlines()) < 200
 
 
+def package_map() -> dict[str, list[str]]:
+    """README's "Map of the package": each entry under ``tinylm/`` (``cli.py``, ``data/``) -> the
+    names it lists: comma-separated, each a module, preset or folder (``static/``) that may carry a
+    gloss in parentheses; a package may open with the command it serves (``"`tinylm serve`: "``)."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    block = readme.split("## Map of the package", 1)[1].split("```text\n", 1)[1].split("```", 1)[0]
+    entries: dict[str, str] = {}
+    name = None
+    for line in block.splitlines():
+        top = re.match(r"^  (\S+)\s+(.*)$", line)
+        if top:
+            name = top.group(1)
+            entries[name] = top.group(2)
+        elif line.startswith("    ") and name is not None:
+            entries[name] += " " + line.strip()
+        else:
+            name = None  # tinylm/ itself, and the folders beside it
+    listed = {}
+    for name, text in entries.items():
+        while re.search(r"\([^()]*\)", text):
+            text = re.sub(r"\s*\([^()]*\)", "", text)
+        text = re.sub(r"^`[^`]*`:\s*", "", text)
+        listed[name] = [item.strip() for item in text.split(",")] if name.endswith("/") else []
+    return listed
+
+
+def test_the_package_map_names_every_module_and_only_modules():
+    package = ROOT / "tinylm"
+    listed = package_map()
+    files = {p.name for p in package.glob("*.py") if p.name != "__init__.py"}
+    folders = {f"{p.name}/" for p in package.iterdir() if p.is_dir() and p.name != "__pycache__"}
+    assert {n for n in listed if not n.endswith("/")} == files, "README's map: the modules directly in tinylm/"
+    assert {n for n in listed if n.endswith("/")} == folders, "README's map: the folders in tinylm/"
+    for folder, names in listed.items():
+        if not folder.endswith("/"):
+            continue
+        where = package / folder
+        odd = [n for n in names if not re.fullmatch(r"[\w-]+/?", n)]
+        assert not odd, f"README's map, {folder}: {odd} are not names (a gloss goes in parentheses)"
+        if folder == "presets/":
+            present = {p.stem for p in where.glob("*.yaml")}
+        else:
+            present = {p.stem for p in where.glob("*.py") if p.name != "__init__.py"} | {
+                f"{p.name}/" for p in where.iterdir() if p.is_dir() and p.name != "__pycache__"
+            }
+        assert sorted(names) == sorted(present), (
+            f"README's map, {folder}: missing {sorted(present - set(names))}, "
+            f"not in the tree {sorted(set(names) - present)}, listed twice "
+            f"{sorted(n for n in set(names) if names.count(n) > 1)}"
+        )
+
+
+def test_the_package_map_check_reads_glosses_and_folders():
+    listed = package_map()
+    assert "scheduler" in listed["serving/"] and "static/" in listed["serving/"]
+    assert "load_any_checkpoint" not in listed["interop/"] and "loading" in listed["interop/"]
+    assert listed["cli.py"] == [] and "tinystories-cpu-1h-r3" in listed["presets/"]
+
+
 def anchors(page: Path) -> set[str]:
     """GitHub's heading anchors: lowercased, punctuation other than '-' dropped, spaces to '-'."""
     heads = re.findall(r"^#+\s+(.*)$", page.read_text(encoding="utf-8"), re.M)

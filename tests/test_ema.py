@@ -5,8 +5,8 @@ import copy
 
 import pytest
 import torch
-
 from conftest import prepared_stories_run
+
 from tinylm.config import ModelConfig
 from tinylm.errors import TinyLMError
 from tinylm.models.checkpoint import load_checkpoint, model_state

@@ -12,6 +12,7 @@ import torch
 from conftest import make_stories
 
 from tinylm.config import EmbeddingsConfig, ModelConfig
+from tinylm.errors import TinyLMError
 from tinylm.models.embeddings import (
     apply_pretrained_embeddings,
     build_embedding_matrix,
@@ -23,7 +24,6 @@ from tinylm.models.embeddings import (
     train_fasttext,
     write_vec,
 )
-from tinylm.errors import TinyLMError
 from tinylm.models.gpt import GPT
 from tinylm.tokenizers import WordTokenizer
 

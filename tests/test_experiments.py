@@ -39,7 +39,10 @@ experiments:
   accum_micro_batch: 4
   tradeoff_stories: 16
   tradeoff_micro_batches: 2
-  attention_texts: ["Tom had a red ball.", "the dog ran fast and the cat ran fast and the dog ran fast and the cat ran fast and the dog ran fast and the cat ran fast and the dog ran fast and the cat ran fast"]
+  attention_texts:
+    - "Tom had a red ball."
+    - "the dog ran fast and the cat ran fast and the dog ran fast and the cat ran fast and the dog ran fast and the
+      cat ran fast and the dog ran fast and the cat ran fast"
   sample_temperatures: [0.7, 1.0]
 quick:
   train: {max_steps: 20}
@@ -73,13 +76,13 @@ def test_config_quick_section_and_overrides(corpus):
         load_experiment_config(config, ["experiments.accum_steps=[0]"])
 
 
-def test_the_decoding_section_and_its_old_flat_keys(corpus, tmp_path):
+def test_the_decoding_section(corpus, tmp_path):
     config, data = corpus
     exp = load_experiment_config(config, [*data, "experiments.decoding.temperature=0.5"])[1]
     assert (exp.decoding.temperature, exp.decoding.top_k) == (0.5, 50)
-    old = tmp_path / "old.yaml"  # written before the section: decoding_temperature / decoding_top_k
-    old.write_text("experiments: {decoding_temperature: 0.85, decoding_top_k: 40, bleu_samples: 7}\n")
-    exp = load_experiment_config(old, [*data, "experiments.decoding_top_k=null"])[1]
+    section = tmp_path / "section.yaml"
+    section.write_text("experiments: {decoding: {temperature: 0.85, top_k: 40}, bleu_samples: 7}\n")
+    exp = load_experiment_config(section, [*data, "experiments.decoding.top_k=null"])[1]
     assert (exp.decoding.temperature, exp.decoding.top_k, exp.bleu_samples) == (0.85, None, 7)
     with pytest.raises(TinyLMError, match="experiments.decoding.top_k must be >= 1"):
         load_experiment_config(config, [*data, "experiments.decoding.top_k=0"])
@@ -233,11 +236,11 @@ def test_accumulation_variants_pair_equal_tokens_with_equal_updates():
 def test_first_stories_keeps_whole_stories_and_their_share_of_bytes(tmp_path):
     import numpy as np
 
-    from tinylm.data.prepare import Prepared
+    from tinylm.data.prepare import PreparedData
     from tinylm.data.tokens import TokenSplit
 
     split = TokenSplit("train", np.arange(10, dtype=np.uint16), np.array([0, 3, 7, 10]), n_bytes=100, n_words=20)
-    prepared = Prepared(tokenizer=None, tokenizer_path=tmp_path, splits={"train": split, "valid": split}, report={})
+    prepared = PreparedData(tokenizer=None, tokenizer_path=tmp_path, splits={"train": split, "valid": split}, report={})
     head = first_stories(prepared, 2).splits["train"]
     assert head.n_docs == 2 and head.ids.tolist() == list(range(7)) and (head.n_bytes, head.n_words) == (70, 14)
     assert first_stories(prepared, 2).splits["valid"] is split and first_stories(prepared, 3) is prepared

@@ -5,15 +5,14 @@ import time
 
 import pytest
 import torch
-
 from conftest import slow_except
+
 from tinylm.cli import main
 from tinylm.config import ModelConfig
 from tinylm.generation import GenerationConfig, TextStream, TokenStream, generate, generate_many
+from tinylm.models.checkpoint import save_checkpoint
 from tinylm.models.gpt import GPT
 from tinylm.tokenizers import CharTokenizer
-from tinylm.models.checkpoint import save_checkpoint
-
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.one_thread
 

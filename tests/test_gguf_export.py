@@ -8,9 +8,9 @@ import gguf
 import numpy as np
 import pytest
 import torch
-
 from conftest import make_stories
 from export_util import PROMPTS, separate_matrices, train_llama_run
+
 from tinylm.cli import main
 from tinylm.config import ModelConfig
 from tinylm.errors import TinyLMError

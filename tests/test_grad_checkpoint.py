@@ -7,7 +7,7 @@ import torch
 from tinylm.config import ModelConfig, TrainConfig, check_config
 from tinylm.errors import TinyLMError
 from tinylm.models.gpt import GPT
-from tinylm.training.grad_checkpoint import CheckpointedBlock, disable_grad_checkpointing, enable_grad_checkpointing
+from tinylm.training.grad_checkpoint import CheckpointedBlock, checkpoint_function, tinylm_checkpoint
 from tinylm.training.memory import measure_step_activation_bytes
 
 
@@ -18,10 +18,10 @@ def _model(dtype=torch.float64, **kw):
     return GPT(ModelConfig(**cfg)).to(dtype).train()
 
 
-def _grads(model, x, y, seed=123):
+def _grads(model, x, y, seed=123, checkpoint_blocks=None):
     model.zero_grad(set_to_none=True)
     torch.manual_seed(seed)
-    _, loss = model(x, y)
+    _, loss = model(x, y, checkpoint_blocks=checkpoint_blocks)
     loss.backward()
     rng_after = torch.get_rng_state()
     return {n: p.grad.clone() for n, p in model.named_parameters()}, loss.item(), rng_after
@@ -46,8 +46,7 @@ def test_checkpointed_gradients_equal_plain_with_dropout(kw, impl):
     model = _model(**kw)
     x, y = _batch()
     plain, loss_plain, rng_plain = _grads(model, x, y)
-    enable_grad_checkpointing(model, impl)
-    ckpt, loss_ckpt, rng_ckpt = _grads(model, x, y)
+    ckpt, loss_ckpt, rng_ckpt = _grads(model, x, y, checkpoint_blocks=checkpoint_function(impl))
     assert loss_ckpt == loss_plain
     for name in plain:
         torch.testing.assert_close(ckpt[name], plain[name], rtol=0, atol=1e-12, msg=name)
@@ -78,22 +77,20 @@ def test_recompute_without_restoring_rng_would_differ():
             ctx.cpu_rng = torch.get_rng_state()  # pretend: take whatever state the generator has now
             return CheckpointedBlock.backward(ctx, grad_out)
 
-    model.checkpoint_fn = lambda block, x, rope, mask, idx: NoRestore.apply(
-        block, rope, mask, idx, x, *block.parameters()
-    )
-    broken, _, _ = _grads(model, x, y)
+    def no_restore(block, x, rope, mask, idx):
+        return NoRestore.apply(block, rope, mask, idx, x, *block.parameters())
+
+    broken, _, _ = _grads(model, x, y, checkpoint_blocks=no_restore)
     assert (broken["blocks.0.ffn.up.weight"] - plain["blocks.0.ffn.up.weight"]).abs().max() > 1e-6
 
 
 def test_autograd_grad_reaches_block_parameters():
     """Parameters are inputs of the Function, so torch.autograd.grad sees them (not only .grad)."""
     model = _model(dropout=0.0)
-    enable_grad_checkpointing(model)
     x, y = _batch()
-    _, loss = model(x, y)
+    _, loss = model(x, y, checkpoint_blocks=tinylm_checkpoint)
     w = model.blocks[1].attn.qkv.weight
     (g,) = torch.autograd.grad(loss, [w])
-    disable_grad_checkpointing(model)
     _, loss = model(x, y)
     (ref,) = torch.autograd.grad(loss, [w])
     torch.testing.assert_close(g, ref, rtol=0, atol=1e-12)
@@ -105,28 +102,35 @@ def test_checkpointing_under_bf16_autocast_matches_plain(kw):
     model = _model(dtype=torch.float32, dropout=0.1, **kw)
     x, y = _batch()
 
-    def grads():
+    def grads(checkpoint_blocks=None):
         model.zero_grad(set_to_none=True)
         torch.manual_seed(9)
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            _, loss = model(x, y)
+            _, loss = model(x, y, checkpoint_blocks=checkpoint_blocks)
         loss.backward()
         return {n: p.grad.clone() for n, p in model.named_parameters()}
 
     plain = grads()
-    enable_grad_checkpointing(model)
-    ckpt = grads()
+    ckpt = grads(tinylm_checkpoint)
     for name in plain:
         torch.testing.assert_close(ckpt[name], plain[name], rtol=0, atol=0, msg=name)
 
 
 def test_eval_and_kv_cache_paths_skip_checkpointing():
     model = _model(dropout=0.0)
-    enable_grad_checkpointing(model)
-    model.eval()
     x, _ = _batch()
+
+    def refuse(*args):
+        raise AssertionError("checkpoint_blocks ran outside training")
+
+    model.eval()
     with torch.no_grad():
-        logits, _ = model(x)
+        logits, _ = model(x, checkpoint_blocks=refuse)
+    assert logits.shape == (3, 24, 61)
+    model.train()
+    cache = model.new_kv_cache(3)
+    with torch.no_grad():
+        logits, _ = model(x, kv_cache=cache, checkpoint_blocks=refuse)
     assert logits.shape == (3, 24, 61)
 
 
@@ -134,8 +138,7 @@ def test_checkpointing_keeps_under_40_percent_of_activation_bytes():
     model = _model(dtype=torch.float32, vocab_size=64, context_length=64, d_model=64, n_layers=4, dropout=0.1)
     x, y = _batch(vocab=64, B=4, T=64)
     plain = measure_step_activation_bytes(model, x, y)["peak_activation_bytes"]
-    enable_grad_checkpointing(model)
-    ckpt = measure_step_activation_bytes(model, x, y)
+    ckpt = measure_step_activation_bytes(model, x, y, checkpoint_blocks=tinylm_checkpoint)
     assert ckpt["peak_activation_bytes"] <= 0.4 * plain
     # at the end of the forward only block inputs (and the head) are kept; the peak is reached
     # in backward, when one block is recomputed

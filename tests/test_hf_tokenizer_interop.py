@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from tinylm.errors import TinyLMError
 from tinylm.tokenizers.bpe import BPETokenizer
-from tinylm.tokenizers.hf_interop import byte_to_unicode, export_hf, import_hf
+from tinylm.tokenizers.hf_interop import byte_to_unicode, import_hf, save_hf_tokenizer_json
 
 tokenizers = pytest.importorskip("tokenizers")
 
@@ -30,7 +30,7 @@ def hf_pieces(hf, text):
 @pytest.fixture(scope="module", params=["gpt2", "gpt4", r"\p{L}+| ?\p{N}"])
 def exported(request, tmp_path_factory):
     tok = BPETokenizer(pattern=request.param).train(CORPUS, 420)
-    path = export_hf(tok, tmp_path_factory.mktemp("hf") / "tokenizer.json")
+    path = save_hf_tokenizer_json(tok, tmp_path_factory.mktemp("hf") / "tokenizer.json")
     return tok, tokenizers.Tokenizer.from_file(str(path)), path
 
 
@@ -167,4 +167,4 @@ def test_bad_files(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         with pytest.raises(TinyLMError, match="only BPE tokenizers"):
-            export_hf(object(), tmp_path / "o.json")
+            save_hf_tokenizer_json(object(), tmp_path / "o.json")

@@ -14,7 +14,6 @@ from tinylm.interop.gpt2 import from_hf_gpt2  # noqa: E402
 from tinylm.interop.llama import from_hf_llama  # noqa: E402
 from tinylm.models.gpt import GPT  # noqa: E402
 
-
 pytestmark = [
     pytest.mark.slow,  # imports transformers and its model code: ~5 s before the first test
     pytest.mark.usefixtures("one_thread"),
@@ -196,8 +195,8 @@ def test_hf_directory_as_checkpoint(tmp_path):
 def test_cli_export_hf_from_tinylm_and_llama2c_checkpoints(tmp_path, capsys):
     from tinylm.cli import main
     from tinylm.interop.llama2c import save_llama2c
-    from tinylm.tokenizers import CharTokenizer
     from tinylm.models.checkpoint import save_checkpoint
+    from tinylm.tokenizers import CharTokenizer
 
     tok = CharTokenizer().train(["abcdefgh ijk"])
     torch.manual_seed(0)

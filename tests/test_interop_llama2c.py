@@ -12,12 +12,11 @@ from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from tinylm.cli import main  # noqa: E402
 from tinylm.errors import TinyLMError  # noqa: E402
-from tinylm.generation import GenerationConfig, generate_many  # noqa: E402
 from tinylm.evaluation.perplexity import evaluate_texts  # noqa: E402
+from tinylm.generation import GenerationConfig, generate_many  # noqa: E402
 from tinylm.interop import load_any_checkpoint  # noqa: E402
 from tinylm.interop.llama2c import load_llama2c, save_llama2c  # noqa: E402
 from tinylm.tokenizers.llama2c import Llama2cTokenizer  # noqa: E402
-
 
 pytestmark = [
     pytest.mark.slow,  # imports transformers and its model code: ~5 s before the first test

@@ -2,13 +2,12 @@
 
 import pytest
 import torch
-
 from conftest import slow_except
+
 from tinylm.config import ModelConfig
 from tinylm.generation import GenerationConfig, generate_many
-from tinylm.generation.generate import prefill
+from tinylm.generation.core import prefill
 from tinylm.models.gpt import GPT
-
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.one_thread
 

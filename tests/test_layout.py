@@ -11,7 +11,6 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
-
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "tinylm"
 MAX_TOP_LEVEL_MODULES = 5  # besides __init__.py; the rest lives in the stage packages
@@ -258,8 +257,18 @@ def test_the_top_level_holds_at_most_five_modules():
     assert len(top) <= MAX_TOP_LEVEL_MODULES, f"{len(top)} modules directly in tinylm/: {top}"
 
 
+def deferred_server_import(i: Import) -> bool:
+    """The CLI imports the server's modules (FastAPI, pydantic) inside `tinylm serve` only, so that
+    every other command starts without them."""
+    return i.module == "tinylm.cli" and all(t.startswith("tinylm.serving") for t in targets(i))
+
+
 def test_tinylm_imports_are_at_the_top_of_the_module():
-    deferred = [f"{_where(i)}: {', '.join(targets(i))}" for i in imports() if i.in_function and targets(i)]
+    deferred = [
+        f"{_where(i)}: {', '.join(targets(i))}"
+        for i in imports()
+        if i.in_function and targets(i) and not deferred_server_import(i)
+    ]
     assert not deferred, "function-level imports of tinylm modules (move them to the top):\n" + "\n".join(deferred)
 
 
@@ -338,3 +347,53 @@ def test_no_function_is_longer_than_the_limit():
         for name, line, n in long_functions(ast.parse(source(m)), MAX_FUNCTION_LINES)
     ]
     assert not found, f"functions over {MAX_FUNCTION_LINES} lines:\n" + "\n".join(found)
+
+
+# The options that change what the model computes: only the model's own modules implement them.
+ARCHITECTURE_OPTIONS = {
+    "positions",
+    "rope_theta",
+    "norm",
+    "norm_eps",
+    "ffn",
+    "bias",
+    "tie_weights",
+    "d_embed",
+    "attention",
+    "qk_norm",
+    "logit_softcap",
+    "zero_init_out",
+    "value_embeddings",
+    "n_kv_heads",
+    "d_attn",
+    "d_ff",
+    "dropout",
+    "attn_dropout",
+    "init",
+}
+
+
+def architecture_reads(tree: ast.AST) -> list[tuple[int, str]]:
+    """Lines reading an architecture option off a model config (``<...>config.<option>``)."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr in ARCHITECTURE_OPTIONS:
+            base = ast.unparse(node.value)
+            if base.endswith("config") or base in ("cfg", "mc", "model_cfg"):
+                found.append((node.lineno, f"{base}.{node.attr}"))
+    return found
+
+
+def test_no_architecture_option_is_read_in_generation_or_serving():
+    assert architecture_reads(ast.parse("x = model.config.qk_norm\ny = cfg.temperature")) == [
+        (1, "model.config.qk_norm")
+    ]
+    found = [
+        f"{modules()[m].relative_to(ROOT)}:{line} {what}"
+        for m in modules()
+        if m.startswith(("tinylm.generation", "tinylm.serving"))
+        for line, what in architecture_reads(ast.parse(source(m)))
+    ]
+    assert not found, "architecture options read outside the model (the model's modules implement them):\n" + "\n".join(
+        found
+    )

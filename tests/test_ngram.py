@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 
 from tinylm.config import GenerationConfig
+from tinylm.constants import EOS_ID, SOS_ID
 from tinylm.errors import TinyLMError
 from tinylm.generation.sampling import sample_from_context
 from tinylm.models.ngram import NGramLM, _ok_windows, chen_goodman_discounts
-from tinylm.constants import EOS_ID, SOS_ID
 
 V = 14
 WORDS = np.arange(4, V)

@@ -5,8 +5,8 @@ import csv
 import math
 
 import pytest
-
 from conftest import make_stories, tiny_run_config
+
 from tinylm.config import TrainConfig, check_config
 from tinylm.data.prepare import prepare
 from tinylm.errors import TinyLMError

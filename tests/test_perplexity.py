@@ -4,11 +4,10 @@ import torch
 import torch.nn.functional as F
 
 from tinylm.config import ModelConfig
+from tinylm.constants import IGNORE_INDEX, SOS_ID
 from tinylm.evaluation.perplexity import document_windows, evaluate_texts, metrics, score_token_documents
 from tinylm.models.gpt import GPT
-from tinylm.constants import IGNORE_INDEX
 from tinylm.tokenizers import CharTokenizer
-from tinylm.constants import SOS_ID
 
 
 def test_metrics_on_a_hand_checked_case():

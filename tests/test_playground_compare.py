@@ -8,7 +8,6 @@ import json
 
 import httpx
 import pytest
-
 from browser_util import browser_page
 from serving_util import live_server, make_run
 from test_serving_compare import make_count_models

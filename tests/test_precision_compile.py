@@ -25,18 +25,25 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from conftest import make_stories, prepared_stories_run, tiny_run_config, with_overrides
 from safetensors.torch import load_file
 
-from conftest import make_stories, prepared_stories_run, tiny_run_config, with_overrides
 from tinylm.config import ModelConfig
 from tinylm.data.prepare import prepare
 from tinylm.data.tokens import Batches
 from tinylm.models.gpt import GPT, state_dict_by_parts
 from tinylm.training.distributed import DistContext
-from tinylm.training.grad_checkpoint import CheckpointedBlock, compiled_tinylm_checkpoint, enable_grad_checkpointing
+from tinylm.training.grad_checkpoint import CheckpointedBlock, compiled_tinylm_checkpoint, tinylm_checkpoint
 from tinylm.training.metrics import read_metrics
 from tinylm.training.optim import make_optimizer
-from tinylm.training.trainer import accumulate_gradients, build_model, micro_batches, seed_everything, train
+from tinylm.training.trainer import (
+    TRAIN_COMPILE_OPTIONS,
+    accumulate_gradients,
+    build_model,
+    micro_batches,
+    seed_everything,
+    train,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -188,10 +195,8 @@ def test_bf16_two_gloo_processes_match_one_process_with_doubled_batch(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     train(cfg, prepared, tmp_path / "single")
     ddp, single = _weights(tmp_path / "ddp"), _weights(tmp_path / "single")
-    (ddp_row,), (single_row,) = (
-        read_metrics(tmp_path / "ddp/metrics.csv"),
-        read_metrics(tmp_path / "single/metrics.csv"),
-    )
+    (ddp_row,) = read_metrics(tmp_path / "ddp/metrics.csv")
+    (single_row,) = read_metrics(tmp_path / "single/metrics.csv")
     for column in ("train_loss", "val_loss"):
         assert ddp_row[column] == pytest.approx(single_row[column], rel=1e-4)  # measured: 3e-6
     # AdamW turns bf16 rounding in a tiny gradient into a step of lr whatever its sign, so the
@@ -240,14 +245,13 @@ def test_compiled_checkpointing_compiles_each_block_and_keeps_the_gradients(monk
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = GPT(ModelConfig(vocab_size=64, context_length=16, d_model=32, n_layers=2, n_heads=4, dropout=0.1)).train()
-    enable_grad_checkpointing(model, "tinylm")
     x = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
     grads = []
-    for fn in (model.checkpoint_fn, compiled_tinylm_checkpoint({"fallback_random": True})):
-        model.checkpoint_fn = fn
+    compiled = compiled_tinylm_checkpoint(TRAIN_COMPILE_OPTIONS)
+    for checkpoint_blocks in (tinylm_checkpoint, compiled):
         model.zero_grad(set_to_none=True)
         torch.manual_seed(5)  # the same dropout masks
-        _, loss = model(x, x)
+        _, loss = model(x, x, checkpoint_blocks=checkpoint_blocks)
         loss.backward()
         grads.append({k: p.grad.clone() for k, p in model.named_parameters()})
     for k in grads[0]:
@@ -257,7 +261,7 @@ def test_compiled_checkpointing_compiles_each_block_and_keeps_the_gradients(monk
     monkeypatch.setattr(
         CheckpointedBlock, "apply", lambda block, *a: calls.append(type(block).__name__) or real(block, *a)
     )
-    model(x, x)
+    model(x, x, checkpoint_blocks=compiled)
     assert calls == ["OptimizedModule"] * 2  # each block ran compiled inside our Function
 
 

@@ -9,14 +9,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 from fastapi.testclient import TestClient
-
 from test_decode import saved_model  # noqa: F401  (a fixture: a small saved char model)
+
 from tinylm.cli import main
 from tinylm.config import ModelConfig
 from tinylm.errors import TinyLMError
 from tinylm.generation import GenerationConfig, generate_many
 from tinylm.generation.core import prefill
-from tinylm.generation.decode import decode_step, prepare_for_inference
+from tinylm.generation.decode import decode_step
 from tinylm.models.gpt import GPT
 from tinylm.models.quantize import (
     Int8Linear,
@@ -88,7 +88,7 @@ def test_int8_linear_is_close_to_the_float_product_of_its_weights(kernel):
 
 def test_quantize_gpt_converts_every_linear_and_refuses_non_float32():
     model = quantize_gpt(tiny())
-    assert is_quantized(model) and not any(type(m) is torch.nn.Linear for m in model.modules())
+    assert is_quantized(model) and not any(isinstance(m, torch.nn.Linear) for m in model.modules())
     assert int8_kernel_of(model) == "rowwise"
     assert model.tok_emb.weight.dtype == torch.float32  # the embedding table stays float
     with pytest.raises(TinyLMError, match="float32"):
@@ -117,9 +117,9 @@ def test_decoding_step_uses_the_same_integers_as_the_forward(kernel):
     seq = [3, 9, 27, 4, 8]
     with torch.inference_mode():
         cache, last, _ = prefill(model, [seq], 20)
-        prepared = prepare_for_inference(model)
-        assert prepared.layers[0].ffn_down.kernel == kernel
-        step = decode_step(prepared, cache, torch.tensor([11]))[0]
+        model.prepare_for_decoding()
+        assert model.blocks[0].ffn.down.kernel == kernel
+        step = decode_step(model, cache, torch.tensor([11]))[0]
         full = model(torch.tensor([seq + [11]]))[0][0, -1]
     # the same integers and, row by row, the same activation scales: equal up to float rounding
     tol = 2e-4
@@ -146,7 +146,7 @@ def test_compiled_int8_step_equals_the_eager_one_token_for_token():
     assert [r.tokens for r in compiled] == [r.tokens for r in eager]
 
 
-def test_cli_generate_and_serve_load_int8_weights(saved_model, capsys):
+def test_cli_generate_and_serve_load_int8_weights(saved_model, capsys):  # noqa: F811 (the fixture)
     code = main(
         [
             "generate",

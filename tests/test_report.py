@@ -11,7 +11,7 @@ from tinylm.cli import main
 from tinylm.config import RunConfig
 from tinylm.errors import TinyLMError
 from tinylm.evaluation.plots import plot_curves
-from tinylm.evaluation.report import build_report, write_report
+from tinylm.evaluation.report import build_report, write_run_report
 from tinylm.studies import tinystories_report
 
 
@@ -53,7 +53,7 @@ def write_training_run(run, metrics=True):
 
 def test_training_run_report_reads_every_number_from_files(tmp_path):
     write_training_run(tmp_path)
-    path = write_report(tmp_path)[0]
+    path = write_run_report(tmp_path)[0]
     md = path.read_text()
     for expected in (
         "| vocabulary | 777 |",
@@ -80,7 +80,7 @@ def test_html_is_one_page_with_tables_embedded_curves_and_escaped_text(tmp_path)
         json.dumps([{"prompt": "Once <b>&", "continuation": " a <b>& b", "new_tokens": 3}])
     )
     plot_curves(tmp_path / "metrics.csv", tmp_path / "curves.png")
-    md, page, missing = write_report(tmp_path)
+    md, page, missing = write_run_report(tmp_path)
     assert missing == [] and "![loss and perplexity curves](curves.png)" in md.read_text()
     html = page.read_text()
     assert "<table>" in html and "<th>setting</th>" in html and "<td>777</td>" in html
@@ -117,7 +117,7 @@ def test_run_without_metrics_is_reported_incomplete(tmp_path, capsys):
 
 def test_not_a_run_directory(tmp_path, capsys):
     with pytest.raises(TinyLMError, match="not a tinylm run directory"):
-        write_report(tmp_path)
+        write_run_report(tmp_path)
     assert main(["report", str(tmp_path / "nope")]) == 2
     assert "does not exist" in capsys.readouterr().err
 
@@ -127,7 +127,7 @@ def test_experiment_report_lists_every_missing_part(tmp_path):
     (tmp_path / "experiments.json").write_text(
         json.dumps({"quick": True, "command": "tinylm experiments --quick", "parts": {}})
     )
-    md = tinystories_report.write_report(tmp_path)[0].read_text()
+    md = tinystories_report.write_experiments_report(tmp_path)[0].read_text()
     for part in (
         "bleu.json",
         "decoding.json",
@@ -244,7 +244,7 @@ def test_experiment_tables_show_the_files_numbers(tmp_path):
             }
         )
     )
-    md = tinystories_report.write_report(tmp_path)[0].read_text()
+    md = tinystories_report.write_experiments_report(tmp_path)[0].read_text()
     assert "| T0.7 | 0.4321 | 0.2109 | 0.1098 | 0.0567 | 0.0789 | 3.14 | 456 |" in md
     assert "tok:13a" in md and "only 48 usable" in md and "17.2500" in md
     assert "| greedy | 20 x 32 | 41 | 5.00 MiB | 812 | 203 | 4.00x | yes | no |" in md
@@ -265,7 +265,8 @@ def test_a_malformed_part_file_makes_only_its_section_missing(tmp_path):
     (tmp_path / "kv_cache.json").write_text(json.dumps({"rows": [{"new_tokens": 3}]}))  # no timing keys
     doc = tinystories_report.build_report(tmp_path)
     assert any(m.startswith("kv: a file has an unexpected format (KeyError") for m in doc.missing)
-    assert "10.4321" in tinystories_report.write_report(tmp_path)[0].read_text()  # the rest of the report is there
+    # the rest of the report is there
+    assert "10.4321" in tinystories_report.write_experiments_report(tmp_path)[0].read_text()
 
 
 def test_beside_the_reports_gives_each_perplexity_its_training_budget():

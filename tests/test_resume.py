@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from conftest import make_stories
+
 from tinylm.cli import main
 from tinylm.training.resume import find_resume_checkpoint, load_resume_state
 

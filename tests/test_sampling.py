@@ -9,7 +9,6 @@ from tinylm.generation import GenerationConfig, generate, generate_many, select_
 from tinylm.generation.processors import HistoryProcessor, min_p_filter, shape_distribution, top_k_filter, top_p_filter
 from tinylm.models.gpt import GPT
 
-
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.one_thread
 
 

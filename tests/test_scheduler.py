@@ -3,6 +3,7 @@ shapes come from a few buckets still get, token for token, what `tinylm generate
 eagerly and compiled; and the batched per-row draw is `select_next`'s."""
 
 import dataclasses
+import logging
 import threading
 import time
 
@@ -10,11 +11,12 @@ import pytest
 import torch
 
 from tinylm.config import ModelConfig
-from tinylm.generation.core import fit_prompts
+from tinylm.generation.batch import DoneEvent, Row, batch_buckets
+from tinylm.generation.core import cache_slots, fit_prompts
 from tinylm.generation.generate import generate_many
 from tinylm.generation.processors import GenerationConfig
 from tinylm.models.gpt import GPT
-from tinylm.serving.scheduler import DoneEvent, Row, Scheduler, batch_buckets, slot_bucket
+from tinylm.serving.scheduler import Scheduler
 
 PROMPTS = [[2, 5, 6, 7], [2, 9], list(range(2, 40)), [2, 11, 12, 13, 14, 15, 16]]
 CFGS = [
@@ -70,9 +72,9 @@ def test_buckets():
     assert batch_buckets(32) == [1, 2, 4, 8, 16, 32]
     assert batch_buckets(6) == [1, 2, 4, 6]
     assert batch_buckets(1) == [1]
-    assert [slot_bucket(n, 128) for n in (1, 70, 128)] == [128, 128, 128]  # a short context: one bucket
-    assert [slot_bucket(n, 1024) for n in (1, 64, 65, 200, 600, 1024)] == [64, 64, 128, 256, 1024, 1024]
-    assert slot_bucket(300, 512) == 512
+    assert [cache_slots(n, 128, bucketed=True) for n in (1, 70, 128)] == [128, 128, 128]  # a short context: one bucket
+    assert [cache_slots(n, 1024, bucketed=True) for n in (1, 64, 65, 200, 600, 1024)] == [64, 64, 128, 256, 1024, 1024]
+    assert cache_slots(300, 512, bucketed=True) == 512
 
 
 @pytest.mark.parametrize("positions", ["learned", "rope"])
@@ -100,13 +102,13 @@ def test_bucketed_long_context_moves_between_slot_buckets():
     long = (list(range(2, 30)), GenerationConfig(max_new_tokens=330, temperature=0.9, top_k=5, seed=8))
     want = [alone(model, [p], [c])[0, 0] for p, c in (short, long)]
     scheduler = Scheduler(model, max_batch=4, bucketed=True)
-    sizes, merge = [], scheduler._merge
+    sizes, merge = [], scheduler.batch._merge
 
     def watched(rows, new):
         merge(rows, new)
         sizes.append(scheduler.cache.max_len)
 
-    scheduler._merge = watched
+    scheduler.batch._merge = watched
     got, first_token, done = {}, threading.Event(), threading.Semaphore(0)
 
     def emitter(key):
@@ -130,7 +132,7 @@ def test_bucketed_long_context_moves_between_slot_buckets():
 
 
 @pytest.mark.slow  # compiles the step for batch buckets 1, 2 and 4 (~10 s each on 2 cores, cold)
-def test_compiled_scheduler_equals_eager_and_generate(capfd):
+def test_compiled_scheduler_equals_eager_and_generate(caplog):
     model = small_model("rope")
     with pytest.warns(UserWarning, match="longer than the context"):
         prompts = fit_prompts(PROMPTS, model.config.context_length)
@@ -141,12 +143,11 @@ def test_compiled_scheduler_equals_eager_and_generate(capfd):
         assert served(eager, prompts, cfgs) == want
     finally:
         eager.close()
+    caplog.set_level(logging.INFO, logger="tinylm")
     compiled = Scheduler(model, max_batch=4, compile=True)
     try:
         assert sorted(compiled.compile_seconds) == [(1, 32), (2, 32), (4, 32)]
-        assert (
-            "compiled the decoding step for 3 batch buckets (1, 2, 4 rows x 32 cache slots)" in capfd.readouterr().err
-        )
+        assert "compiled the decoding step for 3 batch buckets (1, 2, 4 rows x 32 cache slots)" in caplog.text
         assert served(compiled, prompts, cfgs) == want
     finally:
         compiled.close()

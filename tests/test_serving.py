@@ -13,23 +13,25 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from fastapi.testclient import TestClient
-
 from conftest import examples
+from fastapi.testclient import TestClient
 from serving_util import make_run
+
 import tinylm.cli
 from tinylm.cli import main
 from tinylm.config import ModelConfig
 from tinylm.evaluation.perplexity import evaluate_texts
 from tinylm.evaluation.plots import attention_maps
+from tinylm.generation.batch import DoneEvent, ErrorEvent, Row, TokenEvent
 from tinylm.generation.core import fit_prompts
 from tinylm.generation.generate import encode_prompt, generate_many
 from tinylm.generation.processors import GenerationConfig
 from tinylm.models.gpt import GPT
-from tinylm.serving.app import ServerState, create_app, get_model, list_models
+from tinylm.serving.app import create_app, list_models
 from tinylm.serving.completions import APIError, Limits, visible_text
 from tinylm.serving.models import load_models, model_name
-from tinylm.serving.scheduler import DoneEvent, ErrorEvent, Row, Scheduler, TokenEvent
+from tinylm.serving.scheduler import Scheduler
+from tinylm.serving.state import ServerState
 
 
 @pytest.fixture(scope="module")
@@ -97,10 +99,10 @@ def test_routes_run_on_a_hand_made_state_without_an_app():
             {"id": name, "object": "model", "created": fakes[name].created, "owned_by": "tinylm"} for name in ("a", "b")
         ],
     }
-    assert get_model(state, "b") is fakes["b"]
-    assert get_model(ServerState({"a": fakes["a"]}, Limits()), None) is fakes["a"]  # the only model needs no name
+    assert state.model("b") is fakes["b"]
+    assert ServerState({"a": fakes["a"]}, Limits()).model(None) is fakes["a"]  # the only model needs no name
     with pytest.raises(APIError) as unknown:
-        get_model(state, "c")
+        state.model("c")
     assert unknown.value.status == 404 and unknown.value.body() == {
         "error": {
             "message": "the model 'c' does not exist; served: a, b",
@@ -110,7 +112,7 @@ def test_routes_run_on_a_hand_made_state_without_an_app():
         }
     }
     with pytest.raises(APIError) as unnamed:
-        get_model(state, None)
+        state.model(None)
     assert (unnamed.value.status, unnamed.value.code) == (400, "model_required")
 
 
@@ -136,9 +138,8 @@ def test_score_is_tinylm_evaluate(client, models):
     long = "The cat liked to play in the sun. " * 3
     body = client.post("/v1/score", json={"text": long}).json()
     m = evaluate_texts(served.model, served.tokenizer, [long])
-    assert len(body["token_logprobs"]) == m["tokens"] and -sum(body["token_logprobs"]) == pytest.approx(
-        m["nll"], rel=1e-5
-    )
+    assert len(body["token_logprobs"]) == m["tokens"]
+    assert -sum(body["token_logprobs"]) == pytest.approx(m["nll"], rel=1e-5)
 
 
 def test_attention_is_tinylm_attention(client, models):
@@ -151,9 +152,8 @@ def test_attention_is_tinylm_attention(client, models):
     assert body["warnings"] == []
     # too long for the context: the last tokens after <sos>, with a warning
     body = client.post("/v1/attention", json={"text": "x" * 40}).json()
-    assert (
-        len(body["tokens"]) == 32 and body["tokens"][0] == "<sos>" and "longer than the context" in body["warnings"][0]
-    )
+    assert len(body["tokens"]) == 32 and body["tokens"][0] == "<sos>"
+    assert "longer than the context" in body["warnings"][0]
 
 
 def test_chat_completions_is_refused_honestly(client):

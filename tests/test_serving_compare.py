@@ -10,10 +10,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from fastapi.testclient import TestClient
-
 from conftest import make_stories
+from fastapi.testclient import TestClient
 from serving_util import make_run
+
 from tinylm.constants import EOS_ID, SOS_ID
 from tinylm.evaluation.perplexity import evaluate_texts
 from tinylm.models.bigram import NeuralBigramLM

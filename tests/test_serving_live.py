@@ -7,7 +7,6 @@ import time
 
 import httpx
 import pytest
-
 from browser_util import browser_page, painted
 from serving_util import live_server, make_run
 

@@ -8,13 +8,14 @@ import shutil
 
 import pytest
 from fastapi.testclient import TestClient
-
 from serving_util import make_run
+
 import tinylm.cli
 from tinylm.cli import main
 from tinylm.serving.app import create_app
 from tinylm.serving.models import load_models
-from tinylm.serving.runs import MAX_LOADED, RunsRoot, find_runs, read_rows
+from tinylm.serving.runs import MAX_LOADED, find_runs, read_rows
+from tinylm.serving.state import RunsRoot
 from tinylm.training.metrics import MetricsLog
 
 

@@ -8,8 +8,8 @@ import json
 import numpy as np
 import pytest
 import torch
-
 from conftest import make_stories
+
 from tinylm.cli import main
 from tinylm.constants import EOS_ID, SOS_ID
 from tinylm.errors import TinyLMError

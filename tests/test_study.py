@@ -1,6 +1,6 @@
 """The study end to end on a tiny corpus the test writes itself (a few seconds), resuming by stage,
 its refusal of a split shorter than one context window, the report preset's quick mode on
-Shakespeare (every stage, under 90 s), the study config's sections (old flat keys still load) and
+Shakespeare (every stage, under 90 s), the study config's sections and
 the `tinylm study` command line."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from tinylm.cli import build_parser, main
 from tinylm.config import parse_overrides
 from tinylm.errors import TinyLMError
 from tinylm.studies.shakespeare import run_study
-from tinylm.studies.study_config import FLAT_KEYS, StudyConfig, load_study_config, study_config
+from tinylm.studies.study_config import StudyConfig, load_study_config, study_config
 
 LINES = [
     "ROMEO. But soft, what light through yonder window breaks?",
@@ -229,67 +229,6 @@ def test_the_verdict_names_each_reference_and_the_gap():
     assert "where it loses the cap may be the reason" in "\n".join(answer_lines(None, run))
     run["rows"][-2]["test_bpb"] = 1.62  # a capped GPT that wins: the margin is a lower bound
     assert "these margins are what the cap allowed" in "\n".join(answer_lines(None, run))
-
-
-def test_old_flat_keys_load_into_their_sections():
-    flat = {
-        "source": "text",
-        "train_path": "plays.jsonl",
-        "valid_fraction": 0.2,
-        "bpe_type": "word_bpe",
-        "bpe_merges": [10, 20],
-        "normalizations": ["aggressive"],
-        "word_vocab": 300,
-        "orders": [1, 2],
-        "smoothings": ["laplace"],
-        "start_padding": "order",
-        "bigram_lrs": [0.5],
-        "bigram_max_steps": 7,
-        "bigram_sweep_on": "all",
-        "gpt": False,
-        "gpt_sizes": ["a=1x8x2"],
-        "gpt_minutes": 0.25,
-        "context_length": 32,
-        "dropout": 0.0,
-        "prompts": ["HAMLET."],
-        "sample_tokens": 9,
-        "temperature": 0.5,
-        "seed": 7,
-        "threads": 2,
-    }
-    cfg = study_config(flat)
-    assert (cfg.data.source, cfg.data.train, cfg.data.valid_fraction, cfg.data.split_by) == (
-        "text",
-        "plays.jsonl",
-        0.2,
-        "chunk",
-    )
-    assert (cfg.tokenizers.bpe_type, cfg.tokenizers.bpe_merges, cfg.tokenizers.normalizations) == (
-        "word_bpe",
-        [10, 20],
-        ["aggressive"],
-    )
-    assert (cfg.tokenizers.word_vocab, cfg.ngram.orders, cfg.ngram.smoothings, cfg.ngram.start_padding) == (
-        300,
-        [1, 2],
-        ["laplace"],
-        "order",
-    )
-    assert (cfg.bigram.lrs, cfg.bigram.max_steps, cfg.bigram.sweep_on) == ([0.5], 7, "all")
-    assert (cfg.gpt.enabled, cfg.gpt.sizes, cfg.gpt.minutes, cfg.gpt.context_length, cfg.gpt.dropout) == (
-        False,
-        ["a=1x8x2"],
-        0.25,
-        32,
-        0.0,
-    )
-    assert (cfg.sampling.prompts, cfg.sampling.max_new_tokens, cfg.sampling.temperature) == (["HAMLET."], 9, 0.5)
-    assert (cfg.seed, cfg.threads) == (7, 2)
-    # a flat key on the command line too, and a flat file with a section beside it
-    assert study_config(flat, parse_overrides(["gpt_max_steps=11"])).gpt.max_steps == 11
-    assert study_config({"gpt_minutes": 2, "gpt": {"max_steps": 5}}).gpt.minutes == 2
-    assert {key.split("_")[0] for key in FLAT_KEYS if key.startswith(("bigram_", "gpt_"))} == {"bigram", "gpt"}
-    assert len(FLAT_KEYS) == 45 and all(dotted.count(".") == 1 for dotted in FLAT_KEYS.values())
 
 
 @pytest.mark.slow

@@ -1,13 +1,13 @@
 import json
 
 import pytest
+from conftest import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import examples
+from tinylm.constants import UNK_ID
 from tinylm.errors import TinyLMError
 from tinylm.tokenizers import BPETokenizer, CharTokenizer, WordTokenizer, load_tokenizer, new_tokenizer
-from tinylm.constants import UNK_ID
 
 CORPUS = ["The cat sat on the mat. The dog sat on the log.", "Ünïcödé ✓ and emoji 🙂 too", "a b c " * 20]
 

@@ -2,11 +2,10 @@ import numpy as np
 import pytest
 import torch
 
+from tinylm.constants import EOS_ID, IGNORE_INDEX, PAD_ID, SOS_ID
 from tinylm.data.tokens import Batches, encode_split, load_split
 from tinylm.errors import TinyLMError
-from tinylm.constants import IGNORE_INDEX
 from tinylm.tokenizers import CharTokenizer
-from tinylm.constants import EOS_ID, PAD_ID, SOS_ID
 
 
 @pytest.fixture

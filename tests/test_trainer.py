@@ -6,12 +6,12 @@ import math
 import pytest
 import torch
 import yaml
-
 from conftest import prepared_stories_run, with_overrides
+
 from tinylm.errors import TinyLMError
 from tinylm.models.checkpoint import load_checkpoint, model_state, save_checkpoint
-from tinylm.training.precision import make_grad_scaler
 from tinylm.training.metrics import read_metrics
+from tinylm.training.precision import make_grad_scaler
 from tinylm.training.trainer import build_model, train
 
 
@@ -190,12 +190,10 @@ def test_an_epoch_visits_every_story_once(prepared_run):
     batches = Batches(split, longest, "stories", seed=3, epoch_rows=4)  # whole stories, no windows
     per_epoch = batches.steps_per_epoch
     assert per_epoch == split.n_docs // 4
-    units = lambda epoch: torch.cat(
-        [
-            batches.epoch_units(epoch * per_epoch + i, 0, 4)  # noqa: E731
-            for i in range(per_epoch)
-        ]
-    ).tolist()
+
+    def units(epoch: int) -> list[int]:
+        return torch.cat([batches.epoch_units(epoch * per_epoch + i, 0, 4) for i in range(per_epoch)]).tolist()
+
     assert len(set(units(0))) == per_epoch * 4  # no story twice in an epoch
     assert units(0) != units(1)  # a new order each epoch
     # a step's rows are those stories, from their <sos>

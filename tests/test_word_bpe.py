@@ -14,7 +14,7 @@ from tinylm.config import TokenizerConfig
 from tinylm.constants import UNK_ID
 from tinylm.data.tokens import encode_split
 from tinylm.errors import TinyLMError
-from tinylm.studies.shakespeare import split_stats
+from tinylm.studies.shakespeare import report_split_stats
 from tinylm.tokenizers import load_tokenizer, train_from_config
 from tinylm.tokenizers.merges import merge_pair
 from tinylm.tokenizers.word_bpe import EOW_ID, FIRST_CHAR_ID, WordBPETokenizer, normalize_text
@@ -118,7 +118,7 @@ def test_tokens_per_word_on_a_hand_checked_text(tmp_path):
     assert [tok.id_to_piece(i) for i in tok.encode("aaa aaa ab")] == ["aaa", "__", "aaa", "__", "a", "b", "__"]
     docs = ["AAA, aaa ab!", "ab"]
     split = encode_split("valid", docs, tok, tmp_path)
-    stats = split_stats(tok, split, docs)
+    stats = report_split_stats(tok, split, docs)
     assert stats["tokens_per_word"] == pytest.approx(6 / 4)  # 1 + 1 + 2 pieces, then 2 pieces
     assert stats["reconstructed"] == 2 and stats["documents"] == 2
     assert split.n_bytes == len("aaa aaa ab") + len("ab")  # bytes of the normalised text

@@ -7,9 +7,9 @@ from collections import Counter
 
 import pytest
 
+from tinylm.constants import UNK_ID
 from tinylm.errors import TinyLMError
 from tinylm.tokenizers import WordTokenizer, load_tokenizer
-from tinylm.constants import UNK_ID
 
 TEXTS = [
     "The cat sat. The cat ran! A dog, a DOG, and the Cat.",

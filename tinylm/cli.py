@@ -43,7 +43,7 @@ from tinylm.errors import TinyLMError
 from tinylm.evaluation.perplexity import evaluate_texts
 from tinylm.evaluation.plots import attention_html, attention_maps, save_attention_pngs
 from tinylm.evaluation.protocol import SAMPLING_TEMPERATURES, BleuProtocol, Decoding, format_bleu, run_bleu
-from tinylm.evaluation.report import write_report as write_run_report
+from tinylm.evaluation.report import write_run_report
 from tinylm.generation.generate import TextStream, complete, encode_prompt, prompt_head
 from tinylm.interop.gguf_export import GgufDtype, export_gguf
 from tinylm.interop.llama2c_export import export_llama2c
@@ -51,14 +51,10 @@ from tinylm.interop.loading import export_hf, load_any_checkpoint
 from tinylm.models.checkpoint import load_checkpoint
 from tinylm.models.quantize import InferenceDtype, to_inference_dtype
 from tinylm.pipeline import run_pipeline
-from tinylm.serving.app import serve as serve_models
-from tinylm.serving.completions import Limits
-from tinylm.serving.models import load_models
-from tinylm.serving.runs import RunsRoot
 from tinylm.studies.shakespeare import run_study
 from tinylm.studies.study_config import load_study_config
 from tinylm.studies.tinystories import PARTS, load_experiment_config, run_experiments
-from tinylm.studies.tinystories_report import write_report as write_experiments_report
+from tinylm.studies.tinystories_report import write_experiments_report
 from tinylm.tokenizers.hf_interop import save_hf_tokenizer
 from tinylm.tokenizers.io import load_tokenizer
 from tinylm.tokenizers.stats import collect, format_table, train_spec
@@ -638,8 +634,8 @@ def report(opts: ReportOptions) -> int:
     run = Path(opts.run_dir)
     if not run.is_dir():
         raise TinyLMError(f"run directory {run} does not exist")
-    write_report = write_experiments_report if (run / "experiments.json").is_file() else write_run_report
-    md, page, missing = write_report(run)
+    write = write_experiments_report if (run / "experiments.json").is_file() else write_run_report
+    md, page, missing = write(run)
     print(md)
     print(page)
     if missing:
@@ -704,6 +700,13 @@ class ServeOptions:
     )
 
 
+def serve_models(models, host: str, port: int, limits, api_key: str | None, runs) -> None:
+    """Serve until interrupted (tinylm.serving.app.serve)."""
+    from tinylm.serving.app import serve as serve_app  # deferred: it imports FastAPI (see serve)
+
+    serve_app(models, host, port, limits, api_key, runs)
+
+
 @command("serve")
 def serve(opts: ServeOptions) -> int:
     """The playground page and an OpenAI-compatible API for one or more models (FastAPI + uvicorn)."""
@@ -717,6 +720,12 @@ def serve(opts: ServeOptions) -> int:
         )
     if opts.runs is not None and not Path(opts.runs).is_dir():
         raise TinyLMError(f"--runs {opts.runs}: no such directory")
+    # deferred, here and in serve_models: the server's modules import FastAPI and pydantic, which
+    # no other command needs (`tinylm --version` and `tinylm train` start without them)
+    from tinylm.serving.completions import Limits
+    from tinylm.serving.models import load_models
+    from tinylm.serving.state import RunsRoot
+
     # with --runs alone, models come from the Runs view's load buttons
     models = (
         load_models(opts.checkpoint, opts.tokenizer, opts.max_batch, opts.name, opts.dtype, opts.compile)

@@ -138,6 +138,22 @@ def check_config(obj: Any, prefix: str = "") -> Any:
     return obj
 
 
+# ------------------------------------------------------------------------------ closed choices
+# The choices that code below the schema checks too (a tokenizer, a vector table or an n-gram model
+# built without a config), each declared once here; those modules read the values with
+# ``typing.get_args``, so a choice added here is accepted everywhere at once.
+TokenizerType = Literal["bpe", "char", "word", "word_bpe"]
+WordSplitter = Literal["regex", "spacy"]  # spacy is spaCy's rule-based English tokenizer
+WordOOV = Literal["unk", "bpe"]  # words out of the vocabulary become unk or character BPE pieces
+SpecialsAt = Literal["start", "end"]  # the special tokens' ids before the words or after them
+Normalization = Literal["lower_nopunct", "aggressive", "none"]  # word_bpe's text normalisation
+EmbeddingKind = Literal["none", "auto", "vec", "bin", "gensim", "train"]
+EmbeddingOOV = Literal["subword", "noise"]  # words without a vector: FastText n-grams or noise
+StartPadding = Literal["single", "order"]  # n-grams: one <sos> per document (KenLM) or n-1 of them
+BleuSmoothing = Literal["method1", "exp", "none"]  # for BLEU-1..4 (tinylm.evaluation.bleu)
+BleuSelection = Literal["random", "first"]  # random: stories drawn with a seed; first: file order
+
+
 # ----------------------------------------------------------------------------------- sections
 @dataclass
 class CleanOptions:
@@ -190,20 +206,20 @@ class DataConfig(CleanOptions):
 
 @dataclass
 class TokenizerConfig:
-    type: Literal["bpe", "char", "word", "word_bpe"] = "bpe"
+    type: TokenizerType = "bpe"
     vocab_size: int = option(1024, ge=0)
     merges: int | None = option(None, ge=0)  # word_bpe: number of merges (None: as many as make vocab_size)
-    normalization: Literal["lower_nopunct", "aggressive", "none"] = "lower_nopunct"  # word_bpe
+    normalization: Normalization = "lower_nopunct"  # word_bpe
     lowercase: bool = False  # word-level only
     path: str | None = None  # reuse a saved tokenizer instead of training one
     # word-level: keep only words seen this often (with the vocab_size cap; 0 = no cap)
     min_count: int = option(1, ge=0)
     keep_punctuation: bool = True  # word-level: punctuation marks are tokens (else dropped)
-    splitter: Literal["regex", "spacy"] = "regex"  # word-level: spacy is spaCy's rule-based English tokenizer
+    splitter: WordSplitter = "regex"  # word-level
     # word-level: the order of the special tokens, and whether they come before the words or after them
     special_tokens: list[str] = option(factory=lambda: ["<pad>", "<unk>", "<sos>", "<eos>"])
-    specials_at: Literal["start", "end"] = "start"
-    oov: Literal["unk", "bpe"] = "unk"  # word-level: words out of the vocabulary become unk or character BPE pieces
+    specials_at: SpecialsAt = "start"
+    oov: WordOOV = "unk"  # word-level
     oov_merges: int = option(1000, ge=0)  # word-level with oov=bpe: merges of the pieces' BPE
     pattern: str = "gpt2"  # bpe pre-tokenisation split: gpt2 | gpt4 | a custom regex
 
@@ -464,10 +480,10 @@ class EmbeddingsConfig:
     """Pretrained / FastText-trained token embeddings (see tinylm/models/embeddings.py)."""
 
     # gensim: a saved gensim model; train: gensim FastText on the train split; auto: by the file's suffix
-    kind: Literal["none", "auto", "vec", "bin", "gensim", "train"] = "none"
+    kind: EmbeddingKind = "none"
     path: str | None = None  # the .vec / .bin / gensim file (not for none/train)
     freeze: bool = False  # no gradient into the embedding matrix
-    oov: Literal["subword", "noise"] = "subword"  # words without a vector: FastText n-grams (when available) or noise
+    oov: EmbeddingOOV = "subword"  # FastText n-grams only when the vectors bring them
     noise_std: float | None = option(None, ge=0)  # None: the std of the vectors found
     seed: int = 0
     train_epochs: int = option(5, ge=1)  # kind=train only

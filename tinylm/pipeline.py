@@ -16,7 +16,7 @@ from tinylm.data.prepare import prepare
 from tinylm.errors import TinyLMError
 from tinylm.evaluation.perplexity import evaluate_split
 from tinylm.evaluation.plots import plot_curves
-from tinylm.evaluation.report import write_report
+from tinylm.evaluation.report import write_run_report
 from tinylm.generation.generate import complete
 from tinylm.models.checkpoint import load_checkpoint
 from tinylm.training import distributed
@@ -116,5 +116,5 @@ def run_pipeline(cfg: RunConfig, out_dir: str | Path, *, resume=None, force: boo
         "\n\n".join(f"### {s['prompt']}\n{s['prompt']}{s['continuation']}" for s in samples) + "\n", encoding="utf-8"
     )
     plot_curves(out_dir / "metrics.csv", out_dir / "curves.png", title=out_dir.name)  # shown in the report
-    write_report(out_dir)
+    write_run_report(out_dir)
     return summary

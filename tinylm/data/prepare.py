@@ -22,7 +22,9 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
-class Prepared:
+class PreparedData:
+    """What `prepare` leaves for training and evaluation: the tokenizer and the token caches."""
+
     tokenizer: Tokenizer
     tokenizer_path: Path
     splits: dict[str, TokenSplit]
@@ -66,7 +68,7 @@ def _fingerprint(cfg: RunConfig) -> str:
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def prepare(cfg: RunConfig, out_dir: str | Path) -> Prepared:
+def prepare(cfg: RunConfig, out_dir: str | Path) -> PreparedData:
     """Write ``tokenizer.json``, ``data/*.bin`` and ``prepare.json`` into ``out_dir``."""
     check_config(cfg)  # a config built in code is checked like a loaded one, before any data is read
     out_dir = Path(out_dir)
@@ -79,7 +81,7 @@ def prepare(cfg: RunConfig, out_dir: str | Path) -> Prepared:
         if report.get("fingerprint") == fp:
             splits = {name: load_split(data_dir, name) for name in report["splits"]}
             log.info(f"prepare: reusing the token cache in {data_dir}")
-            return Prepared(load_tokenizer(tok_path), tok_path, splits, report, data_dir)
+            return PreparedData(load_tokenizer(tok_path), tok_path, splits, report, data_dir)
 
     raw = load_raw_documents(cfg.data)
     cleaned, clean_reports = {}, {}
@@ -118,4 +120,4 @@ def prepare(cfg: RunConfig, out_dir: str | Path) -> Prepared:
     report_path.write_text(json.dumps(report, indent=2))
     for n, s in splits.items():
         log.info(f"prepare: {n}: {s.n_docs} documents, {s.n_tokens:,} tokens, {s.n_bytes:,} bytes")
-    return Prepared(tokenizer, tok_path, splits, report, data_dir)
+    return PreparedData(tokenizer, tok_path, splits, report, data_dir)

@@ -27,13 +27,14 @@ import math
 import re
 from collections import Counter
 from dataclasses import dataclass
+from typing import get_args
 
+from tinylm.config import BleuSmoothing
 from tinylm.errors import TinyLMError
 
 # Words (with inner apostrophes) or single punctuation marks; lowercased. Stated in every report.
 BLEU_TOKEN_PATTERN = r"\w+(?:'\w+)*|[^\w\s]"
 _TOKEN_RE = re.compile(BLEU_TOKEN_PATTERN)
-SMOOTHINGS = ("method1", "exp", "none")
 METHOD1_EPSILON = 0.1
 BLEU_MEANING = (
     "BLEU: n-gram overlap (0-1) of each continuation with the story's own continuation; "
@@ -90,8 +91,8 @@ def brevity_penalty(hyp_len: int, ref_len: int) -> float:
 
 
 def smoothed_precisions(stats: BleuStats, order: int, smoothing: str) -> list[float]:
-    if smoothing not in SMOOTHINGS:
-        raise TinyLMError(f"BLEU smoothing {smoothing!r} is not one of {', '.join(SMOOTHINGS)}")
+    if smoothing not in get_args(BleuSmoothing):
+        raise TinyLMError(f"BLEU smoothing {smoothing!r} is not one of {', '.join(get_args(BleuSmoothing))}")
     out, zeros = [], 0
     for n in range(order):
         m, t = stats.matches[n], stats.totals[n]

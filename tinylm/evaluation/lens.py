@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from tinylm.errors import TinyLMError
-from tinylm.models.gpt import eval_mode, soft_cap
+from tinylm.models.gpt import eval_mode
 
 
 @dataclass
@@ -56,13 +56,6 @@ def layer_streams(model, idx: torch.Tensor) -> tuple[list[torch.Tensor], torch.T
     return streams, logits
 
 
-def read_out(model, stream: torch.Tensor) -> torch.Tensor:
-    """A residual stream through the final norm, the head and the soft-cap, as ``GPT.forward`` does."""
-    logits = model.lm_head(model.norm_f(stream))
-    cap = model.config.logit_softcap
-    return soft_cap(logits, cap) if cap is not None else logits
-
-
 def logit_lens(model, ids: list[int], top: int = 5) -> LensGrid:
     """The lens over ``ids`` (at most the model's context length), with each cell's ``top`` tokens."""
     check_layered(model)
@@ -75,7 +68,7 @@ def logit_lens(model, ids: list[int], top: int = 5) -> LensGrid:
         raise TinyLMError(f"top must be >= 1 (got {top})")
     with torch.inference_mode(), eval_mode(model):
         streams, _ = layer_streams(model, torch.tensor([ids], device=model.lm_head.weight.device))
-        logits = torch.stack([read_out(model, s)[0] for s in streams]).float()  # (rows, T, V)
+        logits = torch.stack([model.read_out(s)[0] for s in streams]).float()  # (rows, T, V)
     logp = torch.log_softmax(logits, dim=-1)
     values, top_ids = logp.topk(min(top, logp.shape[-1]), dim=-1)
     following = torch.tensor(ids[1:], dtype=torch.long)

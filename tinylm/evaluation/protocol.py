@@ -27,12 +27,11 @@ import random
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Literal
 
 import torch
 from tabulate import tabulate
 
-from tinylm.config import check_fields, option
+from tinylm.config import BleuSelection, BleuSmoothing, check_fields, option
 from tinylm.constants import IGNORE_INDEX, PAD_ID
 from tinylm.data.tokens import pad_rows
 from tinylm.errors import TinyLMError
@@ -52,8 +51,8 @@ class BleuProtocol:
     prompt_tokens: int = option(5, ge=1)
     max_continuation: int | None = option(None, "None: the rest of the story (what fits in the context)", ge=1)
     seed: int = 0
-    smoothing: Literal["method1", "exp", "none"] = "method1"  # for BLEU-1..4 (see tinylm.evaluation.bleu)
-    selection: Literal["random", "first"] = "random"  # random: N stories drawn with `seed`; first: file order
+    smoothing: BleuSmoothing = "method1"
+    selection: BleuSelection = "random"  # random: N stories drawn with `seed`
 
 
 @dataclass

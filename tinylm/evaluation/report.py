@@ -327,6 +327,6 @@ def save_report(doc: Doc, run: Path) -> tuple[Path, Path, list[str]]:
     return md, page, doc.missing
 
 
-def write_report(run_dir: str | Path) -> tuple[Path, Path, list[str]]:
+def write_run_report(run_dir: str | Path) -> tuple[Path, Path, list[str]]:
     """Write report.md and report.html of a training run; returns both paths and what the report lacks."""
     return save_report(build_report(run_dir), Path(run_dir))

@@ -1,4 +1,5 @@
-"""Beam search over a batch of prompts, on the KV cache (rows reordered by beam each step).
+"""Beam search over a batch of prompts, driving the decoding core (``generation.batch.Batch``):
+its rows are the beams, reordered and duplicated by beam each step.
 
 The rules follow Hugging Face's beam search so that outputs can be compared token for token:
 
@@ -25,8 +26,8 @@ from __future__ import annotations
 import torch
 
 from tinylm.config import GenerationConfig
-from tinylm.generation.core import Generated, cache_slots, fit_prompts, full_forward, prefill
-from tinylm.generation.decode import decode_step, prepare_for_inference
+from tinylm.generation.batch import Batch, Row
+from tinylm.generation.core import Generated, fit_prompts, model_device
 from tinylm.generation.processors import HistoryProcessor
 from tinylm.models.gpt import eval_mode
 
@@ -56,8 +57,7 @@ def beam_search(model, prompts, cfg: GenerationConfig) -> list[list[Generated]]:
 
 
 def _beam_search(model, prompts: list[list[int]], cfg: GenerationConfig) -> list[list[Generated]]:
-    context_length = model.config.context_length
-    device = next(model.parameters()).device
+    device = model_device(model)
     k, B, V = cfg.beam_width, len(prompts), model.config.vocab_size
     if cfg.max_new_tokens == 0:
         return [[Generated([], "length", 0.0)] for _ in prompts]
@@ -73,20 +73,8 @@ def _beam_search(model, prompts: list[list[int]], cfg: GenerationConfig) -> list
     history = history if history.active else None
     # enough candidates that k of them survive even if every stop id is chosen by every beam
     n_candidates = min(max(2, 1 + len(stop_set)) * k, k * V)
-
-    max_len = cache_slots(context_length, max(len(p) for p in prompts) + cfg.max_new_tokens, cfg.compile)
-    expand = torch.arange(B, device=device).repeat_interleave(k)
-    cache = positions = None
-    shared_slots = 0  # cache slots equal in every beam row of a prompt (prompt, common history)
-    if cfg.use_cache:  # one prefill per prompt, then each prompt row copied to its k beams
-        prepared = prepare_for_inference(model)
-        cache, logits, positions = prefill(model, prompts, max_len)
-        cache.reorder(expand)
-        positions = positions[expand] if positions is not None else None
-        shared_slots = cache.length
-    else:
-        logits = full_forward(model, prompts)
-    logits = logits[expand]
+    batch, logits = _start_beams(model, prompts, cfg)
+    shared_slots = batch.cache.length if batch.cache is not None else 0  # slots equal in a prompt's beams
 
     for step in range(cfg.max_new_tokens):
         last_step = step == cfg.max_new_tokens - 1
@@ -117,27 +105,48 @@ def _beam_search(model, prompts: list[list[int]], cfg: GenerationConfig) -> list
         generated = generated.index_select(0, rows)
         generated[:, step] = tokens
         if history is not None:
-            row_list, token_list = rows.tolist(), tokens.tolist()
-            history.reorder(row_list)
-            history.observe(tokens, token_list)
-        if cfg.use_cache and cache.length < cache.max_len:
-            # rows move only among a prompt's beams, whose key masks and positions are the same
-            _reorder_cache(cache, rows, shared_slots + common if shared_slots else 0)
-            logits = decode_step(prepared, cache, tokens, positions, cfg.compile)
-            if positions is not None:
-                positions += 1
-        else:  # no cache, or a full one: the last half-context per beam is re-prefilled
-            seqs = [prompts[r // k] + generated[r, : step + 1].tolist() for r in range(B * k)]
-            if cfg.use_cache:
-                cache, logits, positions = prefill(model, [s[-(context_length // 2) :] for s in seqs], context_length)
-                shared_slots = 0  # a window per beam: no slot is known to be shared
-            else:
-                logits = full_forward(model, [s[-context_length:] for s in seqs])
+            history.reorder(rows.tolist())
+            history.observe(tokens, tokens.tolist())
+        # rows move only among a prompt's beams, whose key masks and positions are the same
+        batch.reorder(rows.tolist(), shared_slots + common if shared_slots else 0)
+        batch.feed(tokens)
+        logits, slid = _next_logits(batch)
+        if slid:
+            shared_slots = 0  # a window per beam: no slot is known to be shared
 
     return [
         [Generated(list(t), reason, score) for score, t, reason in state.finished[: cfg.num_return_sequences]]
         for state in states
     ]
+
+
+def _start_beams(model, prompts: list[list[int]], cfg: GenerationConfig) -> tuple[Batch, torch.Tensor]:
+    """The decoding batch of every prompt's k beams, prompt-major (each prompt prefilled once, its
+    row copied to its beams), and their first logits."""
+    k = cfg.beam_width
+    row_cfg = GenerationConfig(max_new_tokens=cfg.max_new_tokens)  # beam rows choose no token themselves
+    batch = Batch(model, max_batch=len(prompts) * k, compile=cfg.compile, use_cache=cfg.use_cache)
+    logits = batch.forward([Row(p, row_cfg, emit=_no_events) for p in prompts])
+    expand = [b for b in range(len(prompts)) for _ in range(k)]
+    batch.reorder(expand)
+    return batch, logits[torch.tensor(expand, device=logits.device)]
+
+
+def _no_events(_event) -> None:
+    """Beam rows choose no token through the batch, so they receive no events."""
+
+
+def _next_logits(batch: Batch) -> tuple[torch.Tensor, bool]:
+    """The batch's next logits in its rows' current order, and whether a row slid past the context
+    (a row that slid moves to the end of the batch: the rows are put back in order)."""
+    before = list(batch.rows)
+    logits = batch.forward()
+    if batch.rows == before:
+        return logits, False
+    position = {id(r): i for i, r in enumerate(batch.rows)}
+    order = [position[id(r)] for r in before]
+    batch.reorder(order)
+    return logits[torch.tensor(order, device=logits.device)], True
 
 
 def _common_prefix(generated: torch.Tensor, step: int, B: int, k: int) -> int:
@@ -147,20 +156,6 @@ def _common_prefix(generated: torch.Tensor, step: int, B: int, k: int) -> int:
     history = generated[:, :step].view(B, k, step)
     agree = (history == history[:, :1]).all(1).all(0)  # (step,)
     return int(agree.cumprod(0).sum())
-
-
-def _reorder_cache(cache, rows: torch.Tensor, start: int) -> None:
-    """Row i of the cache becomes old row ``rows[i]``, in place: only the rows that change, and
-    only their slots from ``start`` (the slots before it hold the same keys and values in every
-    row a beam can come from: the prompt and the history all beams share)."""
-    n = cache.length
-    moved = (rows != torch.arange(rows.numel(), device=rows.device)).nonzero().squeeze(1)
-    if moved.numel() == 0 or start >= n:
-        return
-    sources = rows.index_select(0, moved)
-    for t in (*cache.k, *cache.v):
-        part = t[:, :, start:n]
-        part.index_copy_(0, moved, part.index_select(0, sources))
 
 
 def _add_finished(states, cfg, step, norm, generated, top_scores, rows, tokens, ends, stop_set) -> None:

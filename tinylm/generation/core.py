@@ -1,6 +1,6 @@
 """The forward passes every decoder shares: prompts fitted to the context, a batched prefill into
 a new KV cache (left-padded rows with a key mask and per-row positions), and the no-cache path.
-The token stream (generate.py) and beam search (beam.py) are both built on these.
+The decoding batch (batch.py) and beam search (beam.py) are both built on these.
 """
 
 from __future__ import annotations
@@ -45,14 +45,30 @@ def fit_prompts(prompts: Iterable[Iterable[int]], context_length: int) -> list[l
     return rows
 
 
-CACHE_BUCKET = 64
+SHORT_CONTEXT = 256  # up to this context a bucketed cache always has the context's slots: one shape
+SLOT_BUCKET = 64  # longer contexts: 64, 128, 256, ... slots
 
 
-def cache_slots(context_length: int, needed: int, static: bool) -> int:
-    """KV-cache slots for a generation that needs ``needed``: exactly that, or with ``static``
-    (a compiled step: one compilation per cache size) rounded up to a multiple of 64, at most the
-    context. The step reads every slot, so a coarser rounding would cost memory traffic."""
-    return min(context_length, -(-needed // CACHE_BUCKET) * CACHE_BUCKET if static else needed)
+def cache_slots(needed: int, context_length: int, bucketed: bool) -> int:
+    """KV-cache slots for rows that need ``needed``: exactly that (at most the context), or, for a
+    compiled step (one compilation per shape), from a few buckets: the whole context when it is
+    short, else a power of two times 64. The step reads every slot, so a long context is not
+    always held whole."""
+    needed = min(needed, context_length)
+    if not bucketed:
+        return needed
+    if context_length <= SHORT_CONTEXT:
+        return context_length
+    slots = SLOT_BUCKET
+    while slots < needed:
+        slots *= 2
+    return min(context_length, slots)
+
+
+def window(seq: list[int], context_length: int) -> list[int]:
+    """What a row that filled the context continues from: its last half context (positions then
+    restart at 0), so that it runs past the context length with room to grow."""
+    return seq[-(context_length // 2) :]
 
 
 def prefill(model, rows: list[list[int]], max_len: int):

@@ -1,14 +1,10 @@
-"""Autoregressive generation for one prompt or a batch of prompts, with a preallocated KV cache.
+"""Autoregressive generation for one prompt or a batch of prompts: ``TokenStream`` steps the
+decoding core (``generation.batch.Batch``) until every row is done.
 
-The loop: prefill every prompt in one forward pass (left-padded to a common length, with a key
-mask and per-row positions), then feed one token per row per step. Rows finish independently
-(stop token, stop string or ``max_new_tokens``); a finished row keeps riding along in the batch
-but its output no longer changes.
-
-Context overflow: when the cache is full, the cache is dropped and re-filled with the last
-``context_length // 2`` tokens of every row (a sliding window; positions restart at 0 for the
-window), so generation can run past the context length. ``use_cache=False`` recomputes the whole
-window (at most ``context_length`` tokens) every step instead.
+Rows finish independently (stop token, stop string or ``max_new_tokens``). A row that fills the
+context slides (``core.window``: its last ``context_length // 2`` tokens prefilled again), so
+generation can run past the context length; ``use_cache=False`` recomputes the whole window (at
+most ``context_length`` tokens) every step instead.
 
 Sampling draws all rows of a batch from one ``torch.Generator`` seeded with ``seed`` (the draws
 Hugging Face makes), or with ``seed_per_row`` row i from its own generator seeded ``seed + i``;
@@ -30,11 +26,9 @@ import torch
 
 from tinylm.config import GenerationConfig
 from tinylm.errors import TinyLMError
+from tinylm.generation.batch import Batch, DoneEvent, ErrorEvent, Row, TokenEvent
 from tinylm.generation.beam import beam_search
-from tinylm.generation.core import Generated, cache_slots, fit_prompts, full_forward, model_device, prefill
-from tinylm.generation.decode import decode_step, prepare_for_inference
-from tinylm.generation.processors import HistoryProcessor
-from tinylm.generation.sampling import select_next
+from tinylm.generation.core import Generated, fit_prompts, model_device
 from tinylm.models.gpt import eval_mode
 
 
@@ -55,83 +49,49 @@ class TokenStream:
 
     def __iter__(self) -> Iterator[list[int | None]]:
         with eval_mode(self.model):
-            yield from self._steps(self.model, self.cfg)
+            yield from self._steps()
 
-    def _steps(self, model, cfg):
-        context_length = model.config.context_length
-        device = model_device(model)
-        B = len(self.prompts)
-        seqs = [list(p) for p in self.prompts]  # prompt + accepted tokens: windows for re-prefill
-        outs = [r.tokens for r in self.results]
-        done = [False] * B
-        stop_set = set(cfg.stop_ids)
-        generator = None
-        if cfg.seed is not None and cfg.seed_per_row:
-            generator = [torch.Generator(device=device).manual_seed(cfg.seed + r) for r in range(B)]
-        elif cfg.seed is not None:
-            generator = torch.Generator(device=device).manual_seed(cfg.seed)
-        history = HistoryProcessor(cfg, self.prompts, model.config.vocab_size, device)
-        history = history if history.active else None
-        max_len = cache_slots(context_length, max(len(p) for p in self.prompts) + cfg.max_new_tokens, cfg.compile)
-        prepared = prepare_for_inference(model) if cfg.use_cache else None
+    def _rows(self) -> tuple[list[Row], list[list]]:
+        """One row per prompt, each collecting the events of its latest step."""
+        cfg, events = self.cfg, [[] for _ in self.prompts]
+        rows = []
+        for r, prompt in enumerate(self.prompts):
+            row_cfg = dataclasses.replace(cfg, seed=cfg.seed + r) if cfg.seed is not None and cfg.seed_per_row else cfg
+            rows.append(Row(prompt, row_cfg, events[r].append, self.decode))
+        return rows, events
 
-        cache = positions = tokens = None
-        for step in range(cfg.max_new_tokens):
-            # inference mode per step, not across the yield: the caller's code between steps
-            # must not run in it
-            with torch.inference_mode():
-                cache, positions, tokens, token_list = self._step(
-                    model, prepared, cfg, step, seqs, cache, positions, tokens, max_len, history, generator
-                )
-            emitted: list[int | None] = [None] * B
-            for r, t in enumerate(token_list):
-                if done[r]:
-                    continue
-                if t in stop_set:
-                    done[r], self.results[r].finish_reason = True, "stop_token"
-                    continue
-                outs[r].append(t)
-                seqs[r].append(t)
-                emitted[r] = t
-                if cfg.stop_strings and hits_stop_string(self.decode, outs[r], cfg.stop_strings):
-                    done[r], self.results[r].finish_reason = True, "stop_string"
+    def _steps(self):
+        cfg = self.cfg
+        shared = None
+        if cfg.seed is not None and not cfg.seed_per_row and not cfg.greedy:  # Hugging Face's batched draws
+            shared = torch.Generator(device=model_device(self.model)).manual_seed(cfg.seed)
+        batch = Batch(
+            self.model,
+            max_batch=len(self.prompts),
+            compile=cfg.compile,
+            use_cache=cfg.use_cache,
+            shared_generator=shared,
+            keep_finished=shared is not None,
+        )
+        rows, events = self._rows()
+        joining = rows
+        for _ in range(cfg.max_new_tokens):
+            batch.step(joining)
+            joining = []
+            emitted: list[int | None] = [None] * len(rows)
+            for r, row_events in enumerate(events):
+                for event in row_events:
+                    if isinstance(event, ErrorEvent):
+                        raise ValueError(event.message)
+                    if isinstance(event, TokenEvent):
+                        emitted[r] = event.token
+                    elif isinstance(event, DoneEvent):
+                        self.results[r].finish_reason = event.finish_reason
+                row_events.clear()
+                self.results[r].tokens[:] = rows[r].out
             yield emitted
-            if all(done):
+            if all(row.finished for row in rows):
                 break
-
-    @staticmethod
-    def _step(model, prepared, cfg, step, seqs, cache, positions, tokens, max_len, history, generator):
-        """One forward pass and one token per row."""
-        context_length = model.config.context_length
-        if not cfg.use_cache:
-            logits = full_forward(model, [s[-context_length:] for s in seqs])
-        elif step == 0:
-            cache, logits, positions = prefill(model, seqs, max_len)
-        elif cache.length >= cache.max_len:  # full: slide the window and re-prefill
-            cache, logits, positions = prefill(model, [s[-(context_length // 2) :] for s in seqs], context_length)
-        else:
-            logits = decode_step(prepared, cache, tokens, positions, cfg.compile)
-            if positions is not None:
-                positions += 1
-        if history is not None:
-            logits = history(logits.float(), step)
-            if not bool(torch.isfinite(logits).any(dim=-1).all()):
-                raise ValueError(
-                    f"no token is allowed at step {step + 1}: no_repeat_ngram_size / min_new_tokens "
-                    "ban the whole vocabulary (ask for fewer new tokens or a smaller n-gram ban)"
-                )
-        tokens = select_next(logits, cfg, generator)
-        token_list = tokens.tolist()
-        if history is not None:
-            history.observe(tokens, token_list)
-        return cache, positions, tokens, token_list
-
-
-def hits_stop_string(decode: Callable[[list[int]], str], ids: list[int], stop_strings) -> bool:
-    """Whether the text of ``ids`` holds a stop string, checked after each new token: only the end
-    can hold a new match, so decoding a generous tail keeps this cheap."""
-    tail = decode(ids[-64:])
-    return any(s in tail for s in stop_strings)
 
 
 def generate_many(model, prompts, cfg: GenerationConfig, decode=None) -> list[Generated]:

@@ -35,17 +35,15 @@ import time
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Callable, Iterable, get_args
 
 import numpy as np
 import torch
 
+from tinylm.config import EmbeddingKind, EmbeddingOOV
 from tinylm.errors import TinyLMError
 
 log = logging.getLogger(__name__)
-
-KINDS = ("none", "auto", "vec", "bin", "gensim", "train")
-OOV_MODES = ("subword", "noise")
 
 
 @dataclass
@@ -215,7 +213,7 @@ def _stable_hash(text: str) -> int:
 
 def load_vectors(kind: str, path: str | None, keep: Iterable[str] | None = None) -> VectorSource:
     """Read vectors of ``kind`` (see module doc) from ``path``."""
-    if kind not in KINDS or kind in ("none", "train"):
+    if kind not in get_args(EmbeddingKind) or kind in ("none", "train"):
         raise TinyLMError(f"embeddings.kind={kind!r} does not read a file; choose one of auto, vec, bin, gensim")
     if not path:
         raise TinyLMError(f"embeddings.kind={kind} needs embeddings.path")
@@ -285,8 +283,8 @@ def build_embedding_matrix(
     pad_id: int | None = 0,
 ) -> tuple[np.ndarray, EmbeddingReport]:
     """(vocab_size, dim) float32 matrix for ``tokenizer``'s ids, and how each row was filled."""
-    if oov not in OOV_MODES:
-        raise TinyLMError(f"embeddings.oov={oov!r} is not one of {', '.join(OOV_MODES)}")
+    if oov not in get_args(EmbeddingOOV):
+        raise TinyLMError(f"embeddings.oov={oov!r} is not one of {', '.join(get_args(EmbeddingOOV))}")
     keys = vocabulary_keys(tokenizer)
     dim = source.dim
     matrix = np.zeros((len(keys), dim), dtype=np.float32)

@@ -8,10 +8,11 @@ Defaults are the seed architecture (pre-LN, learned positions, LayerNorm, GELU, 
 weights). Options cover the checkpoints people bring: RMSNorm, rotary positions, SwiGLU,
 grouped-query attention, no biases (llama2.c / Llama shape).
 
-This file is the one forward pass: training, evaluation and filling a KV cache with a prompt.
-Token-by-token decoding runs ``generation.decode.decode_step`` over the same weights (laid out
-for a one-token step, with static shapes); tests check the two against each other and against
-Hugging Face to 1e-5.
+This file is the one forward pass: training, evaluation, filling a KV cache with a prompt and
+the one-token decoding step (``GPT.forward(..., cache_slot=)``: static shapes, every cache slot
+attended under a mask, so one compiled step serves every length). ``GPT.prepare_for_decoding``
+switches the projections to a layout measured faster for one-token rows; tests check every path
+against the uncached forward and against Hugging Face to 1e-5.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import math
 from functools import partial
+from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -147,21 +149,23 @@ class KVCache:
         """Memory the keys and values take (every slot, filled or not)."""
         return sum(t.numel() * t.element_size() for t in (*self.k, *self.v))
 
-    def reorder(self, rows: torch.Tensor) -> None:
-        """Keep / duplicate batch rows (beam search): row i becomes old row ``rows[i]``.
+    def reorder(self, rows: torch.Tensor, start: int = 0) -> None:
+        """Keep / duplicate batch rows (beam search, rows leaving a batch): row i becomes old row
+        ``rows[i]``.
 
-        With an unchanged batch size only the rows that change and only their filled slots are
-        copied, in place (a beam step must not reallocate or rewrite the whole preallocated cache;
-        most beams keep their own row); a new size (e.g. one prompt row expanded to k beams)
-        builds new tensors.
+        With an unchanged batch size only the rows that change and only their filled slots from
+        ``start`` are copied, in place (a beam step must not reallocate or rewrite the whole
+        preallocated cache; most beams keep their own row, and the slots before ``start`` hold
+        the same keys in every row a beam can come from); a new size (one prompt row expanded to
+        k beams) builds new tensors.
         """
-        if rows.numel() == self.batch_size and self.length > 0:
+        if rows.numel() == self.batch_size:
             n = self.length
             moved = (rows != torch.arange(rows.numel(), device=rows.device)).nonzero().squeeze(1)
-            if moved.numel():
+            if moved.numel() and start < n:
                 sources = rows.index_select(0, moved)
                 for t in (*self.k, *self.v):
-                    filled = t[:, :, :n]
+                    filled = t[:, :, start:n]
                     filled.index_copy_(0, moved, filled.index_select(0, sources))
         else:
             self.k = [k.index_select(0, rows) for k in self.k]
@@ -170,13 +174,31 @@ class KVCache:
             self.key_mask = self.key_mask.index_select(0, rows)
 
 
-# ------------------------------------------------------------------------------ fused linear maps
-class FusedLinear(nn.Linear):
+# ------------------------------------------------------------------------------ linear maps
+class Linear(nn.Linear):
+    """``nn.Linear`` with an optional decoding layout: ``decode_weight``, the weight transposed to
+    (in, out) and contiguous, measured 1.3-3x faster than ``nn.Linear``'s (out, in) for the few
+    rows of a decoding step on CPU. A (rows, in) input -- the decoding step's shape; training and
+    prefill pass (B, T, in) -- uses it when set. ``GPT.prepare_for_decoding``, which the decoding
+    core calls before every generation and whenever rows join, sets it and renews it when a weight
+    changed since."""
+
+    decode_weight: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w_t = self.decode_weight
+        if w_t is None or x.dim() != 2:
+            return F.linear(x, self.weight, self.bias)
+        return torch.addmm(self.bias, x, w_t) if self.bias is not None else x @ w_t
+
+
+class FusedLinear(Linear):
     """Linear maps of one input stacked into one weight, so that they cost one matrix product
     (attention's q, k, v; SwiGLU's gate and up): output rows in ``parts`` order, ``parts`` naming
     each map and its row count. Each part is still its own matrix to initialisation and to Muon
-    (``split_sizes``), and keeps its own name in state dicts from before the fusion and in other
-    projects' formats: ``join_parts`` reads those, ``state_dict_by_parts`` writes them."""
+    (``split_sizes``), and keeps its own name in formats that store the parts apart (Hugging Face,
+    llama2.c, state dicts naming ``q_proj``): ``join_parts`` reads those, ``state_dict_by_parts``
+    writes them."""
 
     def __init__(self, in_features: int, parts: dict[str, int], bias: bool):
         super().__init__(in_features, sum(parts.values()), bias=bias)
@@ -237,22 +259,28 @@ class CausalSelfAttention(nn.Module):
             cfg.d_model, {"q_proj": cfg.n_heads * self.head_dim, "k_proj": kv_width, "v_proj": kv_width}, bias=cfg.bias
         )
         self._register_load_state_dict_pre_hook(join_parts, with_module=True)
-        self.out_proj = nn.Linear(cfg.n_heads * self.head_dim, cfg.d_model, bias=cfg.bias)
+        self.out_proj = Linear(cfg.n_heads * self.head_dim, cfg.d_model, bias=cfg.bias)
         self.resid_dropout = nn.Dropout(cfg.dropout)
         self.value_embed = nn.Embedding(cfg.vocab_size, kv_width) if cfg.has_value_embedding(layer) else None
 
-    def forward(self, x, rope=None, mask=None, kv_cache=None, layer=0, attention_out=None, idx=None):
-        B, T, _ = x.shape
+    def forward(self, x, rope=None, mask=None, kv_cache=None, layer=0, attention_out=None, idx=None, slot=None):
+        """x (B, T, C) -> (B, T, C); or, with ``slot`` (the decoding step), x (B, C) -> (B, C): the
+        new keys and values go into cache slot ``slot`` and ``mask`` is the additive mask over
+        every slot, (B Hkv, 1, S) (``GPT._step_mask``)."""
+        B, T = x.shape[0], 1 if slot is not None else x.shape[1]
         H, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
         # one matrix product for q, k and v, then views of its heads: (B, H + 2 Hkv, T, D)
         qkv = self.qkv(x).view(B, T, H + 2 * Hkv, D).transpose(1, 2)
-        q, k, v = qkv.split((H, Hkv, Hkv), dim=1)  # (B, H, T, D), (B, Hkv, T, D), (B, Hkv, T, D)
+        qk, v = qkv[:, : H + Hkv], qkv[:, H + Hkv :]  # queries and keys are normalised and rotated together
         if self.value_embed is not None:  # before the cache: decoding reads the values with it added
             v = v + self.value_embed(idx).view(B, T, Hkv, D).transpose(1, 2).to(v.dtype)
         if self.qk_norm:  # unit RMS per head: bounded attention logits whatever the weights' scale
-            q, k = rms_normalize(q), rms_normalize(k)
+            qk = rms_normalize(qk)
         if rope is not None:
-            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+            qk = apply_rope(qk, *rope)
+        q, k = qk[:, :H], qk[:, H:]  # (B, H, T, D), (B, Hkv, T, D)
+        if slot is not None:
+            return self.out_proj(self._attend_every_slot(q, k, v, kv_cache, layer, slot, mask))
         if kv_cache is not None:
             start = kv_cache.length
             kv_cache.k[layer][:, :, start : start + T] = k
@@ -287,6 +315,27 @@ class CausalSelfAttention(nn.Module):
         y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)
         return self.resid_dropout(self.out_proj(y))
 
+    def _attend_every_slot(self, q, k, v, kv_cache, layer, slot, mask_bias) -> torch.Tensor:
+        """The decoding step's attention: q (B, H, 1, D), k and v (B, Hkv, 1, D) written at
+        ``slot``, attending over all S slots of the cache (shapes never change from step to step);
+        returns (B, H D)."""
+        B, H, Hkv, D = q.shape[0], self.n_heads, self.n_kv_heads, self.head_dim
+        k_cache, v_cache = kv_cache.k[layer], kv_cache.v[layer]
+        S = k_cache.shape[2]
+        k_cache.index_copy_(2, slot, k if k.dtype == k_cache.dtype else k.to(k_cache.dtype))
+        v_cache.index_copy_(2, slot, v if v.dtype == v_cache.dtype else v.to(v_cache.dtype))
+        # the query heads sharing a kv head are rows of one product: no copy of the cached keys
+        q = q.reshape(B * Hkv, H // Hkv, D)
+        scores = torch.baddbmm(mask_bias, q, k_cache.view(B * Hkv, S, D).transpose(1, 2), alpha=D**-0.5)
+        low_precision = scores.dtype in (torch.float16, torch.bfloat16)
+        weights = torch.softmax(scores, dim=-1, dtype=torch.float32 if low_precision else None)
+        if low_precision:
+            weights = weights.to(v_cache.dtype)
+        # baddbmm with beta=0, not bmm: on CPU inductor turns a bmm with one query row into a
+        # generated loop slower than the BLAS call (0.92x eager at batch 32, bench_decode_step.py)
+        out = weights.new_empty(B * Hkv, H // Hkv, D)
+        return torch.baddbmm(out, weights, v_cache.view(B * Hkv, S, D), beta=0).view(B, H * D)
+
 
 def soft_cap(logits: torch.Tensor, cap: float) -> torch.Tensor:
     """cap * tanh(logits / cap): a smooth bound, |logit| <= cap."""
@@ -311,8 +360,8 @@ class FeedForward(nn.Module):
             self.gate_up = FusedLinear(cfg.d_model, {"gate": cfg.d_ff, "up": cfg.d_ff}, bias=cfg.bias)
             self._register_load_state_dict_pre_hook(join_parts, with_module=True)
         else:
-            self.up = nn.Linear(cfg.d_model, cfg.d_ff, bias=cfg.bias)
-        self.down = nn.Linear(cfg.d_ff, cfg.d_model, bias=cfg.bias)
+            self.up = Linear(cfg.d_model, cfg.d_ff, bias=cfg.bias)
+        self.down = Linear(cfg.d_ff, cfg.d_model, bias=cfg.bias)
         self.dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -335,8 +384,8 @@ class Block(nn.Module):
         self.norm2 = make_norm(cfg)
         self.ffn = FeedForward(cfg)
 
-    def forward(self, x, rope=None, mask=None, kv_cache=None, layer=0, attention_out=None, idx=None):
-        x = x + self.attn(self.norm1(x), rope, mask, kv_cache, layer, attention_out, idx)
+    def forward(self, x, rope=None, mask=None, kv_cache=None, layer=0, attention_out=None, idx=None, slot=None):
+        x = x + self.attn(self.norm1(x), rope, mask, kv_cache, layer, attention_out, idx, slot)
         return x + self.ffn(self.norm2(x))
 
 
@@ -348,7 +397,7 @@ class GPT(nn.Module):
         self.config = cfg
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_embed)
         # pretrained vectors narrower/wider than d_model (e.g. 300-d FastText): a learned projection
-        self.embed_proj = nn.Linear(cfg.d_embed, cfg.d_model, bias=False) if cfg.d_embed != cfg.d_model else None
+        self.embed_proj = Linear(cfg.d_embed, cfg.d_model, bias=False) if cfg.d_embed != cfg.d_model else None
         if cfg.positions == "learned":
             self.pos_emb = nn.Embedding(cfg.context_length, cfg.d_model)
         elif cfg.positions == "sinusoidal":
@@ -360,11 +409,9 @@ class GPT(nn.Module):
         self.drop = nn.Dropout(cfg.dropout)
         self.blocks = nn.ModuleList(Block(cfg, layer) for layer in range(cfg.n_layers))
         self.norm_f = make_norm(cfg)
-        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_weights:
             self.lm_head.weight = self.tok_emb.weight
-        # Set by the trainer: a function (block, x, rope, mask, idx) -> x that recomputes activations in backward.
-        self.checkpoint_fn = None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -392,6 +439,22 @@ class GPT(nn.Module):
     def num_parameters(self, trainable_only: bool = False) -> int:
         return sum(p.numel() for p in self.parameters() if p.requires_grad or not trainable_only)
 
+    @torch.no_grad()
+    def prepare_for_decoding(self) -> None:
+        """Give every projection its decoding layout (``Linear.decode_weight``: one transposed
+        copy of the weights, never saved), or renew it when a weight changed since (an optimizer
+        step, ``load_state_dict``, ``.to()``). Call once per generation, not per step: checking
+        the weights costs about as much as a small model's step. An int8 model's layers already
+        hold their integers in that layout (``models.quantize``)."""
+        # buffers too: an int8 model's weights are buffers (its integers and scales)
+        key = tuple((t.data_ptr(), t._version, t.dtype, t.device) for t in (*self.parameters(), *self.buffers()))
+        if self.__dict__.get("_decoding_layout_of") == key:
+            return
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.decode_weight = module.weight.detach().t().contiguous()
+        self.__dict__["_decoding_layout_of"] = key
+
     def new_kv_cache(self, batch_size: int, max_len: int | None = None) -> KVCache:
         p = self.tok_emb.weight
         return KVCache(self.config, batch_size, max_len or self.config.context_length, p.device, p.dtype)
@@ -403,47 +466,44 @@ class GPT(nn.Module):
         *,
         kv_cache: KVCache | None = None,
         position_ids: torch.Tensor | None = None,
+        cache_slot: torch.Tensor | None = None,
         loss_reduction: str = "mean",
         label_smoothing: float = 0.0,
         attention_out: list | None = None,
         last_logits_only: bool = False,
         document_start: int | None = None,
+        checkpoint_blocks: Callable | None = None,
     ):
         """idx (B, T) token ids -> (logits (B, T, V), loss or None).
 
         targets: (B, T) next-token ids, IGNORE_INDEX where nothing is predicted (padding).
         kv_cache: append this call's keys/values and attend over everything cached so far.
         position_ids: (B, T) per-row positions (left-padded batches); default start..start+T-1.
+        cache_slot: the one-token decoding step (idx (B, 1)): a (1,) tensor, the cache slot its
+            keys and values go to; position_ids is then (B,). Every slot of the cache is attended
+            under its key mask, so shapes stay fixed and a compiled step serves every length; the
+            cache's ``length`` is the caller's to advance (``generation.decode.decode_step``).
         last_logits_only: compute logits for the last position only, (B, 1, V) (generation:
             the output head is a large share of a prompt's compute).
         attention_out: a list to receive each layer's attention weights (B, H, T, S) (forces the
             hand-written attention path, since SDPA does not return weights).
         document_start: the token id that opens a document (``<sos>``): each token attends only to
             the earlier tokens of its own document in the window, not across a packed boundary.
+        checkpoint_blocks: a function (block, x, rope, mask, idx) -> x run instead of each block
+            while training without a cache (gradient checkpointing: it recomputes in backward).
         """
+        if cache_slot is not None:
+            return self._step(idx, kv_cache, position_ids, cache_slot)
         cfg = self.config
         B, T = idx.shape
         start = kv_cache.length if kv_cache is not None else 0
         if start + T > cfg.context_length or (kv_cache is not None and start + T > kv_cache.max_len):
             raise ValueError(f"sequence of {start + T} tokens exceeds the context length {cfg.context_length}")
-
-        # positions start..start+T-1 for every row (the usual case) are slices of the tables:
-        # no index tensor to build and gather from at every decoding step
-        def positions_of(table: torch.Tensor) -> torch.Tensor:  # -> (B or 1, T, ...)
-            return table[start : start + T][None] if position_ids is None else table[position_ids]
-
-        x = self.tok_emb(idx)  # (B, T, C)
-        if self.embed_proj is not None:
-            x = self.embed_proj(x)  # (B, T, d_embed) -> (B, T, C)
-        if cfg.positions == "learned":
-            x = x + positions_of(self.pos_emb.weight)
-        elif cfg.positions == "sinusoidal":
-            x = x + positions_of(self.pos_table).to(x.dtype)
+        if position_ids is None:  # a slice of the tables: no index tensor to build and gather from
+            position_ids = slice(start, start + T)
+        x, rope = self._embed(idx, position_ids)
         if self.training:
             x = self.drop(x)
-        rope = None
-        if cfg.positions == "rope":
-            rope = rope_factors(positions_of(self.rope_cos)[:, None], positions_of(self.rope_sin)[:, None])
 
         if document_start is not None:
             if kv_cache is not None:
@@ -452,17 +512,15 @@ class GPT(nn.Module):
         else:
             mask = self._attention_mask(T, start, kv_cache, idx.device)
         for layer, block in enumerate(self.blocks):
-            if self.checkpoint_fn is not None and self.training and kv_cache is None:
-                x = self.checkpoint_fn(block, x, rope, mask, idx)
+            if checkpoint_blocks is not None and self.training and kv_cache is None:
+                x = checkpoint_blocks(block, x, rope, mask, idx)
             else:
                 x = block(x, rope, mask, kv_cache, layer, attention_out, idx)
         if kv_cache is not None:
             kv_cache.length = start + T
         if last_logits_only and targets is None:  # generation needs the next-token logits only
             x = x[:, -1:]
-        logits = self.lm_head(self.norm_f(x))  # (B, T, V)
-        if cfg.logit_softcap is not None:
-            logits = soft_cap(logits, cfg.logit_softcap)
+        logits = self.read_out(x)  # (B, T, V)
 
         if targets is None:
             return logits, None
@@ -476,6 +534,58 @@ class GPT(nn.Module):
             label_smoothing=label_smoothing,
         )
         return logits, loss
+
+    def _embed(self, idx: torch.Tensor, positions) -> tuple[torch.Tensor, tuple | None]:
+        """Token (and absolute position) embeddings of ``idx``, and the rotary factors.
+
+        positions: a slice (every row at start..start+T-1), (B, T) per-row positions, or, for the
+        decoding step, (B,) with idx (B,); the tables' rows come back as (1 or B, T, ...) or (B, ...)."""
+        cfg = self.config
+        x = self.tok_emb(idx)  # (B, T, d_embed)
+        if self.embed_proj is not None:
+            x = self.embed_proj(x)  # -> (B, T, C)
+
+        def at_positions(table: torch.Tensor) -> torch.Tensor:
+            return table[positions][None] if isinstance(positions, slice) else table[positions]
+
+        if cfg.positions == "learned":
+            x = x + at_positions(self.pos_emb.weight)
+        elif cfg.positions == "sinusoidal":
+            x = x + at_positions(self.pos_table).to(x.dtype)
+        rope = None
+        if cfg.positions == "rope":
+            cos, sin = at_positions(self.rope_cos), at_positions(self.rope_sin)
+            if idx.dim() == 1:  # the step: (B, D/2) -> (B, 1, 1, D/2), over heads and its one position
+                cos, sin = cos[:, None], sin[:, None]
+            rope = rope_factors(cos[:, None], sin[:, None])
+        return x, rope
+
+    def read_out(self, x: torch.Tensor) -> torch.Tensor:
+        """A residual stream (B, T, C) or (B, C) through the final norm, the head and the soft-cap."""
+        logits = self.lm_head(self.norm_f(x))
+        return soft_cap(logits, self.config.logit_softcap) if self.config.logit_softcap is not None else logits
+
+    def _step(
+        self, idx: torch.Tensor, kv_cache: KVCache, positions: torch.Tensor | None, slot: torch.Tensor
+    ) -> tuple[torch.Tensor, None]:
+        """The one-token decoding step (``forward`` with ``cache_slot``): rows of (B, C) throughout,
+        which is what switches the projections to their decoding layout (``Linear``)."""
+        tokens = idx.view(-1)  # (B,)
+        x, rope = self._embed(tokens, slot.expand(tokens.shape[0]) if positions is None else positions)
+        mask = self._step_mask(kv_cache, slot, x.dtype)
+        for layer, block in enumerate(self.blocks):
+            x = block(x, rope, mask, kv_cache, layer, None, idx, slot)
+        return self.read_out(x)[:, None], None
+
+    def _step_mask(self, kv_cache: KVCache, slot: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Additive mask (B Hkv, 1, S): 0 where a key may be seen (filled by now and not padding),
+        -inf elsewhere (slots after ``slot`` are not written yet)."""
+        B, S, Hkv = kv_cache.batch_size, kv_cache.max_len, self.config.n_kv_heads
+        visible = torch.arange(S, device=slot.device) <= slot  # (S,)
+        if kv_cache.key_mask is not None:
+            visible = visible & kv_cache.key_mask  # (B, S)
+        bias = torch.zeros(visible.shape, dtype=dtype, device=slot.device).masked_fill_(~visible, float("-inf"))
+        return bias.view(-1, 1, 1, S).expand(B, Hkv, 1, S).reshape(B * Hkv, 1, S)
 
     @staticmethod
     def _attention_mask(T: int, start: int, kv_cache: KVCache | None, device) -> torch.Tensor | None:

@@ -44,15 +44,16 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import get_args
 
 import numpy as np
 import torch
 
+from tinylm.config import StartPadding
 from tinylm.constants import EOS_ID, SOS_ID
 from tinylm.errors import TinyLMError
 
 SMOOTHINGS = ("add_k", "interpolated", "kneser_ney")
-START_PADDINGS = ("single", "order")
 MAX_ORDER = 5
 
 
@@ -151,8 +152,10 @@ class NGramLM:
         start_padding: str = "single",
     ):
         _check_order(order)
-        if start_padding not in START_PADDINGS:
-            raise TinyLMError(f"n-gram start_padding {start_padding!r} is not one of {', '.join(START_PADDINGS)}")
+        if start_padding not in get_args(StartPadding):
+            raise TinyLMError(
+                f"n-gram start_padding {start_padding!r} is not one of {', '.join(get_args(StartPadding))}"
+            )
         self.start_padding = start_padding
         if smoothing not in SMOOTHINGS:
             raise TinyLMError(f"n-gram smoothing {smoothing!r} is not one of {', '.join(SMOOTHINGS)}")

@@ -5,10 +5,10 @@ row (output channel): ``w ~= q * scale[:, None]``, ``scale = max |w_row| / 127``
 keeps its own range and the error of one weight is at most ``scale / 2``.
 
 ``Int8Linear`` is a drop-in for ``nn.Linear`` holding such weights, and ``quantize_gpt(model)``
-converts every ``nn.Linear`` of a GPT (attention, feed-forward, output head; the embedding table
-and the norms stay float32: a lookup reads one row per token). The converted model runs its own
-forward (prefill, evaluation, bits per byte) through ``Int8Linear`` and the decoding step
-(``generation.decode``) through ``Int8Matmul`` on the same integers.
+converts every linear map of a GPT (attention, feed-forward, output head; the embedding table and
+the norms stay float32: a lookup reads one row per token). The integers are stored (in, out), the
+layout the decoding step multiplies by, so the converted model runs training-shaped forwards
+(prefill, evaluation, bits per byte) and the decoding step through the same ``int8_matmul``.
 
 How the product is computed (``kernel``):
 
@@ -19,18 +19,8 @@ How the product is computed (``kernel``):
 * ``"dequantize"``: weight-only: the int8 matrix is widened to float at every call and multiplied
   in float; the closest to the float model.
 
-Measured on a 2-core AMD EPYC (AVX-512, no VNNI), one thread, under load (CPU time, alternating
-runs), greedy on bench_generate.py's 4.3M-parameter model, against float32 in the same mode:
-eager, rowwise 1.34x at batch 1 and 1.43x at batch 16, dequantize 1.41x and 1.18x (reading a
-quarter of the bytes outweighs the widening); compiled, rowwise 2.4x and 1.5x (inductor fuses
-the activations' rounding into the code around it), dequantize 1.3x and 1.0x. On small models
-the extra operations per product cost more than the bytes save (stories260K, d_model 64: slower
-than float32). Bits per byte on valid.txt (20 and 200 stories): stories260K +0.001 to +0.002
-rowwise, +0.0003 to +0.0008 dequantize; a 1.4M-parameter TinyStories model +0.0003 and +0.00004.
-Also measured and left out: ``torch._weight_int8pack_mm`` (weight-only, one ATen kernel), 10x
-slower than the float32 product on that CPU; fbgemm's dynamically quantised linear
-(``quantize_dynamic``: one activation scale per call, so a row's result depends on its batch),
-+0.03 bits per byte on stories260K and opaque to ``torch.compile``.
+Speed and bits per byte of both kernels against float32, and the kernels measured and left out
+(``torch._weight_int8pack_mm``, fbgemm's ``quantize_dynamic``), are in docs/notes/int8.md.
 """
 
 from __future__ import annotations
@@ -59,48 +49,31 @@ def dequantize_rows(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return q.float() * scale[:, None]
 
 
-class Int8Matmul:
-    """``x @ W + b`` for x (N, in) float, W (in, out) stored as int8 ``q_t`` with one scale per
-    column (per output channel). bfloat16 inputs are widened and the result narrowed back."""
-
-    def __init__(self, q_t: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, kernel: Int8Kernel):
-        self.kernel = kernel
-        self.q_t = q_t.contiguous()  # (in, out)
-        self.scale = scale.float()  # (out,)
-        self.col_scale = self.scale / QMAX  # rowwise: one factor less per call
-        self.bias = None if bias is None else bias.detach().float()
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        """(in, out), like the float matrix it stands for in the decoding layout."""
-        return tuple(self.q_t.shape)
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        if dtype != torch.float32:
-            x = x.float()
-        if self.kernel == "rowwise":
-            row_max = torch.linalg.vector_norm(x, float("inf"), dim=-1, keepdim=True).clamp_(min=1e-30)
-            xq = (x * (QMAX / row_max)).round_().to(torch.int8)
-            y = torch._int_mm(xq, self.q_t) * row_max  # int32 sums, exact; times the row's scale * 127
-            y = y * self.col_scale if self.bias is None else torch.addcmul(self.bias, y, self.col_scale)
-        else:
-            y = x @ self.q_t.to(torch.float32)
-            y = y * self.scale if self.bias is None else torch.addcmul(self.bias, y, self.scale)
-        return y if dtype == torch.float32 else y.to(dtype)
-
-
-def quantize_transposed(w_t: torch.Tensor, bias: torch.Tensor | None, kernel: Int8Kernel) -> Int8Matmul:
-    """An (in, out) float matrix (the decoding layout) and its bias as an ``Int8Matmul``."""
-    q, scale = quantize_rows(w_t.t())
-    return Int8Matmul(q.t(), scale, bias, kernel)
+def int8_matmul(
+    x: torch.Tensor, q_t: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, kernel: Int8Kernel
+) -> torch.Tensor:
+    """``x @ W + b`` for x (N, in) float, W (in, out) stored as int8 ``q_t`` with one float32 scale
+    per column (output channel). bfloat16 inputs are widened and the result narrowed back."""
+    dtype = x.dtype
+    if dtype != torch.float32:
+        x = x.float()
+    if kernel == "rowwise":
+        row_max = torch.linalg.vector_norm(x, float("inf"), dim=-1, keepdim=True).clamp_(min=1e-30)
+        xq = (x * (QMAX / row_max)).round_().to(torch.int8)
+        y = torch._int_mm(xq, q_t) * row_max  # int32 sums, exact; times the row's scale * 127
+        col_scale = scale * (1.0 / QMAX)
+        y = y * col_scale if bias is None else torch.addcmul(bias, y, col_scale)
+    else:
+        y = x @ q_t.to(torch.float32)
+        y = y * scale if bias is None else torch.addcmul(bias, y, scale)
+    return y if dtype == torch.float32 else y.to(dtype)
 
 
 class Int8Linear(nn.Module):
     """``nn.Linear`` with int8 weights (one scale per output channel), for inference only.
 
     ``weight`` is the dequantised float matrix (what the int8 values stand for), so code that
-    reads a Linear's weight (the decoding layout) sees the quantised model."""
+    reads a Linear's weight (exports, attention maps) sees the quantised model."""
 
     def __init__(self, linear: nn.Linear, kernel: Int8Kernel = "rowwise"):
         super().__init__()
@@ -117,7 +90,7 @@ class Int8Linear(nn.Module):
         return dequantize_rows(self.q_t.t(), self.scale)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = Int8Matmul(self.q_t, self.scale, self.bias, self.kernel)(x.reshape(-1, self.in_features))
+        y = int8_matmul(x.reshape(-1, self.in_features), self.q_t, self.scale, self.bias, self.kernel)
         return y.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:

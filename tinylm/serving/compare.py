@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import math
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter
 from pydantic import Field
 
 from tinylm.errors import TinyLMError
@@ -21,6 +21,7 @@ from tinylm.evaluation.byte_bits import char_bits, char_offsets, char_span, scor
 from tinylm.serving.completions import bad
 from tinylm.serving.models import ServedModel
 from tinylm.serving.schemas import Strict
+from tinylm.serving.state import ServerState, StateDep
 
 router = APIRouter()
 MAX_TOP = 20
@@ -76,7 +77,7 @@ def model_scores(served: ServedModel, text: str, top: int) -> dict:
     }
 
 
-def _served(state, names: list[str] | None) -> list[ServedModel]:
+def _served(state: ServerState, names: list[str] | None) -> list[ServedModel]:
     if names is None:
         return list(state.models.values())
     if not names:
@@ -85,17 +86,13 @@ def _served(state, names: list[str] | None) -> list[ServedModel]:
 
 
 @router.post("/v1/tinylm/score")
-async def compare_scores(body: CompareRequest, request: Request):
+async def compare_scores(body: CompareRequest, state: StateDep):
     if not body.text:
         raise bad("text", "must not be empty", "empty_text")
     if not 0 <= body.top <= MAX_TOP:
         raise bad("top", f"must be between 0 and {MAX_TOP} (got {body.top})")
-    state = request.app.state.server  # tinylm.serving.app.ServerState
     results = await asyncio.gather(
-        *(
-            state.on_model_thread(s, lambda s=s: model_scores(s, body.text, body.top))
-            for s in _served(state, body.models)
-        )
+        *(s.on_model_thread(lambda s=s: model_scores(s, body.text, body.top)) for s in _served(state, body.models))
     )
     offsets = char_offsets(body.text)
     return {

@@ -1,5 +1,6 @@
-"""`/v1/completions` without the HTTP: a request checked and turned into decoding rows, and the
-rows' tokens turned back into OpenAI's response objects (whole, or as stream chunks).
+"""`/v1/completions` without the HTTP: a request checked and turned into decoding rows (``plan_completion``),
+the rows decoded on the model's scheduler and their tokens turned back into OpenAI's response
+(``complete``) or its server-sent events (``sse_stream``).
 
 The rules a request follows (docs/serving.md):
 
@@ -22,17 +23,23 @@ The rules a request follows (docs/serving.md):
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import dataclasses
 import itertools
+import json
 import secrets
+import threading
 import time
 import warnings
 from dataclasses import dataclass, field
+from typing import AsyncIterator, Awaitable, Callable
 
 from tinylm.config import ConfigError, GenerationConfig, knob_names
 from tinylm.errors import TinyLMError
+from tinylm.generation.batch import DoneEvent, ErrorEvent, Row, TokenEvent
 from tinylm.generation.core import fit_prompts
-from tinylm.generation.generate import encode_prompt, prompt_head
+from tinylm.generation.generate import encode_prompt, generate_many, prompt_head
 from tinylm.serving.schemas import CompletionRequest
 
 MAX_LOGPROBS = 20
@@ -371,3 +378,202 @@ def chunk_json(plan: Plan, model: str, index: int, text: str, logprobs=None, fin
     if extra:
         choice.update(extra)
     return {"id": plan.id, "object": "text_completion", "created": plan.created, "model": model, "choices": [choice]}
+
+
+# ------------------------------------------------------------------------------------ decoding
+class Outbox:
+    """Events from the decoding thread to the requests' queues on the event loop: one wake-up of
+    the loop carries every event of a step (a wake-up per token per row costs more than the
+    event itself when 16 streams decode together)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop, self.items, self.lock, self.scheduled = loop, [], threading.Lock(), False
+
+    def put(self, queue: asyncio.Queue, item) -> None:
+        with self.lock:
+            self.items.append((queue, item))
+            wake, self.scheduled = not self.scheduled, True
+        if wake:
+            self.loop.call_soon_threadsafe(self._deliver)
+
+    def _deliver(self) -> None:
+        with self.lock:
+            items, self.items, self.scheduled = self.items, [], False
+        for queue, item in items:
+            queue.put_nowait(item)
+
+
+async def echo_logprobs(served, plan: Plan) -> dict:
+    """With echo and logprobs: every prompt token's log probability (the first has none), the
+    distinct prompts of the request scored together."""
+    rows = list(dict.fromkeys(tuple(c.echo_ids) for c in plan.choices))
+    scored = await served.on_model_thread(
+        lambda: served.rows_logprobs([list(r) for r in rows], plan.request.logprobs), "prompt"
+    )
+    parts = {r: (list(r), [None] + [lp for lp, _ in s], [None] + [a for _, a in s]) for r, s in zip(rows, scored)}
+    return {c.index: parts[tuple(c.echo_ids)] for c in plan.choices}
+
+
+async def beam(served, plan: Plan) -> None:
+    """Beam search on the model's thread, one prompt at a time (as `tinylm generate` does)."""
+    top, n = plan.request.logprobs or 0, plan.request.n
+
+    def run(choices):
+        t0 = time.perf_counter()
+        results = generate_many(served.model, [choices[0].prompt_ids], choices[0].cfg, served.tokenizer.decode)
+        seconds = time.perf_counter() - t0
+        for c, g in zip(choices, results):
+            c.tokens, c.finish_reason, c.seconds = g.tokens, g.finish_reason, seconds
+            if plan.request.logprobs is not None and g.tokens:
+                scored = served.sequence_logprobs(c.prompt_ids + g.tokens, top)[len(c.prompt_ids) - 1 :]
+                c.logprobs, c.top = [lp for lp, _ in scored], [a for _, a in scored]
+
+    for first in range(0, len(plan.choices), n):  # prompt i's n beams are choices i * n .. i * n + n - 1
+        await served.on_model_thread(lambda choices=plan.choices[first : first + n]: run(choices), "prompt")
+
+
+@contextlib.contextmanager
+def start_rows(served, plan: Plan, outbox: Outbox):
+    """A scheduler row per choice, its events on the yielded queue as (index, event), until the block is left."""
+    events: asyncio.Queue = asyncio.Queue()
+    rows = [
+        Row(
+            c.prompt_ids,
+            c.cfg,
+            lambda event, index=c.index: outbox.put(events, (index, event)),
+            served.tokenizer.decode,
+            plan.request.logprobs,
+        )
+        for c in plan.choices
+    ]
+    for row in rows:
+        served.scheduler.add(row)
+    try:
+        yield events
+    finally:
+        for row in rows:
+            row.cancel()
+
+
+def record(plan: Plan, index: int, event) -> None:
+    c = plan.choices[index]
+    if isinstance(event, TokenEvent):
+        c.tokens.append(event.token)
+        c.logprobs.append(event.logprob)
+        c.top.append(event.top or [])
+    elif isinstance(event, DoneEvent):
+        c.finish_reason, c.seconds, c.stop_id = event.finish_reason, event.seconds, event.stop_token
+    elif isinstance(event, ErrorEvent):  # with a param: a knob the model could not honour; without: the server's fault
+        raise (
+            bad(event.param, event.message)
+            if event.param is not None
+            else APIError(500, event.message, None, "generation_failed", "server_error")
+        )
+
+
+async def decode(served, plan: Plan, outbox: Outbox, is_disconnected: Callable[[], Awaitable[bool]]) -> None:
+    """Every choice decoded to its end, or until the client has gone."""
+    left, checked = len(plan.choices), time.monotonic()
+    with start_rows(served, plan, outbox) as events:
+        while left:
+            if time.monotonic() - checked > 0.25:  # tokens may keep the queue from ever timing out
+                if await is_disconnected():
+                    return
+                checked = time.monotonic()
+            try:
+                index, event = await asyncio.wait_for(events.get(), timeout=0.25)
+            except asyncio.TimeoutError:
+                continue
+            record(plan, index, event)
+            left -= isinstance(event, DoneEvent)
+
+
+def sse(body: dict) -> str:
+    return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+
+async def sse_events(served, plan: Plan, outbox: Outbox, prompt_parts: dict | None) -> AsyncIterator[str]:
+    """Server-sent events: a chunk per token per choice, a last one with the finish reason, usage if asked, [DONE]."""
+    r, tok, left = plan.request, served.tokenizer, len(plan.choices)
+    pending: list[str] = []  # chunks of the events taken from the queue, not yet written
+    with start_rows(served, plan, outbox) as events:  # left when the client disconnects too
+        try:
+            first = {"warnings": plan.warnings} if plan.warnings else None
+            for c in plan.choices if r.echo or first else ():  # a chunk each for the echoed prompt or warnings
+                part = prompt_parts.get(c.index) if r.echo and prompt_parts else None
+                lp = logprobs_json(c, tok, prompt_part=part) if part is not None else None
+                yield sse(chunk_json(plan, served.name, c.index, c.prompt if r.echo else "", lp, extra=first))
+            while left:
+                # every event already waiting goes out in one write: when the loop falls behind the
+                # decoding thread (16 streams), a write per token would cost more than the token
+                ready = [await events.get()]
+                while not events.empty():
+                    ready.append(events.get_nowait())
+                for index, event in ready:
+                    record(plan, index, event)
+                    c = plan.choices[index]
+                    if isinstance(event, TokenEvent):
+                        lp = (
+                            logprobs_json(c, tok, start=len(c.tokens) - 1, offset=len(c.prompt) if r.echo else 0)
+                            if r.logprobs is not None
+                            else None
+                        )
+                        text = new_text(c, tok, plan.stops, False)
+                        pending.append(sse(chunk_json(plan, served.name, index, text, lp)))
+                    else:
+                        left -= 1
+                        text = new_text(c, tok, plan.stops, True)
+                        pending.append(
+                            sse(
+                                chunk_json(
+                                    plan,
+                                    served.name,
+                                    index,
+                                    text,
+                                    None,
+                                    finish_reason(c.finish_reason),
+                                    {"tinylm": tinylm_part(c)},
+                                )
+                            )
+                        )
+                yield "".join(pending)
+                pending.clear()
+            if r.stream_options is not None and r.stream_options.include_usage:
+                yield sse(
+                    {
+                        "id": plan.id,
+                        "object": "text_completion",
+                        "created": plan.created,
+                        "model": served.name,
+                        "choices": [],
+                        "usage": usage(plan),
+                    }
+                )
+            yield "data: [DONE]\n\n"
+        except APIError as exc:  # the chunks before the failed event still go out, then the error
+            yield "".join(pending) + sse(exc.body())
+
+
+# -------------------------------------------------------------------------------- entry points
+def scores_prompt(plan: Plan) -> bool:
+    """echo with logprobs: the prompt's own tokens are scored too."""
+    return plan.request.echo and plan.request.logprobs is not None
+
+
+async def complete(served, plan: Plan, outbox: Outbox, is_disconnected: Callable[[], Awaitable[bool]]) -> dict:
+    """The whole response: the prompt scored (with echo and logprobs), the choices decoded (nothing
+    with max_tokens 0), by beam search or on the scheduler's rows."""
+    prompt_parts = await echo_logprobs(served, plan) if scores_prompt(plan) else None
+    if not plan.scoring_only:
+        await (beam(served, plan) if plan.beam else decode(served, plan, outbox, is_disconnected))
+        ended = [c for c in plan.choices if c.finish_reason == "stop_token"]
+        if prompt_parts is not None and ended:  # scoring: the stop token that ended a choice is listed too
+            await served.on_model_thread(lambda: served.list_stop_tokens(ended, plan.request.logprobs), "prompt")
+    return completion_json(plan, served.tokenizer, served.name, prompt_parts)
+
+
+async def sse_stream(served, plan: Plan, outbox: Outbox) -> AsyncIterator[str]:
+    """The response as server-sent events. The prompt is scored (with echo and logprobs) before the
+    first event, so a prompt it cannot score is an HTTP error, not an event."""
+    prompt_parts = await echo_logprobs(served, plan) if scores_prompt(plan) else None
+    return sse_events(served, plan, outbox, prompt_parts)

@@ -5,13 +5,14 @@ and the probability of the token that actually follows.
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter
 from pydantic import Field
 
 from tinylm.errors import TinyLMError
 from tinylm.evaluation.lens import check_layered, logit_lens
 from tinylm.serving.completions import bad
 from tinylm.serving.schemas import Strict
+from tinylm.serving.state import StateDep
 
 router = APIRouter()
 
@@ -53,8 +54,7 @@ def lens_json(served, text: str, top: int) -> dict:
 
 
 @router.post("/v1/tinylm/lens")
-async def lens(body: LensRequest, request: Request):
-    state = request.app.state.server
+async def lens(body: LensRequest, state: StateDep):
     served = state.model(body.model)
     if not body.text:
         raise bad("text", "must not be empty", "empty_text")
@@ -62,4 +62,4 @@ async def lens(body: LensRequest, request: Request):
         check_layered(served.model)
     except TinyLMError as exc:
         raise bad("model", f"{served.name}: {exc}", "model_has_no_layers") from exc
-    return {"model": served.name, **await state.on_model_thread(served, lambda: lens_json(served, body.text, body.top))}
+    return {"model": served.name, **await served.on_model_thread(lambda: lens_json(served, body.text, body.top))}

@@ -7,6 +7,7 @@ through ``evaluation.plots.attention_maps`` (the numbers of ``tinylm attention``
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import math
 import time
@@ -24,7 +25,7 @@ from tinylm.evaluation.plots import attention_maps, attention_maps_of_ids, token
 from tinylm.evaluation.report import read_json
 from tinylm.interop.loading import load_any_checkpoint
 from tinylm.models.quantize import InferenceDtype, to_inference_dtype
-from tinylm.serving.completions import APIError
+from tinylm.serving.completions import APIError, bad
 from tinylm.serving.scheduler import Scheduler
 from tinylm.training.metrics import read_metrics
 
@@ -153,16 +154,26 @@ class ServedModel:
         ]
 
     def check_ids(self, ids: list[int], param: str) -> None:
-        bad = [i for i in ids if not 0 <= i < self.vocab_size]
-        if bad:
+        outside = [i for i in ids if not 0 <= i < self.vocab_size]
+        if outside:
             raise APIError(
                 400,
-                f"{param}: token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})",
+                f"{param}: token id {outside[0]} is outside the vocabulary [0, {self.vocab_size})",
                 param,
                 "invalid_token",
             )
 
     # ------------------------------------------------------------------- on the model's thread
+    async def on_model_thread(self, fn, param: str = "text"):
+        """``fn()`` on the scheduler's thread, between decoding steps (the model is used from one
+        thread only); a TinyLMError becomes a 400 naming the request's field ``param``."""
+        try:
+            return await asyncio.wrap_future(self.scheduler.submit(fn))
+        except TinyLMError as exc:
+            raise bad(param, str(exc)) from exc
+        except ValueError as exc:  # knobs that leave no token allowed at some step name themselves
+            raise APIError(400, str(exc), None, "invalid_value") from exc
+
     def score(self, text: str) -> dict:
         """Per-token log probabilities of ``text`` from the start token, and the metrics of
         ``tinylm evaluate`` (token perplexity, bits per byte, word perplexity)."""

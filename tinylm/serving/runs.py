@@ -20,11 +20,10 @@ import asyncio
 import csv
 import io
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
-from fastapi import APIRouter, Request
+from fastapi import APIRouter
 from pydantic import Field
 
 from tinylm.config import SampleConfig, check_fields
@@ -35,6 +34,7 @@ from tinylm.interop.loading import load_any_checkpoint
 from tinylm.serving.completions import APIError, bad
 from tinylm.serving.models import ServedModel, unique_name
 from tinylm.serving.schemas import Strict
+from tinylm.serving.state import RunsRoot, ServerState, StateDep
 from tinylm.training.metrics import EVAL_SAMPLES, read_eval_samples
 
 router = APIRouter()
@@ -42,16 +42,6 @@ MAX_DEPTH = 3  # runs/<study>/<stage>/metrics.csv is as deep as tinylm writes th
 LIVE_SECONDS = 600  # a run whose metrics.csv changed this recently (and that has no last checkpoint) is training
 RETRY_SECONDS = 0.5  # a checkpoint read that failed is tried again after this (see off_loop_with_retry)
 MAX_LOADED = 8  # checkpoints loaded from runs at most (each is a model in memory with its own thread)
-
-
-@dataclass
-class RunsRoot:
-    """The directory of runs a server shows, and the checkpoints it loaded from them (path -> name)."""
-
-    root: Path
-    max_batch: int = 32
-    loaded: dict[str, str] = field(default_factory=dict)
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
 
 # ------------------------------------------------------------------------------------ reading runs
@@ -181,8 +171,8 @@ class SamplesRequest(RunCheckpoint):
     max_tokens: int = Field(48, ge=1, le=256, description="new tokens per prompt")
 
 
-def runs_root(request: Request) -> RunsRoot:
-    runs = getattr(request.app.state, "runs", None)
+def runs_root(state: ServerState) -> RunsRoot:
+    runs = state.runs
     if runs is None:
         raise APIError(404, "this server shows no runs: start it with `tinylm serve --runs DIR`", None, "no_runs")
     return runs
@@ -220,17 +210,17 @@ async def off_loop_with_retry(fn, *args):
 
 
 @router.get("/v1/tinylm/runs")
-async def list_runs(request: Request):
-    runs = runs_root(request)
+async def list_runs(state: StateDep):
+    runs = runs_root(state)
     summaries = await asyncio.to_thread(lambda: [run_summary(name, d) for name, d in find_runs(runs.root).items()])
     return {"root": runs.root.name, "runs": summaries}
 
 
 @router.get("/v1/tinylm/runs/detail")
-async def detail(request: Request, run: str, since: int = 0):
+async def detail(state: StateDep, run: str, since: int = 0):
     if since < 0:
         raise bad("since", f"must be >= 0 (got {since})")
-    d = find_run(runs_root(request), run)
+    d = find_run(runs_root(state), run)
     return await asyncio.to_thread(run_detail, run, d, since)
 
 
@@ -241,11 +231,11 @@ def served_name(run: str, checkpoint: str, taken: set[str]) -> str:
 
 
 @router.post("/v1/tinylm/runs/load")
-async def load(body: RunCheckpoint, request: Request):
+async def load(body: RunCheckpoint, state: StateDep):
     """Serve a run's checkpoint. Loading it again reloads it (``best`` and ``ema`` change while a run
     trains): the new weights replace the old under the same name, and the old model's scheduler is
     closed once the swap is done (requests already decoding with it end with an error)."""
-    runs, state = runs_root(request), request.app.state.server
+    runs = runs_root(state)
     path = find_checkpoint(find_run(runs, body.run), body.run, body.checkpoint)
     key = str(path.resolve())
     async with runs.lock:  # one load at a time: two clicks must not load the same checkpoint twice
@@ -271,8 +261,8 @@ async def load(body: RunCheckpoint, request: Request):
 
 
 @router.post("/v1/tinylm/runs/samples")
-async def samples(body: SamplesRequest, request: Request):
-    run = find_run(runs_root(request), body.run)
+async def samples(body: SamplesRequest, state: StateDep):
+    run = find_run(runs_root(state), body.run)
     find_checkpoint(run, body.run, body.checkpoint)
     try:
         done = await off_loop_with_retry(checkpoint_samples, run, body.checkpoint, body.max_tokens)

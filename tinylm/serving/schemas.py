@@ -45,7 +45,7 @@ class OpenAICompletion(Strict):
     user: str | None = None
 
 
-# vLLM's name for min_new_tokens, which the playground sent first
+# vLLM's name for min_new_tokens, so that a client written for vLLM sets the same knob
 ALIASES = {"min_new_tokens": "min_tokens"}
 
 

@@ -33,7 +33,7 @@ import torch
 from tinylm.config import GenerationConfig, ModelConfig, RunConfig, apply_updates, check_config, parse_overrides
 from tinylm.constants import EOS_ID, SOS_ID, UNK_ID
 from tinylm.data.cleaning import clean_documents
-from tinylm.data.prepare import Prepared, load_raw_documents, prepare
+from tinylm.data.prepare import PreparedData, load_raw_documents, prepare
 from tinylm.data.splits import line_overlap
 from tinylm.data.tokens import TokenSplit
 from tinylm.errors import TinyLMError
@@ -126,9 +126,11 @@ def _split_metrics(nll_and_count, split) -> dict:
     return metrics(nll, n, split.n_bytes, split.n_words)
 
 
-def split_stats(tok, split: TokenSplit, docs: list[str]) -> dict:
-    """Tokens per word and exact reconstruction of one split. For word_bpe, tokens per word counts
-    the pieces of words, not the end-of-word token after each (the report's definition)."""
+def report_split_stats(tok, split: TokenSplit, docs: list[str]) -> dict:
+    """Tokens per word and exact reconstruction of one cached split, by the four-stage report's
+    definitions: for word_bpe, tokens per word counts the pieces of words, not the end-of-word
+    token after each, and a document is reconstructed when it decodes to its normalised text
+    (``tinylm tokenizer-stats`` counts every token against the raw text instead)."""
     ids = np.asarray(split.ids)
     content = int(np.count_nonzero(ids >= 4))
     if tok.type_name == "word_bpe":
@@ -145,8 +147,8 @@ def split_stats(tok, split: TokenSplit, docs: list[str]) -> dict:
     }
 
 
-def tokenizer_stats(spec: TokenizerSpec, prepared: Prepared, docs: dict[str, list[str]]) -> dict:
-    per_split = {name: split_stats(prepared.tokenizer, prepared.splits[name], docs[name]) for name in SPLITS}
+def tokenizer_stats(spec: TokenizerSpec, prepared: PreparedData, docs: dict[str, list[str]]) -> dict:
+    per_split = {name: report_split_stats(prepared.tokenizer, prepared.splits[name], docs[name]) for name in SPLITS}
     return {
         "tokenizer": spec.name,
         "type": spec.kind,
@@ -175,11 +177,13 @@ def samples(cfg: StudyConfig, tok, tok_name: str, model: str, next_token_logits)
     return rows
 
 
-def _token_ids(prepared: Prepared) -> dict[str, np.ndarray]:
+def _token_ids(prepared: PreparedData) -> dict[str, np.ndarray]:
     return {name: np.asarray(s.ids, dtype=np.int64) for name, s in prepared.splits.items()}
 
 
-def ngram_models(cfg: StudyConfig, spec: TokenizerSpec, prepared: Prepared, say, save_dir: Path | None = None) -> dict:
+def ngram_models(
+    cfg: StudyConfig, spec: TokenizerSpec, prepared: PreparedData, say, save_dir: Path | None = None
+) -> dict:
     """Every order x smoothing, scored on valid and test, with samples; the Kneser-Ney model of
     each order saved as ``save_dir/ngram-<order>.npz`` (what ``tinylm serve`` loads)."""
     out = {"rows": [], "samples": []}
@@ -235,7 +239,7 @@ def bigram_runs(cfg: StudyConfig) -> list[tuple[str, BigramConfig]]:
 
 
 def bigram_sweep(
-    cfg: StudyConfig, spec: TokenizerSpec, prepared: Prepared, best_from_first, say, save_dir: Path | None = None
+    cfg: StudyConfig, spec: TokenizerSpec, prepared: PreparedData, best_from_first, say, save_dir: Path | None = None
 ) -> dict:
     """Every run of the sweep (or the first tokenizer's best setting), scored on valid and test;
     the best run's model saved as ``save_dir/bigram.pt``."""
@@ -307,7 +311,7 @@ def head_of_split(split: TokenSplit, fraction: float, tok) -> TokenSplit:
 
 
 def gpt_model(
-    cfg: StudyConfig, spec: TokenizerSpec, rc: RunConfig, prepared: Prepared, size: str, gpt_dir: Path, say
+    cfg: StudyConfig, spec: TokenizerSpec, rc: RunConfig, prepared: PreparedData, size: str, gpt_dir: Path, say
 ) -> dict:
     """One GPT trained by tinylm.training on the first gpt.data_fraction of each split, its best checkpoint scored."""
     name, layers, d_model, heads = parse_size(size)
@@ -424,7 +428,7 @@ class StudyRun:
         return result
 
 
-def tokenizer_stage(study: StudyRun, spec: TokenizerSpec) -> tuple[RunConfig, Prepared]:
+def tokenizer_stage(study: StudyRun, spec: TokenizerSpec) -> tuple[RunConfig, PreparedData]:
     """Stage 1: train (or reuse) the tokenizer and its token splits, refuse an unusable split,
     describe it; the first tokenizer also loads the documents and checks the splits' overlap."""
     cfg, tok_dir = study.cfg, study.out / spec.name
@@ -463,7 +467,7 @@ def tokenizer_stage(study: StudyRun, spec: TokenizerSpec) -> tuple[RunConfig, Pr
     return rc, prepared
 
 
-def ngram_stage(study: StudyRun, spec: TokenizerSpec, prepared: Prepared) -> None:
+def ngram_stage(study: StudyRun, spec: TokenizerSpec, prepared: PreparedData) -> None:
     """Stage 2: the n-gram models of every order and smoothing."""
     ngram = study.stage(
         "2 n-grams",
@@ -475,7 +479,7 @@ def ngram_stage(study: StudyRun, spec: TokenizerSpec, prepared: Prepared) -> Non
     study.state["samples"] += ngram["samples"]
 
 
-def bigram_stage(study: StudyRun, spec: TokenizerSpec, prepared: Prepared) -> None:
+def bigram_stage(study: StudyRun, spec: TokenizerSpec, prepared: PreparedData) -> None:
     """Stage 3: the neural bigram sweep, or (bigram.sweep_on: first) the first tokenizer's best setting."""
     fixed = study.best_bigram if study.cfg.bigram.sweep_on == "first" else None
     bigram = study.stage(
@@ -490,7 +494,7 @@ def bigram_stage(study: StudyRun, spec: TokenizerSpec, prepared: Prepared) -> No
     study.state["samples"] += bigram["samples"]
 
 
-def gpt_stages(study: StudyRun, spec: TokenizerSpec, rc: RunConfig, prepared: Prepared) -> None:
+def gpt_stages(study: StudyRun, spec: TokenizerSpec, rc: RunConfig, prepared: PreparedData) -> None:
     """Stage 4: a GPT of each size, on the tokenizers that get GPTs."""
     gpt = study.cfg.gpt
     if not gpt.enabled or (gpt.tokenizers is not None and spec.name not in gpt.tokenizers):

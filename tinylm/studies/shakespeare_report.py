@@ -50,7 +50,7 @@ NOT_CONVERGED = " (not converged)"
 
 def mark(entry: dict | None) -> str:
     """The tag every table puts after a model stopped by its step or wall-clock cap rather than by
-    early stopping (results saved before the flag existed carry none)."""
+    early stopping; an entry without the flag is not marked."""
     return NOT_CONVERGED if entry is not None and entry.get("converged") is False else ""
 
 
@@ -92,7 +92,7 @@ def write_outputs(cfg, state: dict, out: Path) -> None:
     curve_files = plot_bigram_runs(state["bigram_runs"], out / "bigram_curves")
     write_markdown(cfg, state, out, curve_files)
     write_samples(cfg, state, out)
-    plot_curves(state, out / "learning_curves.png")
+    plot_learning_curves(state, out / "learning_curves.png")
 
 
 def tokenizer_lines(state: dict) -> list[str]:
@@ -188,12 +188,14 @@ def model_lines(state: dict) -> list[str]:
         "",
         COMPARABILITY_NOTE,
         "",
-        "| tokenizer | model | order | smoothing / setting | parameters | valid ppl | test ppl | valid bpb | test bpb | seconds |",
+        "| tokenizer | model | order | smoothing / setting | parameters | valid ppl | test ppl | valid bpb | test bpb "
+        "| seconds |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
-            f"| {r['tokenizer']} | {r['model']} | {_f(r['order'])} | {r['smoothing']}{mark(r)} | {_f(r['parameters'])} | "
+            f"| {r['tokenizer']} | {r['model']} | {_f(r['order'])} | {r['smoothing']}{mark(r)} | "
+            f"{_f(r['parameters'])} | "
             f"{_f(r['valid_ppl'], 2)} | {_f(r['test_ppl'], 2)} | {_f(r['valid_bpb'], 4)} | {_f(r['test_bpb'], 4)} | "
             f"{_f(r['seconds'], 1)} |"
         )
@@ -218,7 +220,8 @@ def bigram_lines(bigram, state: dict, curve_files: dict) -> list[str]:
             else "."
         ),
         "",
-        "| tokenizer | run | lr | embedding | weight decay | best valid loss | valid ppl | test ppl | test bpb | steps | stopped by | curves |",
+        "| tokenizer | run | lr | embedding | weight decay | best valid loss | valid ppl | test ppl | test bpb | steps "
+        "| stopped by | curves |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in state["bigram_runs"]:
@@ -416,7 +419,7 @@ def _draw_gpt_panel(ax, tok: str, curves: list, refs: list) -> None:
     ax.set(xlabel="optimizer step", ylabel="bits per byte (GPT: loss x tokens per byte)")
 
 
-def plot_curves(state: dict, path: Path) -> None:
+def plot_learning_curves(state: dict, path: Path) -> None:
     plt = pyplot()
     sweep_tok = state["bigram_runs"][0]["tokenizer"] if state["bigram_runs"] else None
     best = {}

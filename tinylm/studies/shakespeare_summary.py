@@ -17,7 +17,6 @@ from pathlib import Path
 import yaml
 
 from tinylm.evaluation.report import format_number
-from tinylm.studies.study_config import FLAT_KEYS, nest_flat_keys
 
 REPORT_NUMBERS = resources.files("tinylm") / "studies" / "data" / "shakespeare_report_numbers.yaml"
 
@@ -31,8 +30,8 @@ def _pair(a, b, digits=2) -> str:
 
 
 def _runs(cfg, state: dict) -> tuple[dict | None, dict | None]:
-    """(the run with the report's settings, the run with tinylm's stronger defaults); the other
-    run's config may be one saved before the sections, its flat keys are moved into them."""
+    """(the run with the report's settings, the run with tinylm's stronger defaults), each None
+    when missing."""
     runs = [
         {
             "config": dataclasses.asdict(cfg),
@@ -44,8 +43,7 @@ def _runs(cfg, state: dict) -> tuple[dict | None, dict | None]:
     ]
     path = Path(cfg.compare_with or "") / "study.json"
     if cfg.compare_with and path.is_file():
-        saved = json.loads(path.read_text())
-        runs.append({**saved, "config": nest_flat_keys(saved["config"], FLAT_KEYS)})
+        runs.append(json.loads(path.read_text()))
     report_run = next((r for r in runs if r["config"]["tokenizers"]["bpe_type"] == "word_bpe"), None)
     best_run = next((r for r in runs if r["config"]["tokenizers"]["bpe_type"] == "bpe"), None)
     return report_run, best_run
@@ -136,7 +134,8 @@ def _tokenizer_lines(rep: dict, ours, best) -> list[str]:
         )
         b_cell = (
             (
-                f"bpe-{m} | {_pair(b['splits']['valid']['tokens_per_word'], b['splits']['test']['tokens_per_word'], 4)} "
+                f"bpe-{m} | "
+                f"{_pair(b['splits']['valid']['tokens_per_word'], b['splits']['test']['tokens_per_word'], 4)} "
                 f"| vocab {b['vocab_size']:,}"
             )
             if b

@@ -1,8 +1,6 @@
 """The settings of `tinylm study shakespeare`: StudyConfig, a section per stage, checked at load.
 
 YAML reads ``bigram: {lrs: [1e-3], max_steps: 3000}``, the command line ``bigram.max_steps=100``.
-Configs written before the sections (``bigram_max_steps: 3000``) still load: FLAT_KEYS moves each
-old key to its section (``nest_flat_keys``, which the TinyStories experiments use for theirs too).
 """
 
 from __future__ import annotations
@@ -10,7 +8,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from tinylm.config import DataConfig, apply_updates, check_config, merge_dicts, option, parse_overrides, read_config
+from tinylm.config import (
+    DataConfig,
+    Normalization,
+    StartPadding,
+    apply_updates,
+    check_config,
+    option,
+    parse_overrides,
+    read_config,
+)
 from tinylm.errors import TinyLMError
 
 
@@ -21,7 +28,7 @@ class StudyTokenizers:
     bpe_type: Literal["bpe", "word_bpe"] = "bpe"
     bpe_merges: list[int] = option([1000, 2000, 3000], ge=1)
     # word_bpe: one tokenizer per normalisation and merge count; the models use the first
-    normalizations: list[Literal["lower_nopunct", "aggressive", "none"]] = option(["lower_nopunct"])
+    normalizations: list[Normalization] = option(["lower_nopunct"])
     model_merges: list[int] | None = None  # merge counts that go on to stages 2-4 (None: all)
     char: bool = True
     word: bool = True
@@ -45,7 +52,7 @@ class StudyNGram:
     smoothings: list[Literal["laplace", "add_0.1", "interpolated", "interpolated_fixed", "kneser_ney"]] = option(
         ["laplace", "add_0.1", "interpolated", "kneser_ney"]
     )
-    start_padding: Literal["single", "order"] = "single"
+    start_padding: StartPadding = "single"
     fixed_weights: list[float] = option([0.01, 0.1, 0.2, 0.3, 0.4], "uniform, 1-gram, 2-gram, ...", ge=0)
 
     def validate(self) -> None:
@@ -190,52 +197,11 @@ def tokenizer_specs(cfg: StudyConfig) -> list[TokenizerSpec]:
     return sorted(specs, key=lambda s: not s.modelled)
 
 
-def _flat(section: str, names: str, prefix: str = "") -> dict[str, str]:
-    return {f"{prefix}{name}": f"{section}.{name}" for name in names.split()}
-
-
-# the flat keys of study configs written before the sections -> their dotted keys (a field keeps its
-# name, without its bigram_ / gpt_ prefix, but for the last three)
-FLAT_KEYS = {
-    **_flat("data", "source max_documents valid_fraction test_fraction"),
-    **_flat("tokenizers", "bpe_type bpe_merges normalizations model_merges char word word_vocab overlap_sample"),
-    **_flat("ngram", "orders smoothings start_padding fixed_weights"),
-    **_flat(
-        "bigram",
-        "lrs lr_d_embed d_embeds weight_decays grid_lr batch_size mode schedule max_steps "
-        "max_seconds eval_interval patience sweep_on",
-        prefix="bigram_",
-    ),
-    **_flat(
-        "gpt",
-        "sizes tokenizers data_fraction batch_size max_steps minutes lr eval_interval eval_batches",
-        prefix="gpt_",
-    ),
-    **_flat("gpt", "context_length dropout"),
-    **_flat("sampling", "prompts temperature"),
-    "train_path": "data.train",
-    "gpt": "gpt.enabled",
-    "sample_tokens": "sampling.max_new_tokens",
-}
-
-
-def nest_flat_keys(raw: dict, flat_keys: dict[str, str]) -> dict:
-    """``raw`` with every old flat key of ``flat_keys`` moved to its dotted place; a key whose value
-    is a mapping is a section already (``gpt: {minutes: 2}``), and stays."""
-    nested: dict = {}
-    for key, value in raw.items():
-        path = flat_keys[key].split(".") if key in flat_keys and not isinstance(value, dict) else [key]
-        for part in reversed(path):
-            value = {part: value}
-        nested = merge_dicts(nested, value)
-    return nested
-
-
 def study_config(*layers: dict) -> StudyConfig:
     """StudyConfig defaults <- each mapping in turn (a preset's, the command line's), checked whole."""
     cfg = StudyConfig()
     for raw in layers:
-        apply_updates(cfg, nest_flat_keys(raw, FLAT_KEYS))
+        apply_updates(cfg, raw)
     return check_config(cfg)
 
 

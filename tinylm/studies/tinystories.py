@@ -37,12 +37,14 @@ import time
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import Callable, Literal
+from typing import Callable
 
 import numpy as np
 import torch
 
 from tinylm.config import (
+    BleuSelection,
+    BleuSmoothing,
     GenerationConfig,
     RunConfig,
     apply_updates,
@@ -55,7 +57,7 @@ from tinylm.config import (
     read_config,
 )
 from tinylm.data.cleaning import clean_documents
-from tinylm.data.prepare import Prepared, load_raw_documents, prepare
+from tinylm.data.prepare import PreparedData, load_raw_documents, prepare
 from tinylm.errors import TinyLMError
 from tinylm.evaluation.plots import attention_html, attention_maps, plot_curves, save_attention_pngs
 from tinylm.evaluation.protocol import SAMPLING_TEMPERATURES, BleuProtocol, Decoding, run_bleu, select_samples
@@ -65,8 +67,7 @@ from tinylm.models.checkpoint import load_checkpoint
 from tinylm.pipeline import run_pipeline
 from tinylm.studies import tinystories_figures as figures
 from tinylm.studies.stages import Stage, stage_key
-from tinylm.studies.study_config import nest_flat_keys
-from tinylm.studies.tinystories_report import write_report
+from tinylm.studies.tinystories_report import write_experiments_report
 from tinylm.studies.tradeoffs import Tradeoffs, Variant, accumulation_variants, alternated_runs, first_stories
 from tinylm.tokenizers.io import train_from_config
 
@@ -78,12 +79,12 @@ class ExperimentsConfig:
     bleu_samples: int = like(BleuProtocol, "n_samples")
     prompt_tokens: int = like(BleuProtocol, "prompt_tokens")
     max_continuation: int | None = like(BleuProtocol, "max_continuation")
-    bleu_selection: Literal["random", "first"] = BleuProtocol.selection  # random: seeded, as the reports
+    bleu_selection: BleuSelection = BleuProtocol.selection  # random: seeded, as the reports
     temperatures: list[float] = option(list(SAMPLING_TEMPERATURES), ge=0)
     top_k: int | None = option(None, ge=1)
     # the decoding comparison's sampling row (the reports sampled at 0.8-0.85 with top-k 50)
     decoding: GenerationConfig = option(factory=lambda: GenerationConfig(temperature=0.8, top_k=50))
-    smoothing: Literal["method1", "exp", "none"] = BleuProtocol.smoothing
+    smoothing: BleuSmoothing = BleuProtocol.smoothing
     beam_widths: list[int] = option([5, 10], ge=1)
     kv_new_tokens: list[int] = option([32, 56, 248], "new tokens per row; past the context the window slides", ge=1)
     kv_prompt_tokens: int = option(8, ge=1)
@@ -128,10 +129,6 @@ class ExperimentsConfig:
             )
 
 
-# the experiments keys before the decoding section -> their place in it
-EXPERIMENTS_FLAT_KEYS = {"decoding_temperature": "decoding.temperature", "decoding_top_k": "decoding.top_k"}
-
-
 def load_experiment_config(
     path: str | Path | None, overrides: list[str] | None = None, quick: bool = False
 ) -> tuple[RunConfig, ExperimentsConfig]:
@@ -144,7 +141,7 @@ def load_experiment_config(
     for section in sections:
         if not isinstance(section, dict):
             raise TinyLMError("the experiments section must be a mapping of keys")
-        apply_updates(exp, nest_flat_keys(section, EXPERIMENTS_FLAT_KEYS), prefix="experiments.")
+        apply_updates(exp, section, prefix="experiments.")
     return cfg, check_config(exp, "experiments.")
 
 
@@ -169,7 +166,7 @@ class Study:
         return load_checkpoint(self.run_dir / "checkpoints" / "best")[:2]
 
     @cached_property
-    def prepared(self) -> Prepared:
+    def prepared(self) -> PreparedData:
         return prepare(self.cfg, self.run_dir)
 
     @cached_property
@@ -665,6 +662,6 @@ def run_experiments(
     manifest["seconds"] = round(time.perf_counter() - t_start, 2)
     (run_dir / "experiments.json").write_text(json.dumps(manifest, indent=2))
 
-    md, html, _ = write_report(run_dir)
+    md, html, _ = write_experiments_report(run_dir)
     log.info(f"experiments: finished in {manifest['seconds']:.0f} s; report: {md} and {html}")
     return manifest

@@ -33,7 +33,8 @@ def _join(parts) -> str:
 
 def _bleu_cell(b: dict) -> str:
     if b.get("bleu4") is not None:
-        return f"{b['setting']}: {_num(b.get('bleu1'))} / {_num(b.get('bleu2'))} / {_num(b.get('bleu3'))} / {_num(b['bleu4'])}"
+        scores = " / ".join(_num(b.get(f"bleu{n}")) for n in (1, 2, 3, 4))
+        return f"{b['setting']}: {scores}"
     return f"{b['setting']}: BLEU {_num(b.get('bleu'))} (order not stated)" if b.get("bleu") is not None else ""
 
 

@@ -37,7 +37,7 @@ def _bar_labels(ax, bars, fmt: str) -> None:
 def accumulation_curves(rows: list[dict], runs_dir: Path, path: str | Path) -> Path:
     """Training loss of every accumulation setting in its two comparisons: at equal tokens (every k
     trains the same epochs, against tokens seen) and at equal optimizer updates (k trains k times
-    the data, against updates). A run without a comparison (older files) appears in both."""
+    the data, against updates). A row that names no comparison appears in both."""
     plt = pyplot()
     fig, (ax_tokens, ax_steps) = plt.subplots(1, 2, figsize=(11, 4))
     colors = {k: f"C{i}" for i, k in enumerate(sorted({r["accum_steps"] for r in rows}))}

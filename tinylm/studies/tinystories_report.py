@@ -78,7 +78,8 @@ def _section_bleu(doc: Doc, run: Path, bleu, ev):
         f"Sentence BLEU-4: the mean over the samples of each one's own BLEU-4 (NLTK's `sentence_bleu`, the same "
         f'smoothing `{pr["smoothing"]}`): the "average BLEU over 50 samples" two reports published, which '
         "weighs every sample alike and is lifted by smoothing wherever a sample shares no 4-gram. "
-        f"sacreBLEU: 0-100, signature `{(bleu['settings'] or [{}])[0].get('sacrebleu', {}).get('signature', 'missing')}`."
+        "sacreBLEU: 0-100, signature "
+        f"`{(bleu['settings'] or [{}])[0].get('sacrebleu', {}).get('signature', 'missing')}`."
     )
     doc.p(bleu["meaning"])
     for note in bleu.get("notes", []):
@@ -93,7 +94,8 @@ def _section_bleu(doc: Doc, run: Path, bleu, ev):
             (
                 "reference continuation ppl",
                 bleu["reference_ppl"],
-                f"the {bleu['reference_tokens']:,} real continuation tokens given their prompts (not the model's own samples)",
+                f"the {bleu['reference_tokens']:,} real continuation tokens given their prompts "
+                "(not the model's own samples)",
             ),
             ("mean per-sample ppl", bleu["mean_per_sample_ppl"], "mean of the CSV's per_sample_ppl column"),
         ],
@@ -155,7 +157,7 @@ def _section_decoding(doc: Doc, run: Path, dec):
 def _decoding_examples(doc: Doc, dec: dict) -> None:
     examples = dec.get("examples")
     if not examples:
-        doc.lack("decoding.json has no example continuations (a run from before they were kept)")
+        doc.lack("decoding.json has no example continuations (run the decoding part again to add them)")
         return
     names = [s["name"] for s in dec["settings"] if s["name"] in examples[0]]
     doc.p(
@@ -229,7 +231,7 @@ def _section_accum(doc: Doc, run: Path, acc):
         return
     rows = acc["rows"]
     r0 = rows[0] if rows else {}
-    if "epochs" not in acc:  # written before the two comparisons: equal micro-batches only
+    if "epochs" not in acc:  # a file without the two comparisons: equal micro-batches only
         doc.p(
             f"Each run trains a fresh model on the same {r0.get('micro_batches')} micro-batches of "
             f"{r0.get('micro_batch')} sequences; accumulation k makes {r0.get('micro_batches')}/k optimizer steps. "
@@ -496,6 +498,6 @@ def build_report(run_dir: str | Path) -> Doc:
     return report.with_head(doc, f"tinylm experiments: {run.name}", intro)
 
 
-def write_report(run_dir: str | Path) -> tuple[Path, Path, list[str]]:
+def write_experiments_report(run_dir: str | Path) -> tuple[Path, Path, list[str]]:
     """Write report.md and report.html of an experiments run; returns both paths and what the report lacks."""
     return report.save_report(build_report(run_dir), Path(run_dir))

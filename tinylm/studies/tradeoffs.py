@@ -24,10 +24,10 @@ from pathlib import Path
 import torch
 
 from tinylm.config import RunConfig, apply_updates
-from tinylm.data.prepare import Prepared
+from tinylm.data.prepare import PreparedData
 from tinylm.data.tokens import Batches, TokenSplit
 from tinylm.errors import TinyLMError
-from tinylm.training.grad_checkpoint import enable_grad_checkpointing
+from tinylm.training.grad_checkpoint import checkpoint_function
 from tinylm.training.memory import cuda_peak_bytes, cuda_peak_scope, measure_step_activation_bytes
 from tinylm.training.metrics import read_metrics
 from tinylm.training.trainer import build_model, train
@@ -52,7 +52,7 @@ class Tradeoffs:
     """What every trade-off run shares: the run config, its prepared data, where the runs go."""
 
     cfg: RunConfig
-    prepared: Prepared
+    prepared: PreparedData
     out_dir: Path  # each run writes into out_dir/<name>
     micro_batches: int  # micro-batches every variant trains on
     repeats: int  # alternated rounds per variant (medians are reported)
@@ -72,13 +72,13 @@ class Variant:
     comparison: str = ""  # which comparison the run belongs to (tables and figures group by it)
 
 
-def epoch_units(prepared: Prepared, cfg: RunConfig) -> int:
+def epoch_units(prepared: PreparedData, cfg: RunConfig) -> int:
     """Rows of one epoch of the training split: its stories, or its non-overlapping packed windows."""
     split = prepared.splits["train"]
     return split.n_docs if cfg.data.batching == "stories" else (split.n_tokens - 1) // cfg.model.context_length
 
 
-def first_stories(prepared: Prepared, n: int) -> Prepared:
+def first_stories(prepared: PreparedData, n: int) -> PreparedData:
     """The same prepared data with only the first ``n`` training stories (the trade-off runs' split)."""
     split = prepared.splits["train"]
     if n >= split.n_docs:
@@ -144,11 +144,10 @@ def _activation_bytes(tradeoffs: Tradeoffs, cfg: RunConfig) -> int:
     prepared = tradeoffs.prepared
     torch.manual_seed(cfg.train.seed)
     model = build_model(cfg, prepared.tokenizer.vocab_size).train()
-    if cfg.train.grad_checkpointing:
-        enable_grad_checkpointing(model, cfg.train.checkpoint_impl)
     batches = Batches(prepared.splits["train"], model.config.context_length, cfg.data.batching, seed=cfg.train.seed)
     x, y = batches.get(0, 0, cfg.train.batch_size)
-    return int(measure_step_activation_bytes(model, x, y)["peak_activation_bytes"])
+    checkpoint_blocks = checkpoint_function(cfg.train.checkpoint_impl) if cfg.train.grad_checkpointing else None
+    return int(measure_step_activation_bytes(model, x, y, checkpoint_blocks)["peak_activation_bytes"])
 
 
 def _tradeoff_run(tradeoffs: Tradeoffs, v: Variant, name: str) -> dict:

@@ -120,10 +120,14 @@ def to_hf_tokenizer(tok):
     return hf
 
 
-def export_hf(tok, path: str | Path) -> Path:
-    """Write ``tok`` as a Hugging Face ``tokenizer.json``."""
+def save_hf_tokenizer_json(tok, path: str | Path) -> Path:
+    """Write ``tok`` as one Hugging Face ``tokenizer.json`` file (what ``tokenizers`` loads);
+    ``save_hf_tokenizer`` writes the directory ``transformers`` loads around it. A tokenizer that
+    cannot be converted is refused before anything is written."""
+    hf = to_hf_tokenizer(tok)
     path = Path(path)
-    to_hf_tokenizer(tok).save(str(path))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    hf.save(str(path))
     return path
 
 
@@ -150,10 +154,8 @@ def hf_tokenizer_config(tok, model_max_length: int | None = None) -> dict:
 def save_hf_tokenizer(tok, out_dir: str | Path, model_max_length: int | None = None) -> list[Path]:
     """Write ``tokenizer.json``, ``tokenizer_config.json`` and ``special_tokens_map.json`` into
     ``out_dir``: a directory ``transformers.AutoTokenizer.from_pretrained`` loads with ``tok``'s ids."""
-    hf = to_hf_tokenizer(tok)
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    hf.save(str(out_dir / "tokenizer.json"))
+    save_hf_tokenizer_json(tok, out_dir / "tokenizer.json")
     config = hf_tokenizer_config(tok, model_max_length)
     roles = {k: v for k, v in config.items() if k.endswith("_token") and v is not None}
     (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
@@ -259,7 +261,7 @@ def import_hf(path: str | Path) -> BPETokenizer:
 __all__ = [
     "byte_to_unicode",
     "to_hf_tokenizer",
-    "export_hf",
+    "save_hf_tokenizer_json",
     "save_hf_tokenizer",
     "hf_tokenizer_config",
     "import_hf",

@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import re
 from dataclasses import asdict, dataclass
-from typing import Iterable
+from typing import Iterable, get_args
 
+from tinylm.config import SpecialsAt, WordOOV, WordSplitter
 from tinylm.constants import SPECIAL_TOKENS
 from tinylm.errors import TinyLMError
 from tinylm.tokenizers.base import Tokenizer, count_pieces
@@ -29,8 +30,6 @@ from tinylm.tokenizers.word_bpe import END_OF_WORD, EOW_ID, WordBPETokenizer
 WORD_PATTERN = r"\w+(?:'\w+)*|[^\w\s]"
 _NO_SPACE_BEFORE = set(".,!?;:)]}'\"") | {"n't", "'s"}
 _PUNCT = re.compile(r"[^\w\s]+")
-SPLITTERS = ("regex", "spacy")
-OOV_MODES = ("unk", "bpe")
 
 
 @dataclass
@@ -78,16 +77,17 @@ class WordTokenizer(Tokenizer):
         oov: str = "unk",
         oov_bpe: WordBPETokenizer | None = None,
     ):
-        if splitter not in SPLITTERS:
-            raise TinyLMError(f"word splitter {splitter!r} is not one of {', '.join(SPLITTERS)}")
+        for name, value, choices in (
+            ("splitter", splitter, WordSplitter),
+            ("specials_at", specials_at, SpecialsAt),
+            ("oov", oov, WordOOV),
+        ):
+            if value not in get_args(choices):
+                raise TinyLMError(f"word {name} {value!r} is not one of {', '.join(get_args(choices))}")
         if sorted(special_tokens) != sorted(SPECIAL_TOKENS):
             raise TinyLMError(
                 f"word special_tokens {list(special_tokens)} must be an ordering of {list(SPECIAL_TOKENS)}"
             )
-        if specials_at not in ("start", "end"):
-            raise TinyLMError(f"word specials_at {specials_at!r} is not one of start, end")
-        if oov not in OOV_MODES:
-            raise TinyLMError(f"word oov {oov!r} is not one of {', '.join(OOV_MODES)}")
         self.words = list(words or [])
         self.lowercase = lowercase
         self.pattern = pattern

@@ -21,10 +21,11 @@ the pieces of words, not the ``__`` after each.
 from __future__ import annotations
 
 from itertools import islice
-from typing import Iterable
+from typing import Iterable, get_args
 
 import regex
 
+from tinylm.config import Normalization
 from tinylm.constants import SPECIAL_TOKENS, UNK_ID
 from tinylm.errors import TinyLMError
 from tinylm.tokenizers.base import Tokenizer, count_pieces
@@ -33,7 +34,6 @@ from tinylm.tokenizers.merges import learn_merges, merge_pairs
 END_OF_WORD = "__"
 EOW_ID = len(SPECIAL_TOKENS)
 FIRST_CHAR_ID = EOW_ID + 1
-NORMALIZATIONS = ("lower_nopunct", "aggressive", "none")
 _PUNCTUATION = regex.compile(r"\p{P}+")
 _NOT_ALPHANUMERIC = regex.compile(r"[^\p{L}\p{N}\s]+")
 _CACHE_LIMIT = 500_000
@@ -46,7 +46,9 @@ def normalize_text(text: str, normalization: str) -> str:
     elif normalization == "aggressive":
         text = _NOT_ALPHANUMERIC.sub("", text.lower())
     elif normalization != "none":
-        raise TinyLMError(f"word_bpe normalization {normalization!r} is not one of {', '.join(NORMALIZATIONS)}")
+        raise TinyLMError(
+            f"word_bpe normalization {normalization!r} is not one of {', '.join(get_args(Normalization))}"
+        )
     return " ".join(text.split())
 
 

@@ -2,8 +2,9 @@
 
 AdamW with weight decay on the two matrices and none on the bias (``param_groups``, as for the
 GPT), or (``optimizer="adam_l2"``) Adam with the decay added to the gradient as an L2 term, as
-the four-stage report trained it; the GPT's warmup + cosine schedule (``scheduled_lr``) and early stopping on the validation
-loss. The GPT trainer draws context windows; a bigram needs only pairs, so the loop here is small.
+the four-stage report trained it; the GPT's warmup + cosine schedule (``scheduled_lr``) and early
+stopping on the validation loss. The GPT trainer draws context windows; a bigram needs only pairs,
+so the loop here is small.
 Two ways to form a step's loss: random minibatches of pairs (``mode="pairs"``), or all pairs at
 once through their count matrix (``mode="counts"``: exact full-data gradient at the cost of one
 softmax per distinct previous token, much faster to converge for vocabularies of a few thousand).
@@ -112,7 +113,8 @@ def train_bigram(train_ids, valid_ids, vocab_size: int, cfg: BigramConfig | None
             history.append({"step": step, "train_loss": float(np.mean(running)), "val_loss": val})
             running = []
             log.debug(
-                f"bigram d={cfg.d_embed} wd={cfg.weight_decay}: step {step} train {history[-1]['train_loss']:.4f} valid {val:.4f}"
+                f"bigram d={cfg.d_embed} wd={cfg.weight_decay}: step {step} "
+                f"train {history[-1]['train_loss']:.4f} valid {val:.4f}"
             )
             if val < best - 1e-5:
                 best, bad = val, 0

@@ -14,7 +14,9 @@ The block's parameters are passed to the Function as inputs and their gradients 
 backward, so they flow through the ordinary autograd graph (DistributedDataParallel's gradient
 hooks fire as usual; ``torch.autograd.grad`` works too).
 
-``enable_grad_checkpointing(model, "torch")`` uses ``torch.utils.checkpoint`` as a reference implementation.
+A GPT takes the function that runs each block as ``model(x, y, checkpoint_blocks=fn)``:
+``checkpoint_function("tinylm")`` is the Function above, ``checkpoint_function("torch")`` is
+``torch.utils.checkpoint``, the reference implementation.
 """
 
 from __future__ import annotations
@@ -66,7 +68,7 @@ class CheckpointedBlock(torch.autograd.Function):
 
 
 def tinylm_checkpoint(block: nn.Module, x: torch.Tensor, rope=None, mask=None, idx=None) -> torch.Tensor:
-    """The ``GPT.checkpoint_fn`` hook with our autograd Function."""
+    """A ``checkpoint_blocks`` function for ``GPT.forward`` with our autograd Function."""
     return CheckpointedBlock.apply(block, rope, mask, idx, x, *block.parameters())
 
 
@@ -77,9 +79,10 @@ def torch_checkpoint(block: nn.Module, x: torch.Tensor, rope=None, mask=None, id
     return checkpoint(block, x, rope, mask, idx=idx, use_reentrant=False, preserve_rng_state=True)
 
 
-def enable_grad_checkpointing(model: nn.Module, impl: str = "tinylm") -> None:
-    """Make every transformer block of a GPT recompute its activations in backward."""
-    model.checkpoint_fn = torch_checkpoint if impl == "torch" else tinylm_checkpoint
+def checkpoint_function(impl: str = "tinylm") -> Callable:
+    """What ``GPT.forward(..., checkpoint_blocks=)`` takes so that every block recomputes its
+    activations in backward: ``impl`` is ``train.checkpoint_impl`` (tinylm or torch)."""
+    return torch_checkpoint if impl == "torch" else tinylm_checkpoint
 
 
 def compiled_tinylm_checkpoint(compile_options: dict | None = None) -> Callable:
@@ -92,14 +95,10 @@ def compiled_tinylm_checkpoint(compile_options: dict | None = None) -> Callable:
     same shape. Parameters are the block's own, so gradients flow as with the plain Function."""
     compiled: dict[int, nn.Module] = {}
 
-    def checkpoint_fn(block: nn.Module, x: torch.Tensor, rope=None, mask=None, idx=None) -> torch.Tensor:
+    def checkpoint_blocks(block: nn.Module, x: torch.Tensor, rope=None, mask=None, idx=None) -> torch.Tensor:
         fast = compiled.get(id(block))
         if fast is None:
             fast = compiled[id(block)] = torch.compile(block, options=compile_options)
         return CheckpointedBlock.apply(fast, rope, mask, idx, x, *block.parameters())
 
-    return checkpoint_fn
-
-
-def disable_grad_checkpointing(model: nn.Module) -> None:
-    model.checkpoint_fn = None
+    return checkpoint_blocks

@@ -13,7 +13,7 @@ On CUDA, ``cuda_peak_bytes`` reads ``torch.cuda.max_memory_allocated`` as a seco
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -100,14 +100,19 @@ def cuda_peak_scope(device=None):
     yield
 
 
-def measure_step_activation_bytes(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> dict:
-    """Peak bytes saved for backward during one forward + backward of ``model`` on (x, y).
+def measure_step_activation_bytes(
+    model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, checkpoint_blocks: Callable | None = None
+) -> dict:
+    """Peak bytes saved for backward during one forward + backward of ``model`` on (x, y), its
+    blocks run through ``checkpoint_blocks`` when given (gradient checkpointing).
 
     Gradients are left in ``.grad``; the caller zeroes them. Returns peak and forward-end bytes.
     """
     meter = ActivationMeter.for_model(model)
+    # only when given: a model without gradient checkpointing need not take the argument
+    options = {"checkpoint_blocks": checkpoint_blocks} if checkpoint_blocks is not None else {}
     with meter:
-        _, loss = model(x, y)
+        _, loss = model(x, y, **options)
         after_forward = meter.live_bytes
         loss.backward()
     del loss

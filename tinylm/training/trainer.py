@@ -3,6 +3,11 @@ accumulation, gradient checkpointing, mixed precision, DistributedDataParallel u
 periodic validation with early stopping, resumable checkpoints (exact resume), metrics CSV and
 TensorBoard, progress (a bar on a terminal, a line every log_interval steps elsewhere).
 
+``train`` is ``setup`` then ``train_loop``. Each ``setup_*`` function returns what it builds (the
+data, the model, the step count, the optimizer, the checkpoints, the forward a step runs, the
+logs); ``setup`` gathers them into one frozen ``Run``. The loop changes only the ``Counters`` and
+the tensors, so it reads top to bottom.
+
 Determinism, which exact resume and the data-parallel equivalence rest on:
 - the batch of step s is a function of (seed, s) only (``Batches.get``); a rank draws its rows of it;
 - the learning rate is a function of s only;
@@ -27,9 +32,9 @@ import numpy as np
 import torch
 from safetensors.torch import load_file
 
-from tinylm.config import RunConfig, check_config
+from tinylm.config import RunConfig, TrainConfig, check_config
 from tinylm.constants import IGNORE_INDEX
-from tinylm.data.prepare import Prepared
+from tinylm.data.prepare import PreparedData
 from tinylm.data.tokens import Batches
 from tinylm.errors import TinyLMError
 from tinylm.models.checkpoint import load_model_state, prune_step_checkpoints, read_model_state, save_checkpoint
@@ -39,12 +44,13 @@ from tinylm.tokenizers import Tokenizer
 from tinylm.training import distributed as dist_utils
 from tinylm.training.distributed import DistContext, all_reduce_sum, shard_rows
 from tinylm.training.ema import EMA
-from tinylm.training.grad_checkpoint import compiled_tinylm_checkpoint, enable_grad_checkpointing
+from tinylm.training.grad_checkpoint import checkpoint_function, compiled_tinylm_checkpoint
 from tinylm.training.metrics import EPOCH_COLUMNS, MetricsLog
 from tinylm.training.optim import lr_at, make_optimizer, wall_schedule_enabled
 from tinylm.training.precision import autocast, check_precision, make_grad_scaler
 from tinylm.training.progress import Progress
 from tinylm.training.resume import (
+    ResumeState,
     capture_rng,
     check_resume_config,
     load_resume_state,
@@ -55,6 +61,11 @@ from tinylm.training.resume import (
 )
 
 log = logging.getLogger(__name__)
+
+# dropout in compiled code draws from torch's generator exactly as eager code does: a compiled run
+# masks the same units as an eager one, recomputation under checkpointing sees the same masks,
+# and resume (which restores the generator) stays exact
+TRAIN_COMPILE_OPTIONS = {"fallback_random": True}
 
 
 @dataclass
@@ -68,6 +79,7 @@ class TrainResult:
     stopped_because: str
 
 
+# ------------------------------------------------------------------------- the parts of one step
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         if torch.cuda.is_available():
@@ -93,7 +105,7 @@ def build_model(cfg: RunConfig, vocab_size: int) -> GPT:
     return GPT(model_cfg)
 
 
-def per_rank_batch_size(tc, world_size: int) -> int:
+def per_rank_batch_size(tc: TrainConfig, world_size: int) -> int:
     """Sequences per micro-batch on one process (from global_batch_size when that is set)."""
     if tc.global_batch_size is None:
         return tc.batch_size
@@ -202,73 +214,190 @@ def validation_loss(
     return total / max(count, 1)
 
 
-# dropout in compiled code draws from torch's generator exactly as eager code does: a compiled run
-# masks the same units as an eager one, recomputation under checkpointing sees the same masks,
-# and resume (which restores the generator) stays exact
-COMPILE_OPTIONS = {"fallback_random": True}
+# ---------------------------------------------------------------------------- what setup builds
+@dataclass(frozen=True)
+class TrainData:
+    train: Batches
+    valid: Batches
+    batch_size: int  # sequences per micro-batch on this rank
+    rows_per_step: int  # sequences per optimizer step, over every micro-batch of every rank
 
 
-def compile_for_training(model: GPT, run_model, tc):
-    """``train.compile``: forward, loss and backward through ``torch.compile`` (inductor).
+@dataclass(frozen=True)
+class Optimization:
+    """What an update changes besides the weights: the optimizer, fp16's gradient scaler (a
+    pass-through otherwise) and the weight average (``train.ema_decay``)."""
 
-    The whole model (or its DDP wrapper) is compiled, except with our own gradient checkpointing,
-    whose autograd Function Dynamo cannot trace: then each block is compiled and the Function
-    stays ours (``compiled_tinylm_checkpoint``). The optimizer step is AdamW's fused kernel
-    (``make_optimizer``), not a compiled one: see docs/training.md for the measurements."""
-    if tc.grad_checkpointing and tc.checkpoint_impl == "tinylm":
-        model.checkpoint_fn = compiled_tinylm_checkpoint(COMPILE_OPTIONS)
-        return run_model
-    return torch.compile(run_model, options=COMPILE_OPTIONS)
-
-
-def _tensorboard_writer(out_dir: Path):
-    try:
-        from torch.utils.tensorboard import SummaryWriter  # deferred: optional, and slow to import
-    except ImportError as exc:
-        raise TinyLMError("train.tensorboard=true needs the tensorboard package (pip install tensorboard)") from exc
-    return SummaryWriter(log_dir=str(out_dir / "tensorboard"))
-
-
-@dataclass
-class TrainState:
-    """One training session: what it trains and writes, its clock, and the counters a resumable
-    checkpoint saves (``step`` = steps done, ``tokens_seen``, ``best_val``, ``bad_evals``)."""
-
-    cfg: RunConfig  # as saved: the resolved model config, and with train.epochs the step count
-    dist: DistContext
-    device: torch.device
-    out_dir: Path
-    say: Callable[[str], None]  # logs on rank 0 only
-    tokenizer: Tokenizer
-    model: GPT
     optimizer: torch.optim.Optimizer
     scaler: torch.amp.GradScaler
     ema: EMA | None
-    batch_size: int  # sequences per micro-batch on this rank
-    train_batches: Batches
-    valid_batches: Batches
-    metrics: MetricsLog | None  # metrics.csv and epochs.csv, written by rank 0
-    epoch_log: MetricsLog | None
-    step: int = 0
+
+    def set_lr(self, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr * group.get("lr_scale", 1.0)  # Muon's groups keep their own peak rate
+
+    def step(self, model: GPT, grad_clip: float) -> None:
+        """Clip (after unscaling, so the norm is the true one), step, zero the gradients, average."""
+        if grad_clip > 0:
+            self.scaler.unscale_(self.optimizer)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.ema is not None:
+            self.ema.update(model)
+
+    def restore(self, saved: ResumeState) -> None:
+        restore_optimizer(self.optimizer, saved)
+        if self.ema is not None:  # a run resumed with EMA must have saved its average
+            where = saved.path / "ema.safetensors"
+            try:
+                self.ema.load_state_tensors(load_file(str(where)))
+            except Exception as exc:  # missing, unreadable or not this model's average
+                raise TinyLMError(f"resume: the weight average {where} is unusable ({exc})") from exc
+        if saved.scaler_state:
+            self.scaler.load_state_dict(saved.scaler_state)
+
+
+@dataclass
+class Counters:
+    """How far the run is. A resumable checkpoint saves the first four; the rest count this session."""
+
+    step: int = 0  # optimizer steps done
     tokens_seen: int = 0
     best_val: float = math.inf
-    bad_evals: int = 0
-    run_model: Callable | None = None  # what a step runs: the model, or its DDP wrapper, maybe compiled
-    ddp_model: torch.nn.Module | None = None
-    writer: object = None  # TensorBoard's SummaryWriter
-    progress: Progress | None = None  # a bar on a terminal, a line every log_interval steps elsewhere
-    start: float = 0.0
+    bad_evals: int = 0  # evaluations since the validation loss last improved
     session_tokens: int = 0
-    epoch_loss_sum: float = 0.0  # the running epoch (a resumed run restarts the sum)
-    epoch_targets: int = 0
     last_loss: float = math.nan
-    stopped: str = "max_steps"
-    on_evaluate: Callable[[GPT, int, int], None] | None = None
+    epoch_loss_sum: float = 0.0  # the running epoch's (a resumed run restarts the sum)
+    epoch_targets: int = 0
 
 
+@dataclass(frozen=True)
+class Checkpoints:
+    """Resumable checkpoints in ``directory``, written by rank 0. Saving is a collective call under
+    DDP: it gathers every rank's RNG state."""
+
+    directory: Path
+    cfg: RunConfig
+    tokenizer: Tokenizer
+    model: GPT
+    optim: Optimization
+    dist: DistContext
+
+    def save(self, name: str, counters: Counters, val_loss: float) -> None:
+        """The steps done (with EMA, the average also as a model of its own, to evaluate or sample)."""
+        rngs = dist_utils.gather_objects(capture_rng(), self.dist)
+        if not self.dist.is_main:
+            return
+        resumable = {
+            "step": counters.step,
+            "data_position": counters.step,
+            "tokens_seen": counters.tokens_seen,
+            "best_val": counters.best_val,
+            "bad_evals": counters.bad_evals,
+            "world_size": self.dist.world_size,
+        }
+        tensors, files = state_payload(self.optim.optimizer, self.optim.scaler, rngs, resumable)
+        meta = {"step": counters.step, "val_loss": val_loss, "tokens_seen": counters.tokens_seen}
+        ema = self.optim.ema
+        if ema is not None:
+            tensors["ema.safetensors"] = ema.state_tensors()
+            if name != "best":
+                save_checkpoint(
+                    self.directory / "ema",
+                    ema.averaged_model(self.model),
+                    self.tokenizer,
+                    self.cfg,
+                    {**meta, "ema_decay": self.cfg.train.ema_decay, "ema_updates": ema.updates},
+                )
+        save_checkpoint(
+            self.directory / name, self.model, self.tokenizer, self.cfg, meta, extra_files=files, extra_tensors=tensors
+        )
+
+    def save_step(self, counters: Counters) -> None:
+        """A checkpoint named after its step; only the newest ``train.keep_last`` of those stay."""
+        self.save(step_dir_name(counters.step), counters, counters.best_val)
+        if self.dist.is_main:
+            prune_step_checkpoints(self.directory, self.cfg.train.keep_last)
+
+    def restore(self, path: str | Path, force: bool, say: Callable[[str], None]) -> Counters:
+        """Weights, optimizer, average, scaler and random state from a resumable checkpoint; its counters."""
+        saved = load_resume_state(path)
+        check_resume_config(saved.run_config, self.cfg.to_dict(), force)
+        if saved.counters["world_size"] != self.dist.world_size:
+            raise TinyLMError(
+                f"resume: {saved.path} was written by {saved.counters['world_size']} process(es) and "
+                f"this run has {self.dist.world_size}; resume with the same number of processes"
+            )
+        load_model_state(self.model, saved.path, read_model_state(saved.path, self.model.config))
+        self.optim.restore(saved)
+        counters = Counters(
+            saved.step, saved.counters["tokens_seen"], float(saved.counters["best_val"]), saved.counters["bad_evals"]
+        )
+        restore_rng(saved.rng_per_rank[self.dist.rank])  # last: nothing after it draws random numbers before step 1
+        say(f"train: resuming from {saved.path} at step {counters.step}")
+        return counters
+
+
+@dataclass(frozen=True)
+class RunLogs:
+    """What a session reports besides its checkpoints, written by rank 0: metrics.csv, epochs.csv,
+    TensorBoard and the progress display (a bar on a terminal, a line every log_interval steps)."""
+
+    say: Callable[[str], None]  # logs on rank 0 only
+    metrics: MetricsLog | None
+    epoch_log: MetricsLog | None
+    writer: object | None  # TensorBoard's SummaryWriter
+    progress: Progress | None
+
+    def record_step(self, counters: Counters, lr: float, tok_s: float, elapsed: float, device) -> dict:
+        """The progress display and TensorBoard after a step; returns the step's metrics row."""
+        if self.progress is not None:
+            memory = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+            self.progress.update(counters.step, counters.last_loss, tok_s, elapsed, memory)
+        if self.writer is not None:
+            for name, value in (("train/loss", counters.last_loss), ("train/lr", lr), ("train/tokens_per_s", tok_s)):
+                self.writer.add_scalar(name, value, counters.step)
+        return {
+            "step": counters.step,
+            "tokens": counters.tokens_seen,
+            "lr": f"{lr:.3e}",
+            "train_loss": repr(counters.last_loss),
+            "tokens_per_s": f"{tok_s:.1f}",
+            "elapsed_s": f"{elapsed:.2f}",
+        }
+
+    def message(self, text: str) -> None:
+        (self.progress.message if self.progress is not None else self.say)(text)
+
+    def close(self) -> None:
+        for closable in (self.progress, self.writer):
+            if closable is not None:
+                closable.close()
+
+
+@dataclass(frozen=True)
+class Run:
+    """What the setup built for one session; the loop changes only the counters and the tensors."""
+
+    cfg: RunConfig  # as saved: the resolved model config, and the step count the schedule follows
+    dist: DistContext
+    device: torch.device
+    model: GPT
+    forward: Callable  # what a step runs: the model or its DDP wrapper, maybe compiled, with its forward options
+    ddp_model: torch.nn.Module | None  # for DDP's no_sync while gradients accumulate
+    optim: Optimization
+    data: TrainData
+    checkpoints: Checkpoints
+    logs: RunLogs
+    document_start: int | None  # the token that opens a story when attention stays within stories
+
+
+# ---------------------------------------------------------------------------------------- setup
 def train(
     cfg: RunConfig,
-    prepared: Prepared,
+    prepared: PreparedData,
     out_dir: str | Path,
     *,
     resume: str | Path | None = None,
@@ -283,47 +412,49 @@ def train(
     """
     dist = dist_utils.setup_distributed(cfg.train.device)
     try:
-        say = log.info if dist.is_main else (lambda *a, **k: None)
-        state = _set_up(cfg, prepared, Path(out_dir), say, dist, fresh=resume is None)
-        state.on_evaluate = on_evaluate
-        if resume is not None:
-            _resume(state, resume, force)
-        _start_session(state)
-        return _run_steps(state)
+        run, counters = setup(cfg, prepared, Path(out_dir), dist, resume, force)
+        return train_loop(run, counters, on_evaluate)
     finally:
         dist_utils.cleanup(dist)
 
 
-def _set_up(cfg: RunConfig, prepared: Prepared, out_dir: Path, say, dist: DistContext, fresh: bool) -> TrainState:
-    """The option values, the process (threads, seeds, device), the model, its batches, optimizer,
-    average and logs."""
-    tc = check_config(cfg).train  # a config built in code is checked like a loaded one, before any work
-    batch_size = per_rank_batch_size(tc, dist.world_size)
+def setup(
+    cfg: RunConfig,
+    prepared: PreparedData,
+    out_dir: Path,
+    dist: DistContext,
+    resume: str | Path | None = None,
+    force: bool = False,
+) -> tuple[Run, Counters]:
+    """Everything one session trains with, and the counters it starts from. The order is the random
+    stream's: the seed, then the model's initial weights; a resumed run's RNG state comes back after
+    everything that draws."""
+    check_config(cfg)  # a config built in code is checked like a loaded one, before any work
+    say = log.info if dist.is_main else _quiet
+    data = setup_data(cfg, prepared.splits, dist)
     if dist.is_main:
         out_dir.mkdir(parents=True, exist_ok=True)
-    if tc.threads:
-        torch.set_num_threads(tc.threads)
-    seed_everything(tc.seed)
-    device = dist_utils.rank_device(dist, resolve_device(tc.device))
-    check_precision(device, tc.precision)
-    scaler = make_grad_scaler(device, tc.precision)
-    tokenizer, splits = prepared.tokenizer, prepared.splits
-    model = build_model(cfg, tokenizer.vocab_size).to(device)  # the same initial weights on every rank
-    if getattr(cfg, "embeddings", None) is not None and cfg.embeddings.kind != "none":
-        apply_pretrained_embeddings(
-            model,
-            tokenizer,
-            cfg.embeddings,
-            splits["train"].ids,
-            out_dir if dist.is_main else None,
-            cache_dir=prepared.data_dir,
-        )
-    if dist.rank:
-        torch.manual_seed(tc.seed + 1_000_003 * dist.rank)  # ranks draw different dropout masks
-    cfg = dataclasses.replace(cfg, model=model.config)  # the resolved model config goes on disk
-    context_length = model.config.context_length
+    device = setup_process(cfg.train, dist)
+    model = setup_model(cfg, prepared, out_dir, dist, device)
+    cfg = setup_schedule(dataclasses.replace(cfg, model=model.config), data, say)
+    optim = setup_optimizer(model, cfg.train, device)
+    checkpoints = setup_checkpointing(cfg, out_dir, prepared.tokenizer, model, optim, dist)
+    counters = Counters() if resume is None else checkpoints.restore(resume, force, say)
+    document_start = prepared.tokenizer.sos_id if cfg.train.document_attention else None
+    ddp_model = dist_utils.wrap_ddp(model, dist, device) if dist.enabled else None
+    forward = setup_forward(ddp_model if ddp_model is not None else model, cfg.train, document_start)
+    say(_header(cfg.train, model, device, data, dist))
+    logs = setup_logs(cfg, out_dir, dist, say, counters.step, resumed=resume is not None)
+    return Run(cfg, dist, device, model, forward, ddp_model, optim, data, checkpoints, logs, document_start), counters
+
+
+def setup_data(cfg: RunConfig, splits: dict, dist: DistContext) -> TrainData:
+    """The training batches (with train.epochs, each epoch visits every row once) and the fixed
+    validation batches, checked against the split sizes."""
+    tc, context_length = cfg.train, cfg.model.context_length
     if "valid" not in splits:
         raise TinyLMError("no validation split was prepared")
+    batch_size = per_rank_batch_size(tc, dist.world_size)
     rows_per_step = batch_size * tc.grad_accum_steps * dist.world_size
     check_batch_fits(splits["train"], rows_per_step, context_length, cfg.data.batching)
     train_batches = Batches(
@@ -333,274 +464,279 @@ def _set_up(cfg: RunConfig, prepared: Prepared, out_dir: Path, say, dist: DistCo
         seed=tc.seed,
         epoch_rows=rows_per_step if tc.epochs else None,
     )
-    if tc.epochs:  # the step count follows from the data: the schedule and the saved config use it
-        tc = dataclasses.replace(tc, max_steps=tc.epochs * train_batches.steps_per_epoch)
-        cfg = dataclasses.replace(cfg, train=tc)
-        say(
-            f"train: {tc.epochs} epoch(s) of {train_batches.steps_per_epoch} steps ({rows_per_step} rows each) = "
-            f"{tc.max_steps} steps"
-        )
-    if tc.max_tokens:  # likewise from the token budget (every row is context_length positions)
-        step_tokens = rows_per_step * context_length
-        tc = dataclasses.replace(tc, max_steps=math.ceil(tc.max_tokens / step_tokens))
-        cfg = dataclasses.replace(cfg, train=tc)
-        say(f"train: {tc.max_tokens:,} tokens at {step_tokens:,} per step = {tc.max_steps:,} steps")
     valid_batches = Batches(splits["valid"], context_length, cfg.data.batching, seed=tc.seed + 1)
-    optimizer = make_optimizer(model, tc)
-    ema = EMA(model, tc.ema_decay) if tc.ema_decay else None
-    if tc.grad_checkpointing:
-        enable_grad_checkpointing(model, tc.checkpoint_impl)
-    metrics = MetricsLog(out_dir / "metrics.csv", fresh=fresh) if dist.is_main else None
-    epoch_log = MetricsLog(out_dir / "epochs.csv", EPOCH_COLUMNS, fresh=fresh) if dist.is_main and tc.epochs else None
-    return TrainState(
-        cfg,
-        dist,
-        device,
-        out_dir,
-        say,
-        tokenizer,
-        model,
-        optimizer,
-        scaler,
-        ema,
-        batch_size,
-        train_batches,
-        valid_batches,
-        metrics,
-        epoch_log,
-    )
+    return TrainData(train_batches, valid_batches, batch_size, rows_per_step)
 
 
-def _resume(state: TrainState, resume: str | Path, force: bool) -> None:
-    """Weights, optimizer, average, scaler, counters and random state from a resumable checkpoint."""
-    saved = load_resume_state(resume)
-    check_resume_config(saved.run_config, state.cfg.to_dict(), force)
-    if saved.counters["world_size"] != state.dist.world_size:
-        raise TinyLMError(
-            f"resume: {saved.path} was written by {saved.counters['world_size']} process(es) and "
-            f"this run has {state.dist.world_size}; resume with the same number of processes"
+def setup_process(tc: TrainConfig, dist: DistContext) -> torch.device:
+    """Threads, seeds, and the device this process trains on (checked for the precision)."""
+    if tc.threads:
+        torch.set_num_threads(tc.threads)
+    seed_everything(tc.seed)
+    device = dist_utils.rank_device(dist, resolve_device(tc.device))
+    check_precision(device, tc.precision)
+    return device
+
+
+def setup_model(cfg: RunConfig, prepared: PreparedData, out_dir: Path, dist: DistContext, device) -> GPT:
+    """The model on ``device``, the same initial weights on every rank (pretrained embeddings when
+    configured); then each rank's own dropout stream."""
+    model = build_model(cfg, prepared.tokenizer.vocab_size).to(device)
+    if getattr(cfg, "embeddings", None) is not None and cfg.embeddings.kind != "none":
+        apply_pretrained_embeddings(
+            model,
+            prepared.tokenizer,
+            cfg.embeddings,
+            prepared.splits["train"].ids,
+            out_dir if dist.is_main else None,
+            cache_dir=prepared.data_dir,
         )
-    load_model_state(state.model, saved.path, read_model_state(saved.path, state.model.config))
-    restore_optimizer(state.optimizer, saved)
-    if state.ema is not None:  # a run resumed with EMA must have saved its average
-        where = saved.path / "ema.safetensors"
-        try:
-            state.ema.load_state_tensors(load_file(str(where)))
-        except Exception as exc:  # missing, unreadable or not this model's average
-            raise TinyLMError(f"resume: the weight average {where} is unusable ({exc})") from exc
-    if saved.scaler_state:
-        state.scaler.load_state_dict(saved.scaler_state)
-    state.step, state.tokens_seen, state.best_val, state.bad_evals = (
-        saved.step,
-        saved.counters["tokens_seen"],
-        float(saved.counters["best_val"]),
-        saved.counters["bad_evals"],
+    if dist.rank:
+        torch.manual_seed(cfg.train.seed + 1_000_003 * dist.rank)  # ranks draw different dropout masks
+    return model
+
+
+def setup_schedule(cfg: RunConfig, data: TrainData, say: Callable[[str], None]) -> RunConfig:
+    """The config with the step count the learning-rate schedule follows and the run stops at:
+    train.max_steps, or what train.epochs or train.max_tokens make of the data."""
+    tc = cfg.train
+    if tc.epochs:
+        tc = dataclasses.replace(tc, max_steps=tc.epochs * data.train.steps_per_epoch)
+        say(
+            f"train: {tc.epochs} epoch(s) of {data.train.steps_per_epoch} steps ({data.rows_per_step} rows each) "
+            f"= {tc.max_steps} steps"
+        )
+    if tc.max_tokens:  # every row is context_length positions
+        step_tokens = data.rows_per_step * cfg.model.context_length
+        tc = dataclasses.replace(tc, max_steps=math.ceil(tc.max_tokens / step_tokens))
+        say(f"train: {tc.max_tokens:,} tokens at {step_tokens:,} per step = {tc.max_steps:,} steps")
+    return dataclasses.replace(cfg, train=tc)
+
+
+def setup_optimizer(model: GPT, tc: TrainConfig, device) -> Optimization:
+    """The optimizer (train.optimizer), the gradient scaler fp16 needs, and the weight average."""
+    return Optimization(
+        make_optimizer(model, tc),
+        make_grad_scaler(device, tc.precision),
+        EMA(model, tc.ema_decay) if tc.ema_decay else None,
     )
-    restore_rng(saved.rng_per_rank[state.dist.rank])  # last: nothing below draws random numbers before step 1
-    for log_file in (state.metrics, state.epoch_log):
-        if log_file is not None:
-            log_file.truncate_after(state.step)
-    state.say(f"train: resuming from {saved.path} at step {state.step}")
 
 
-def _document_start(state: TrainState) -> int | None:
-    """The token that opens a story when attention stays within stories (train.document_attention)."""
-    return state.tokenizer.sos_id if state.cfg.train.document_attention else None
+def setup_checkpointing(
+    cfg: RunConfig, out_dir: Path, tokenizer: Tokenizer, model: GPT, optim: Optimization, dist: DistContext
+) -> Checkpoints:
+    """Where the run's checkpoints go, and what each resumable one holds."""
+    return Checkpoints(out_dir / "checkpoints", cfg, tokenizer, model, optim, dist)
 
 
-def _start_session(state: TrainState) -> None:
-    """The saved config; DDP and compilation around the model; the header line, TensorBoard, the
-    clock and the progress display."""
-    tc, dist = state.cfg.train, state.dist
-    if dist.is_main:
-        state.cfg.save(state.out_dir / "config.yaml")
-    state.ddp_model = dist_utils.wrap_ddp(state.model, dist, state.device) if dist.enabled else None
-    state.run_model = state.ddp_model if state.ddp_model is not None else state.model
-    if tc.compile:
-        state.run_model = compile_for_training(state.model, state.run_model, tc)
-    if tc.document_attention:
-        state.run_model = partial(state.run_model, document_start=_document_start(state))
-    state.say(
-        f"train: {state.model.num_parameters():,} parameters on {state.device}, context "
-        f"{state.model.config.context_length}, batch {state.batch_size} x {tc.grad_accum_steps} accumulation "
-        f"x {dist.world_size} process(es), {tc.precision}"
+def setup_forward(run_model: Callable, tc: TrainConfig, document_start: int | None = None) -> Callable:
+    """What a training step calls: ``run_model`` (the model or its DDP wrapper) with gradient
+    checkpointing and attention within stories bound, through ``torch.compile`` (inductor) with
+    ``train.compile``.
+
+    The whole model is compiled, except with our own gradient checkpointing, whose autograd Function
+    Dynamo cannot trace: then each block is compiled and the Function stays ours
+    (``compiled_tinylm_checkpoint``). The optimizer step is AdamW's fused kernel (``make_optimizer``),
+    not a compiled one: see docs/training.md for the measurements."""
+    compile_blocks = tc.compile and tc.grad_checkpointing and tc.checkpoint_impl == "tinylm"
+    if tc.compile and not compile_blocks:
+        run_model = torch.compile(run_model, options=TRAIN_COMPILE_OPTIONS)
+    options = {}
+    if tc.grad_checkpointing:
+        options["checkpoint_blocks"] = (
+            compiled_tinylm_checkpoint(TRAIN_COMPILE_OPTIONS)
+            if compile_blocks
+            else checkpoint_function(tc.checkpoint_impl)
+        )
+    if document_start is not None:
+        options["document_start"] = document_start
+    return partial(run_model, **options) if options else run_model
+
+
+def setup_logs(
+    cfg: RunConfig, out_dir: Path, dist: DistContext, say: Callable[[str], None], first_step: int, resumed: bool
+) -> RunLogs:
+    """config.yaml (every run writes the full config it trains with), the metrics files (a resumed
+    run drops the rows after its step: it writes them again), TensorBoard and the progress display."""
+    tc = cfg.train
+    if not dist.is_main:
+        return RunLogs(say, None, None, None, None)
+    cfg.save(out_dir / "config.yaml")
+    metrics = MetricsLog(out_dir / "metrics.csv", fresh=not resumed)
+    epoch_log = MetricsLog(out_dir / "epochs.csv", EPOCH_COLUMNS, fresh=not resumed) if tc.epochs else None
+    for log_file in (metrics, epoch_log):
+        if resumed and log_file is not None:
+            log_file.truncate_after(first_step)
+    writer = _tensorboard_writer(out_dir) if tc.tensorboard else None
+    progress = Progress(tc, first_step, say) if tc.progress else None
+    return RunLogs(say, metrics, epoch_log, writer, progress)
+
+
+def _header(tc: TrainConfig, model: GPT, device, data: TrainData, dist: DistContext) -> str:
+    return (
+        f"train: {model.num_parameters():,} parameters on {device}, context {model.config.context_length}, "
+        f"batch {data.batch_size} x {tc.grad_accum_steps} accumulation x {dist.world_size} process(es), "
+        f"{tc.precision}"
         + (", torch.compile" if tc.compile else "")
         + (f", gradient checkpointing ({tc.checkpoint_impl})" if tc.grad_checkpointing else "")
     )
-    state.writer = _tensorboard_writer(state.out_dir) if tc.tensorboard and dist.is_main else None
-    state.start = time.perf_counter()
-    if tc.progress and dist.is_main:
-        state.progress = Progress(tc, state.step, state.say)
 
 
-def _run_steps(state: TrainState) -> TrainResult:
+def _tensorboard_writer(out_dir: Path):
+    try:
+        from torch.utils.tensorboard import SummaryWriter  # deferred: optional, and slow to import
+    except ImportError as exc:
+        raise TinyLMError("train.tensorboard=true needs the tensorboard package (pip install tensorboard)") from exc
+    return SummaryWriter(log_dir=str(out_dir / "tensorboard"))
+
+
+def _quiet(*args, **kwargs) -> None:
+    """``say`` on ranks other than 0: one process reports for all."""
+
+
+# ------------------------------------------------------------------------------------- the loop
+def train_loop(run: Run, counters: Counters, on_evaluate: Callable[[GPT, int, int], None] | None = None) -> TrainResult:
     """Step until max_steps, early stopping or the wall-clock budget, evaluating, logging and saving
     on the way; then the ``last`` checkpoint."""
-    tc, dist = state.cfg.train, state.dist
+    tc, logs = run.cfg.train, run.logs
     save_every = tc.save_interval or tc.eval_interval
-    by_wall = wall_schedule_enabled(tc)  # like max_minutes, the wall budget counts from this session's start
-    for step in range(state.step, tc.max_steps):
-        lr = _update(state, step, by_wall)
-        elapsed = time.perf_counter() - state.start
-        tok_s = state.session_tokens / max(elapsed, 1e-9)
-        if state.progress is not None:
-            memory = torch.cuda.max_memory_allocated(state.device) / 2**30 if state.device.type == "cuda" else None
-            state.progress.update(state.step, state.last_loss, tok_s, elapsed, memory)
-        is_last = state.step == tc.max_steps
-        out_of_time = tc.max_minutes is not None and elapsed >= tc.max_minutes * 60
-        if tc.max_minutes is not None and dist.enabled:  # every rank must stop at the same step
-            out_of_time = all_reduce_sum([float(out_of_time)], dist, state.device)[0] > 0
-        row = {
-            "step": state.step,
-            "tokens": state.tokens_seen,
-            "lr": f"{lr:.3e}",
-            "train_loss": repr(state.last_loss),
-            "tokens_per_s": f"{tok_s:.1f}",
-            "elapsed_s": f"{elapsed:.2f}",
-        }
-        if state.writer is not None:
-            for name, value in (("train/loss", state.last_loss), ("train/lr", lr), ("train/tokens_per_s", tok_s)):
-                state.writer.add_scalar(name, value, state.step)
-        evaluate = state.step % tc.eval_interval == 0 or is_last or out_of_time
-        if evaluate:
-            _evaluate(state, row, tok_s)
-        if state.metrics is not None and (evaluate or state.step % tc.log_interval == 0):
-            state.metrics.write(row)
-        if tc.epochs and state.step % state.train_batches.steps_per_epoch == 0:
-            _end_epoch(state, row, elapsed)
-        if state.step % save_every == 0 and not is_last:
-            save_resumable(state, step_dir_name(state.step), state.best_val)
-            if dist.is_main:
-                prune_step_checkpoints(state.out_dir / "checkpoints", tc.keep_last)
+    start = time.perf_counter()  # tokens/s, max_minutes and the wall schedule count from this session's start
+    stopped = "max_steps"
+    for step in range(counters.step, tc.max_steps):
+        lr = learning_rate(run, step, start)
+        train_step(run, counters, step, lr)
+        elapsed = time.perf_counter() - start
+        tok_s = counters.session_tokens / max(elapsed, 1e-9)
+        row = logs.record_step(counters, lr, tok_s, elapsed, run.device)
+        is_last, out_of_time = counters.step == tc.max_steps, budget_spent(run, elapsed)
+        evaluated = counters.step % tc.eval_interval == 0 or is_last or out_of_time
+        if evaluated and evaluate(run, counters, row, tok_s, on_evaluate):
+            stopped = "early_stopping"
+        if logs.metrics is not None and (evaluated or counters.step % tc.log_interval == 0):
+            logs.metrics.write(row)
+        if tc.epochs and counters.step % run.data.train.steps_per_epoch == 0:
+            end_epoch(run, counters, row, elapsed)
+        if counters.step % save_every == 0 and not is_last:
+            run.checkpoints.save_step(counters)
         if out_of_time:
-            state.stopped = "max_minutes"
-        if state.stopped != "max_steps":
+            stopped = "max_minutes"
+        if stopped != "max_steps":
             break
-    _close(state)
-    seconds = time.perf_counter() - state.start
-    save_resumable(state, "last", state.best_val)
-    dist_utils.barrier(dist)
+    logs.close()
+    seconds = time.perf_counter() - start
+    run.checkpoints.save("last", counters, counters.best_val)
+    dist_utils.barrier(run.dist)
     return TrainResult(
-        state.step,
-        state.best_val,
-        state.last_loss,
+        counters.step,
+        counters.best_val,
+        counters.last_loss,
         seconds,
-        state.session_tokens / max(seconds, 1e-9),
-        state.out_dir / "checkpoints",
-        state.stopped,
+        counters.session_tokens / max(seconds, 1e-9),
+        run.checkpoints.directory,
+        stopped,
     )
 
 
-def _update(state: TrainState, step: int, by_wall: bool) -> float:
-    """The schedule's learning rate (the same on every rank), forward and backward over this rank's
-    micro-batches of ``step``, one optimizer step; a non-finite loss stops before the update."""
-    tc, wall_fraction = state.cfg.train, None
-    if by_wall:
-        wall_fraction = (time.perf_counter() - state.start) / (tc.max_minutes * 60)
-        if state.dist.enabled:
-            wall_fraction = all_reduce_sum([wall_fraction], state.dist, state.device)[0] / state.dist.world_size
-    lr = lr_at(step, tc, wall_fraction)
-    for group in state.optimizer.param_groups:
-        group["lr"] = lr * group.get("lr_scale", 1.0)  # Muon's groups keep their own peak rate
-    micro = micro_batches(state.train_batches, step, state.batch_size, tc.grad_accum_steps, state.dist)
-    state.last_loss, n_targets = accumulate_gradients(
-        state.run_model,
-        micro,
-        state.device,
-        tc.precision,
-        state.scaler,
-        state.dist,
-        state.ddp_model,
-        tc.label_smoothing,
+def learning_rate(run: Run, step: int, start: float) -> float:
+    """The schedule's rate at ``step``, the same on every rank; with train.schedule_clock=wall the
+    decay follows the share of max_minutes spent since ``start`` (averaged over the ranks)."""
+    tc, wall_fraction = run.cfg.train, None
+    if wall_schedule_enabled(tc):
+        wall_fraction = (time.perf_counter() - start) / (tc.max_minutes * 60)
+        if run.dist.enabled:
+            wall_fraction = all_reduce_sum([wall_fraction], run.dist, run.device)[0] / run.dist.world_size
+    return lr_at(step, tc, wall_fraction)
+
+
+def train_step(run: Run, counters: Counters, step: int, lr: float) -> None:
+    """Forward and backward over this rank's micro-batches of ``step``, one update at ``lr``; a
+    non-finite loss stops before the update."""
+    tc = run.cfg.train
+    run.optim.set_lr(lr)
+    micro = micro_batches(run.data.train, step, run.data.batch_size, tc.grad_accum_steps, run.dist)
+    loss, n_targets = accumulate_gradients(
+        run.forward, micro, run.device, tc.precision, run.optim.scaler, run.dist, run.ddp_model, tc.label_smoothing
     )
-    state.epoch_loss_sum += state.last_loss * n_targets
-    state.epoch_targets += n_targets
-    if not math.isfinite(state.last_loss):
-        _close(state)
+    counters.last_loss = loss
+    counters.epoch_loss_sum += loss * n_targets
+    counters.epoch_targets += n_targets
+    if not math.isfinite(loss):
+        run.logs.close()
         raise TinyLMError(
-            f"training loss became {state.last_loss} at step {step + 1}; stopped before that update, the last good "
-            f"checkpoint is kept in {state.out_dir / 'checkpoints'} (lower train.lr, enable train.grad_clip or use "
-            "fp32)"
+            f"training loss became {loss} at step {step + 1}; stopped before that update, the last good checkpoint "
+            f"is kept in {run.checkpoints.directory} (lower train.lr, enable train.grad_clip or use fp32)"
         )
-    if tc.grad_clip > 0:
-        state.scaler.unscale_(state.optimizer)
-        torch.nn.utils.clip_grad_norm_(state.model.parameters(), tc.grad_clip)
-    state.scaler.step(state.optimizer)
-    state.scaler.update()
-    state.optimizer.zero_grad(set_to_none=True)
-    if state.ema is not None:
-        state.ema.update(state.model)
-    step_tokens = sum(x.numel() for x, _ in micro) * state.dist.world_size
-    state.tokens_seen += step_tokens
-    state.session_tokens += step_tokens
-    state.step = step + 1
-    return lr
+    run.optim.step(run.model, tc.grad_clip)
+    step_tokens = sum(x.numel() for x, _ in micro) * run.dist.world_size
+    counters.tokens_seen += step_tokens
+    counters.session_tokens += step_tokens
+    counters.step = step + 1
 
 
-def _evaluate(state: TrainState, row: dict, tok_s: float) -> None:
-    """The validation loss into ``row``; the ``best`` checkpoint when it improved; the progress
-    line; early stopping after ``early_stopping_patience`` evaluations without improvement."""
-    tc = state.cfg.train
-    val = validation_loss(
-        state.model,
-        state.valid_batches,
-        state.cfg,
-        state.device,
-        tc.precision,
-        state.dist,
-        state.batch_size,
-        _document_start(state),
-    )
+def budget_spent(run: Run, elapsed: float) -> bool:
+    """Whether train.max_minutes has run out; decided together, so every rank stops at the same step."""
+    tc = run.cfg.train
+    if tc.max_minutes is None:
+        return False
+    spent = elapsed >= tc.max_minutes * 60
+    if run.dist.enabled:
+        spent = all_reduce_sum([float(spent)], run.dist, run.device)[0] > 0
+    return spent
+
+
+def evaluate(
+    run: Run, counters: Counters, row: dict, tok_s: float, on_evaluate: Callable[[GPT, int, int], None] | None = None
+) -> bool:
+    """The validation loss into ``row``; the ``best`` checkpoint when it improved; the progress line;
+    ``on_evaluate`` on rank 0. Returns whether early stopping's patience has run out."""
+    tc = run.cfg.train
+    val = run_validation(run)
     row.update(val_loss=repr(val), val_ppl=f"{math.exp(min(val, 50)):.3f}")
-    improved = val < state.best_val
-    state.best_val, state.bad_evals = (val, 0) if improved else (state.best_val, state.bad_evals + 1)
-    if state.writer is not None:
-        state.writer.add_scalar("valid/loss", val, state.step)
+    improved = val < counters.best_val
+    counters.best_val, counters.bad_evals = (val, 0) if improved else (counters.best_val, counters.bad_evals + 1)
+    if run.logs.writer is not None:
+        run.logs.writer.add_scalar("valid/loss", val, counters.step)
     if improved:
-        save_resumable(state, "best", val)
-    msg = (
-        f"step {state.step}: train {state.last_loss:.4f}, valid {val:.4f} (ppl {math.exp(min(val, 50)):.2f}), "
-        f"{tok_s:,.0f} tok/s"
+        run.checkpoints.save("best", counters, val)
+    run.logs.message(
+        f"step {counters.step}: train {counters.last_loss:.4f}, valid {val:.4f} "
+        f"(ppl {math.exp(min(val, 50)):.2f}), {tok_s:,.0f} tok/s"
     )
-    (state.progress.message if state.progress is not None else state.say)(msg)
-    if state.on_evaluate is not None and state.dist.is_main:
-        devices = [state.device] if state.device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices):
-            was_training = state.model.training
-            state.model.eval()
-            try:
-                state.on_evaluate(state.model, state.step, state.tokens_seen)
-            finally:
-                state.model.train(was_training)
-    if tc.early_stopping_patience and state.bad_evals >= tc.early_stopping_patience:
-        state.stopped = "early_stopping"
-        state.say(
-            f"train: early stopping at step {state.step}: no validation improvement in {state.bad_evals} evaluations"
+    if on_evaluate is not None and run.dist.is_main:
+        # its own random stream: what it draws cannot change the run
+        with torch.random.fork_rng(devices=[run.device] if run.device.type == "cuda" else []), eval_mode(run.model):
+            on_evaluate(run.model, counters.step, counters.tokens_seen)
+    patience_spent = bool(tc.early_stopping_patience) and counters.bad_evals >= tc.early_stopping_patience
+    if patience_spent:
+        run.logs.say(
+            f"train: early stopping at step {counters.step}: no validation improvement in "
+            f"{counters.bad_evals} evaluations"
         )
+    return patience_spent
 
 
-def _end_epoch(state: TrainState, row: dict, elapsed: float) -> None:
+def run_validation(run: Run) -> float:
+    return validation_loss(
+        run.model,
+        run.data.valid,
+        run.cfg,
+        run.device,
+        run.cfg.train.precision,
+        run.dist,
+        run.data.batch_size,
+        run.document_start,
+    )
+
+
+def end_epoch(run: Run, counters: Counters, row: dict, elapsed: float) -> None:
     """The epoch's mean training loss and its validation loss into epochs.csv; the sum restarts."""
-    tc, epoch = state.cfg.train, state.step // state.train_batches.steps_per_epoch
-    val = (
-        float(row["val_loss"])
-        if "val_loss" in row
-        else validation_loss(
-            state.model,
-            state.valid_batches,
-            state.cfg,
-            state.device,
-            tc.precision,
-            state.dist,
-            state.batch_size,
-            _document_start(state),
-        )
-    )
-    train_mean = state.epoch_loss_sum / max(state.epoch_targets, 1)
-    if state.epoch_log is not None:
-        state.epoch_log.write(
+    epoch = counters.step // run.data.train.steps_per_epoch
+    val = float(row["val_loss"]) if "val_loss" in row else run_validation(run)
+    train_mean = counters.epoch_loss_sum / max(counters.epoch_targets, 1)
+    if run.logs.epoch_log is not None:
+        run.logs.epoch_log.write(
             {
-                "step": state.step,
+                "step": counters.step,
                 "epoch": epoch,
                 "train_loss": f"{train_mean:.6f}",
                 "val_loss": f"{val:.6f}",
@@ -609,43 +745,5 @@ def _end_epoch(state: TrainState, row: dict, elapsed: float) -> None:
                 "elapsed_s": f"{elapsed:.2f}",
             }
         )
-    state.say(f"epoch {epoch}/{tc.epochs}: train {train_mean:.4f}, valid {val:.4f}")
-    state.epoch_loss_sum, state.epoch_targets = 0.0, 0
-
-
-def save_resumable(state: TrainState, name: str, val_loss: float) -> None:
-    """A resumable checkpoint of the steps done, written by rank 0 (with EMA, the average also as a
-    model of its own); a collective call under DDP, which gathers every rank's RNG state."""
-    rngs = dist_utils.gather_objects(capture_rng(), state.dist)
-    if not state.dist.is_main:
-        return
-    ckpt_dir = state.out_dir / "checkpoints"
-    counters = {
-        "step": state.step,
-        "data_position": state.step,
-        "tokens_seen": state.tokens_seen,
-        "best_val": state.best_val,
-        "bad_evals": state.bad_evals,
-        "world_size": state.dist.world_size,
-    }
-    tensors, files = state_payload(state.optimizer, state.scaler, rngs, counters)
-    meta = {"step": state.step, "val_loss": val_loss, "tokens_seen": state.tokens_seen}
-    if state.ema is not None:
-        tensors["ema.safetensors"] = state.ema.state_tensors()
-        if name != "best":  # the averaged weights as a model of their own: evaluate / generate it
-            save_checkpoint(
-                ckpt_dir / "ema",
-                state.ema.averaged_model(state.model),
-                state.tokenizer,
-                state.cfg,
-                {**meta, "ema_decay": state.cfg.train.ema_decay, "ema_updates": state.ema.updates},
-            )
-    save_checkpoint(
-        ckpt_dir / name, state.model, state.tokenizer, state.cfg, meta, extra_files=files, extra_tensors=tensors
-    )
-
-
-def _close(state: TrainState) -> None:
-    for closable in (state.progress, state.writer):
-        if closable is not None:
-            closable.close()
+    run.logs.say(f"epoch {epoch}/{run.cfg.train.epochs}: train {train_mean:.4f}, valid {val:.4f}")
+    counters.epoch_loss_sum, counters.epoch_targets = 0.0, 0
