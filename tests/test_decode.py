@@ -67,18 +67,18 @@ def test_the_decoding_layout_is_renewed_when_a_weight_changes():
     model = tiny()
     model.prepare_for_decoding()
     up = model.blocks[0].ffn.up
-    first = up.decode_weight
+    first = up.decode_layout[0]
     model.prepare_for_decoding()
-    assert up.decode_weight is first  # unchanged weights: the layout is kept
+    assert up.decode_layout[0] is first  # unchanged weights: the layout is kept
     with torch.no_grad():
         up.weight.add_(0.5)  # an optimizer step changes weights in place
     model.prepare_for_decoding()
-    assert up.decode_weight is not first
-    assert torch.equal(up.decode_weight, up.weight.t())
-    second = up.decode_weight
+    assert up.decode_layout[0] is not first
+    assert torch.equal(up.decode_layout[0], up.weight.t())
+    second = up.decode_layout[0]
     model.load_state_dict(tiny().state_dict())
     model.prepare_for_decoding()
-    assert up.decode_weight is not second
+    assert up.decode_layout[0] is not second
 
 
 def test_a_full_cache_is_refused_with_a_clear_error():

@@ -64,31 +64,18 @@ log = logging.getLogger("tinylm")
 
 
 # --------------------------------------------------------------------------- options -> argparse
-def opt(
-    help: str,
-    default: Any = None,
-    *,
-    flag: str | None = None,
-    positional: bool = False,
-    nargs: str | None = None,
-    metavar: str | None = None,
-    required: bool = False,
-    group: str | None = None,
-    **bounds: float,
-):
-    """A dataclass field that is also a command-line option (or positional argument); a ``Literal``
-    type gives its choices, ``bounds`` (ge, gt, le, lt) its range, both checked as it is parsed."""
-    return option(
-        default,
-        help,
-        flag=flag,
-        positional=positional,
-        nargs=nargs,
-        metavar=metavar,
-        required=required,
-        group=group,
-        **bounds,
-    )
+# what a field's metadata says to argparse beside its help and range, and the value when not given
+OPTION_DEFAULTS = {"flag": None, "positional": False, "nargs": None, "metavar": None, "required": False, "group": None}
+
+
+def opt(help: str, default: Any = None, **extra: Any):
+    """A dataclass field that is also a command-line option (or positional argument): ``extra``
+    holds OPTION_DEFAULTS' keys and the bounds (ge, gt, le, lt) of its range; a ``Literal`` type
+    gives its choices, both checked as it is parsed."""
+    unknown = set(extra) - set(OPTION_DEFAULTS) - {"ge", "gt", "le", "lt", "factory"}
+    if unknown:  # a misspelt keyword would otherwise be stored and never read
+        raise TypeError(f"opt() got unknown keyword(s) {sorted(unknown)}")
+    return option(default, help, **{**OPTION_DEFAULTS, **extra})
 
 
 def _converter(kind: Any, name: str, bounds: tuple | None) -> Callable[[str], Any]:
@@ -415,23 +402,18 @@ def generate(opts: GenerateOptions) -> int:
         return 0
     for c in complete(model, tokenizer, prompts, cfg, batch_size=opts.batch_size):
         for i, r in enumerate(c.results):
-            if opts.json:
-                print(
-                    json.dumps(
-                        {
-                            "prompt": c.prompt,
-                            "text": c.text(tokenizer, i),
-                            "tokens": len(r.tokens),
-                            "token_ids": r.tokens,
-                            "tokens_per_s": round(c.tokens_per_s, 1),
-                            "finish_reason": r.finish_reason,
-                        },
-                        ensure_ascii=False,
-                    )
-                )
-            else:
-                print(c.text(tokenizer, i))
-                print()
+            if not opts.json:
+                print(c.text(tokenizer, i) + "\n")
+                continue
+            row = {
+                "prompt": c.prompt,
+                "text": c.text(tokenizer, i),
+                "tokens": len(r.tokens),
+                "token_ids": r.tokens,
+                "tokens_per_s": round(c.tokens_per_s, 1),
+                "finish_reason": r.finish_reason,
+            }
+            print(json.dumps(row, ensure_ascii=False))
     return 0
 
 

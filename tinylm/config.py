@@ -72,17 +72,9 @@ def describe_range(bounds: tuple) -> str:
     ge, gt, le, lt = bounds
     low = f"[{ge:g}" if ge is not None else f"({gt:g}" if gt is not None else None
     high = f"{le:g}]" if le is not None else f"{lt:g})" if lt is not None else None
-    return (
-        f"in {low}, {high}"
-        if low and high
-        else f">= {ge:g}"
-        if ge is not None
-        else f"> {gt:g}"
-        if gt is not None
-        else f"<= {le:g}"
-        if le is not None
-        else f"< {lt:g}"
-    )
+    if low and high:
+        return f"in {low}, {high}"
+    return next(f"{op} {b:g}" for op, b in zip((">=", ">", "<=", "<"), bounds) if b is not None)
 
 
 def check_range(key: str, value: Any, bounds: tuple | None) -> None:

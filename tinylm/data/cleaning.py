@@ -20,21 +20,10 @@ _NOT_ESSENTIAL = re.compile(r"[^A-Za-z0-9\s.,!?'\"\-:;()]+")
 _DOTS = re.compile(r"[ \t]*(?:(?:\.[ \t]*){2,}|(?:\u2026[ \t]*)+)")
 _PUNCT = str.maketrans(
     {
-        "\u2018": "'",
-        "\u2019": "'",
-        "\u201a": "'",
-        "\u201b": "'",
-        "\u201c": '"',
-        "\u201d": '"',
-        "\u201e": '"',
-        "\u201f": '"',
-        "\u2013": "-",
-        "\u2014": "-",
-        "\u2015": "-",
-        "\u2212": "-",
+        **dict.fromkeys("\u2018\u2019\u201a\u201b", "'"),
+        **dict.fromkeys("\u201c\u201d\u201e\u201f\u00ab\u00bb", '"'),
+        **dict.fromkeys("\u2013\u2014\u2015\u2212", "-"),
         "\u2026": "...",
-        "\u00ab": '"',
-        "\u00bb": '"',
     }
 )
 
@@ -52,42 +41,41 @@ class CleanReport:
         return f"documents in {self.documents_in}, out {self.documents_out}; changed: {changed}; dropped: {dropped}"
 
 
-def clean_text(text: str, opts: CleanOptions, report: CleanReport | None = None) -> str:
-    steps = []
-    if opts.fix_unicode:
-        import ftfy  # deferred: imported only when fix_unicode is on
+def _fix_unicode(text: str) -> str:
+    import ftfy  # deferred: imported only when fix_unicode is on
 
-        steps.append(("fix_unicode", lambda t: ftfy.fix_text(t, normalization="NFC")))
-    if opts.remove_html:
-        steps.append(("remove_html", lambda t: _HTML.sub(" ", t)))
-    if opts.remove_urls:
-        steps.append(("remove_urls", lambda t: _URL.sub(" ", t)))
-    if opts.remove_emails:
-        steps.append(("remove_emails", lambda t: _EMAIL.sub(" ", t)))
-    if opts.standardize_punctuation:
-        steps.append(("standardize_punctuation", lambda t: t.translate(_PUNCT)))
-    if opts.remove_repeats:
-        steps.append(("remove_repeats", lambda t: _REPEATS.sub(r"\1", t)))
-    if opts.collapse_dots:
-        steps.append(("collapse_dots", lambda t: _DOTS.sub(". ", t)))
-    if opts.letters_and_punctuation_only:
-        steps.append(("letters_and_punctuation_only", lambda t: _NOT_ESSENTIAL.sub(" ", t)))
-    if opts.lowercase:
-        steps.append(("lowercase", str.lower))
-    if opts.normalize_whitespace:
-        steps.append(("normalize_whitespace", _normalize_whitespace))
-    for name, fn in steps:
-        new = fn(text)
-        if report is not None and new != text:
-            report.changed[name] = report.changed.get(name, 0) + 1
-        text = new
-    return text
+    return ftfy.fix_text(text, normalization="NFC")
 
 
 def _normalize_whitespace(text: str) -> str:
     text = text.replace("\r\n", "\n").replace("\r", "\n")
     lines = [_SPACES.sub(" ", line).strip() for line in text.split("\n")]
     return _BLANK_LINES.sub("\n\n", "\n".join(lines)).strip()
+
+
+# every step, named by its CleanOptions flag, in the order the steps run
+_STEPS = {
+    "fix_unicode": _fix_unicode,
+    "remove_html": lambda t: _HTML.sub(" ", t),
+    "remove_urls": lambda t: _URL.sub(" ", t),
+    "remove_emails": lambda t: _EMAIL.sub(" ", t),
+    "standardize_punctuation": lambda t: t.translate(_PUNCT),
+    "remove_repeats": lambda t: _REPEATS.sub(r"\1", t),
+    "collapse_dots": lambda t: _DOTS.sub(". ", t),
+    "letters_and_punctuation_only": lambda t: _NOT_ESSENTIAL.sub(" ", t),
+    "lowercase": str.lower,
+    "normalize_whitespace": _normalize_whitespace,
+}
+
+
+def clean_text(text: str, opts: CleanOptions, report: CleanReport | None = None) -> str:
+    for name, step in _STEPS.items():
+        if getattr(opts, name):
+            new = step(text)
+            if report is not None and new != text:
+                report.changed[name] = report.changed.get(name, 0) + 1
+            text = new
+    return text
 
 
 def clean_documents(docs: list[str], opts: CleanOptions) -> tuple[list[str], CleanReport]:

@@ -20,7 +20,7 @@ from tinylm.errors import TinyLMError
 from tinylm.models.gpt import eval_mode
 from tinylm.training.metrics import read_metrics
 
-_templates = Environment(loader=PackageLoader("tinylm", "evaluation/templates"), autoescape=True)
+TEMPLATES = Environment(loader=PackageLoader("tinylm", "evaluation/templates"), autoescape=True)
 
 
 def pyplot():
@@ -32,6 +32,18 @@ def pyplot():
     import matplotlib.pyplot as plt  # deferred: see the docstring
 
     return plt
+
+
+def save_figure(fig, path: str | Path, dpi: int = 100, tight: bool = True, **savefig) -> Path:
+    """Write ``fig`` to ``path`` (its folder made), laid out tightly unless ``tight`` is False, and
+    free it: pyplot keeps every open figure until it is closed."""
+    if tight:
+        fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=dpi, **savefig)
+    pyplot().close(fig)
+    return path
 
 
 # ------------------------------------------------------------------------------------ attention
@@ -124,11 +136,7 @@ def plot_attention_layer(maps: AttentionMaps, layer: int, path: str | Path) -> P
             ax.set_xlabel("key (attended to)", fontsize=8)
     fig.colorbar(im, ax=list(axes.flat), fraction=0.02, pad=0.01)
     fig.suptitle(attention_title(maps, layer), fontsize=11)
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100, bbox_inches="tight")
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, tight=False, bbox_inches="tight")
 
 
 def save_attention_pngs(maps: AttentionMaps, out_dir: str | Path, prefix: str = "attention") -> list[Path]:
@@ -141,7 +149,7 @@ def save_attention_pngs(maps: AttentionMaps, out_dir: str | Path, prefix: str = 
 def attention_html(maps: AttentionMaps, path: str | Path) -> Path:
     """One self-contained page (data and script inline) to browse every layer and head."""
     payload = {"tokens": maps.tokens, "weights": [np.round(w, 4).tolist() for w in maps.weights]}
-    page = _templates.get_template("attention.html.j2").render(text=maps.text, data=payload)
+    page = TEMPLATES.get_template("attention.html.j2").render(text=maps.text, data=payload)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(page, encoding="utf-8")
@@ -171,9 +179,4 @@ def plot_curves(metrics_csv: str | Path, path: str | Path, title: str = "") -> P
         ax.legend()
     if title:
         fig.suptitle(title)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)

@@ -284,22 +284,13 @@ def format_bleu(result: dict) -> str:
         f"BLEU-n: NLTK-style corpus BLEU, smoothing {p['smoothing']}; sentence BLEU-4: the mean of the "
         "samples' own BLEU-4 (same smoothing); sacreBLEU: 0-100 with the signature below",
     ]
-    rows = [
-        [s["name"], f"missing: {s['missing']}"]
-        if "missing" in s
-        else [
-            s["name"],
-            s["bleu1"],
-            s["bleu2"],
-            s["bleu3"],
-            s["bleu4"],
-            s["sentence_bleu"]["bleu4"],
-            s["sacrebleu"]["bleu"],
-            s["tokens_per_s"],
-            s.get("csv", ""),
-        ]
-        for s in result["settings"]
-    ]
+    rows = []
+    for s in result["settings"]:
+        if "missing" in s:
+            rows.append([s["name"], f"missing: {s['missing']}"])
+            continue
+        scores = [s[f"bleu{n}"] for n in (1, 2, 3, 4)] + [s["sentence_bleu"]["bleu4"], s["sacrebleu"]["bleu"]]
+        rows.append([s["name"], *scores, s["tokens_per_s"], s.get("csv", "")])
     lines.append(
         tabulate(
             rows,

@@ -20,16 +20,14 @@ from urllib.parse import unquote
 
 import torch
 import yaml
-from jinja2 import Environment, PackageLoader
 from markdown_it import MarkdownIt
 from markupsafe import Markup
 
 from tinylm.errors import TinyLMError
+from tinylm.evaluation.plots import TEMPLATES
 from tinylm.training.metrics import read_metrics
 
 RUN_FILES = ("config.yaml", "metrics.csv", "eval.json", "prepare.json")
-
-_templates = Environment(loader=PackageLoader("tinylm", "evaluation/templates"), autoescape=True)
 
 
 def read_json(path: Path):
@@ -321,7 +319,7 @@ def save_report(doc: Doc, run: Path) -> tuple[Path, Path, list[str]]:
     md.write_text(doc.markdown(), encoding="utf-8")
     body = Markup(_markdown.render(doc.markdown(), {"run_dir": run}))
     page.write_text(
-        _templates.get_template("report.html.j2").render(title=f"tinylm report: {run.name}", body=body),
+        TEMPLATES.get_template("report.html.j2").render(title=f"tinylm report: {run.name}", body=body),
         encoding="utf-8",
     )
     return md, page, doc.missing

@@ -59,7 +59,7 @@ def _mark_static(model: GPT, cache: KVCache) -> None:
     marked = (id(model), cache.k[0].data_ptr())  # a beam search's first reorder makes new cache tensors
     if getattr(cache, "_marked_static", None) == marked:
         return
-    layouts = [m.decode_weight for m in model.modules() if isinstance(m, Linear)]
+    layouts = [m.decode_layout[0] for m in model.modules() if isinstance(m, Linear) and m.decode_layout is not None]
     for t in (*layouts, *cache.k, *cache.v):
         if t is not None:
             torch._dynamo.mark_static_address(t)

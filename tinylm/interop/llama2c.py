@@ -35,6 +35,7 @@ from tinylm.interop.llama import non_llama_options
 from tinylm.models.gpt import GPT, rope_tables, state_dict_by_parts
 
 HEADER = struct.Struct("<7i")
+HEADER_FIELDS = ("dim", "hidden_dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "seq_len")  # HEADER's order
 MAGIC = 0x616B3432  # "ak42" read as a little-endian uint32: the start of a version-1+ header
 V1_HEADER_SIZE = 256
 LLAMA2C_VERSIONS = (0, 1)
@@ -58,20 +59,9 @@ def read_header(path: str | Path) -> dict:
             )
         if len(raw) < V1_HEADER_SIZE:
             raise TinyLMError(f"{path} is too short to be a llama2.c version-1 checkpoint")
-    dim, hidden, n_layers, n_heads, n_kv_heads, vocab, seq_len = HEADER.unpack_from(raw, 8 if version else 0)
-    shared = bool(raw[8 + HEADER.size]) if version else vocab > 0
-    return {
-        "dim": dim,
-        "hidden_dim": hidden,
-        "n_layers": n_layers,
-        "n_heads": n_heads,
-        "n_kv_heads": n_kv_heads,
-        "vocab_size": abs(vocab),
-        "shared_classifier": shared,
-        "seq_len": seq_len,
-        "version": version,
-        "offset": offset,
-    }
+    h = dict(zip(HEADER_FIELDS, HEADER.unpack_from(raw, 8 if version else 0)))
+    shared = bool(raw[8 + HEADER.size]) if version else h["vocab_size"] > 0
+    return {**h, "vocab_size": abs(h["vocab_size"]), "shared_classifier": shared, "version": version, "offset": offset}
 
 
 def _expected_floats(h: dict) -> int:
@@ -84,7 +74,7 @@ def looks_like_llama2c(path: str | Path) -> bool:
     if not path.is_file() or path.stat().st_size < HEADER.size:
         return False
     h = read_header(path)
-    dims = (h["dim"], h["hidden_dim"], h["n_layers"], h["n_heads"], h["n_kv_heads"], h["vocab_size"], h["seq_len"])
+    dims = [h[name] for name in HEADER_FIELDS]
     if min(dims) < 1 or h["dim"] % h["n_heads"] or h["n_heads"] % h["n_kv_heads"] or max(dims) > 1 << 24:
         return False
     return path.stat().st_size == h["offset"] + 4 * _expected_floats(h)
@@ -213,17 +203,8 @@ def save_llama2c(model: GPT, path: str | Path, version: int = 0) -> Path:
     else:
         header = struct.pack("<Ii", MAGIC, version) + HEADER.pack(*sizes, cfg.vocab_size, cfg.context_length)
         header = (header + bytes([cfg.tie_weights])).ljust(V1_HEADER_SIZE, b"\0")
-    h = {
-        "dim": cfg.d_model,
-        "hidden_dim": cfg.d_ff,
-        "n_layers": cfg.n_layers,
-        "n_heads": cfg.n_heads,
-        "n_kv_heads": cfg.n_kv_heads,
-        "vocab_size": cfg.vocab_size,
-        "seq_len": cfg.context_length,
-        "shared_classifier": cfg.tie_weights,
-        "version": version,
-    }
+    h = dict(zip(HEADER_FIELDS, (*sizes, cfg.vocab_size, cfg.context_length)))
+    h.update(shared_classifier=cfg.tie_weights, version=version)
     path = Path(path)
     with open(path, "wb") as fh:
         fh.write(header)

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from tinylm.constants import EOS_ID, SOS_ID
 from tinylm.errors import TinyLMError
 from tinylm.models.gpt import eval_mode
+from tinylm.models.ngram import as_stream
 
 
 class NeuralBigramLM(nn.Module):
@@ -91,12 +92,7 @@ class NeuralBigramLM(nn.Module):
 
 def stream_pairs(ids, vocab_size: int, score_eos: bool = True) -> tuple[np.ndarray, np.ndarray]:
     """(previous, next) pairs inside documents: next is never <sos>, previous is never <eos>."""
-    x = np.asarray(ids)
-    if x.ndim != 1 or x.size == 0:
-        raise TinyLMError("the token stream is empty (or not 1-D): nothing to train on or score")
-    x = x.astype(np.int64, copy=False)
-    if int(x.max()) >= vocab_size or int(x.min()) < 0:
-        raise TinyLMError(f"the stream holds token id {int(x.max())}, outside the model's vocabulary of {vocab_size}")
+    x = as_stream(ids, vocab_size, "token stream")
     prev, nxt = x[:-1], x[1:]
     keep = (nxt != SOS_ID) & (prev != EOS_ID)
     if not score_eos:

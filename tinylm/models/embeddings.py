@@ -255,16 +255,7 @@ class EmbeddingReport:
         return self.found / words if words else 0.0
 
     def as_dict(self) -> dict:
-        return {
-            "vocab_size": self.vocab_size,
-            "dim": self.dim,
-            "found": self.found,
-            "subword": self.subword,
-            "random": self.random,
-            "specials": self.specials,
-            "coverage": round(self.coverage, 6),
-            "source": self.source,
-        }
+        return {**dataclasses.asdict(self), "coverage": round(self.coverage, 6)}
 
     def line(self) -> str:
         words = self.vocab_size - self.specials
@@ -310,16 +301,8 @@ def build_embedding_matrix(
     matrix[noisy] = rng.normal(0.0, std, size=(int(noisy.sum()), dim)).astype(np.float32)
     if pad_id is not None and 0 <= pad_id < len(keys) and keys[pad_id] is None:
         matrix[pad_id] = 0.0
-    report = EmbeddingReport(
-        len(keys),
-        dim,
-        int((kinds == 1).sum()),
-        int((kinds == 2).sum()),
-        int((kinds == 3).sum()),
-        int((kinds == 0).sum()),
-        source.name,
-    )
-    return matrix, report
+    counts = [int((kinds == k).sum()) for k in (1, 2, 3, 0)]  # found, subword, random, specials
+    return matrix, EmbeddingReport(len(keys), dim, *counts, source.name)
 
 
 # ------------------------------------------------------------------------------ into the model
@@ -438,17 +421,13 @@ def apply_pretrained_embeddings(
     log.info(report.line() + (" (frozen)" if emb_cfg.freeze else ""))
     if out_dir is not None:
         Path(out_dir).mkdir(parents=True, exist_ok=True)
-        (Path(out_dir) / "embeddings.json").write_text(
-            json.dumps(
-                {
-                    **report.as_dict(),
-                    **info,
-                    "kind": kind,
-                    "path": emb_cfg.path,
-                    "freeze": emb_cfg.freeze,
-                    "oov": emb_cfg.oov,
-                },
-                indent=1,
-            )
-        )
+        record = {
+            **report.as_dict(),
+            **info,
+            "kind": kind,
+            "path": emb_cfg.path,
+            "freeze": emb_cfg.freeze,
+            "oov": emb_cfg.oov,
+        }
+        (Path(out_dir) / "embeddings.json").write_text(json.dumps(record, indent=1))
     return report

@@ -13,6 +13,11 @@ the one-token decoding step (``GPT.forward(..., cache_slot=)``: static shapes, e
 attended under a mask, so one compiled step serves every length). ``GPT.prepare_for_decoding``
 switches the projections to a layout measured faster for one-token rows; tests check every path
 against the uncached forward and against Hugging Face to 1e-5.
+
+Inside a block, submodules are run through ``.forward`` rather than called: at batch 1 on a
+2-core CPU a module call's hook machinery costs about as much as a one-token product, and the
+decoding step makes a dozen per layer. Hooks belong on blocks (the logit lens puts them there),
+which the model does call.
 """
 
 from __future__ import annotations
@@ -45,7 +50,7 @@ class LayerNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # torch's fused kernel, forward and backward: measured (torch 2.13, CPU) 2-5x faster than
         # the same arithmetic in var_mean / rsqrt / addcmul, for a training batch and for a decoding row
-        return F.layer_norm(x, (x.shape[-1],), self.weight, self.bias, self.eps)
+        return torch.layer_norm(x, (x.shape[-1],), self.weight, self.bias, self.eps)
 
 
 def rms_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -176,20 +181,21 @@ class KVCache:
 
 # ------------------------------------------------------------------------------ linear maps
 class Linear(nn.Linear):
-    """``nn.Linear`` with an optional decoding layout: ``decode_weight``, the weight transposed to
+    """``nn.Linear`` with an optional decoding layout: ``decode_layout``, the weight transposed to
     (in, out) and contiguous, measured 1.3-3x faster than ``nn.Linear``'s (out, in) for the few
     rows of a decoding step on CPU. A (rows, in) input -- the decoding step's shape; training and
     prefill pass (B, T, in) -- uses it when set. ``GPT.prepare_for_decoding``, which the decoding
     core calls before every generation and whenever rows join, sets it and renews it when a weight
     changed since."""
 
-    decode_weight: torch.Tensor | None = None
+    decode_layout: tuple[torch.Tensor, torch.Tensor | None] | None = None  # (weight (in, out), bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w_t = self.decode_weight
-        if w_t is None or x.dim() != 2:
+        layout = self.decode_layout
+        if layout is None or x.dim() != 2:
             return F.linear(x, self.weight, self.bias)
-        return torch.addmm(self.bias, x, w_t) if self.bias is not None else x @ w_t
+        w_t, bias = layout
+        return x @ w_t if bias is None else torch.addmm(bias, x, w_t)
 
 
 class FusedLinear(Linear):
@@ -270,17 +276,17 @@ class CausalSelfAttention(nn.Module):
         B, T = x.shape[0], 1 if slot is not None else x.shape[1]
         H, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
         # one matrix product for q, k and v, then views of its heads: (B, H + 2 Hkv, T, D)
-        qkv = self.qkv(x).view(B, T, H + 2 * Hkv, D).transpose(1, 2)
+        qkv = self.qkv.forward(x).view(B, T, H + 2 * Hkv, D).transpose(1, 2)
         qk, v = qkv[:, : H + Hkv], qkv[:, H + Hkv :]  # queries and keys are normalised and rotated together
         if self.value_embed is not None:  # before the cache: decoding reads the values with it added
-            v = v + self.value_embed(idx).view(B, T, Hkv, D).transpose(1, 2).to(v.dtype)
+            v = v + self.value_embed.forward(idx).view(B, T, Hkv, D).transpose(1, 2).to(v.dtype)
         if self.qk_norm:  # unit RMS per head: bounded attention logits whatever the weights' scale
             qk = rms_normalize(qk)
         if rope is not None:
             qk = apply_rope(qk, *rope)
         q, k = qk[:, :H], qk[:, H:]  # (B, H, T, D), (B, Hkv, T, D)
         if slot is not None:
-            return self.out_proj(self._attend_every_slot(q, k, v, kv_cache, layer, slot, mask))
+            return self.out_proj.forward(self._attend_every_slot(q, k, v, kv_cache, layer, slot, mask))
         if kv_cache is not None:
             start = kv_cache.length
             kv_cache.k[layer][:, :, start : start + T] = k
@@ -313,7 +319,8 @@ class CausalSelfAttention(nn.Module):
             weights = F.dropout(weights, p=dropout_p, training=self.training)
             y = weights @ v  # (B, H, T, D)
         y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)
-        return self.resid_dropout(self.out_proj(y))
+        y = self.out_proj.forward(y)
+        return self.resid_dropout(y) if self.training else y
 
     def _attend_every_slot(self, q, k, v, kv_cache, layer, slot, mask_bias) -> torch.Tensor:
         """The decoding step's attention: q (B, H, 1, D), k and v (B, Hkv, 1, D) written at
@@ -366,11 +373,12 @@ class FeedForward(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.swiglu:
-            gate, up = self.gate_up(x).chunk(2, dim=-1)
+            gate, up = self.gate_up.forward(x).chunk(2, dim=-1)
             h = F.silu(gate) * up
         else:
-            h = self.activation(self.up(x))
-        return self.dropout(self.down(h))
+            h = self.activation(self.up.forward(x))
+        h = self.down.forward(h)
+        return self.dropout(h) if self.training else h  # no module call per decoding step
 
 
 class Block(nn.Module):
@@ -385,8 +393,8 @@ class Block(nn.Module):
         self.ffn = FeedForward(cfg)
 
     def forward(self, x, rope=None, mask=None, kv_cache=None, layer=0, attention_out=None, idx=None, slot=None):
-        x = x + self.attn(self.norm1(x), rope, mask, kv_cache, layer, attention_out, idx, slot)
-        return x + self.ffn(self.norm2(x))
+        x = x + self.attn.forward(self.norm1.forward(x), rope, mask, kv_cache, layer, attention_out, idx, slot)
+        return x + self.ffn.forward(self.norm2.forward(x))
 
 
 # ---------------------------------------------------------------------------------------- model
@@ -441,7 +449,7 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def prepare_for_decoding(self) -> None:
-        """Give every projection its decoding layout (``Linear.decode_weight``: one transposed
+        """Give every projection its decoding layout (``Linear.decode_layout``: one transposed
         copy of the weights, never saved), or renew it when a weight changed since (an optimizer
         step, ``load_state_dict``, ``.to()``). Call once per generation, not per step: checking
         the weights costs about as much as a small model's step. An int8 model's layers already
@@ -452,7 +460,8 @@ class GPT(nn.Module):
             return
         for module in self.modules():
             if isinstance(module, Linear):
-                module.decode_weight = module.weight.detach().t().contiguous()
+                bias = None if module.bias is None else module.bias.detach()
+                module.decode_layout = (module.weight.detach().t().contiguous(), bias)
         self.__dict__["_decoding_layout_of"] = key
 
     def new_kv_cache(self, batch_size: int, max_len: int | None = None) -> KVCache:
@@ -541,9 +550,9 @@ class GPT(nn.Module):
         positions: a slice (every row at start..start+T-1), (B, T) per-row positions, or, for the
         decoding step, (B,) with idx (B,); the tables' rows come back as (1 or B, T, ...) or (B, ...)."""
         cfg = self.config
-        x = self.tok_emb(idx)  # (B, T, d_embed)
+        x = self.tok_emb.forward(idx)  # (B, T, d_embed)
         if self.embed_proj is not None:
-            x = self.embed_proj(x)  # -> (B, T, C)
+            x = self.embed_proj.forward(x)  # -> (B, T, C)
 
         def at_positions(table: torch.Tensor) -> torch.Tensor:
             return table[positions][None] if isinstance(positions, slice) else table[positions]
@@ -562,7 +571,7 @@ class GPT(nn.Module):
 
     def read_out(self, x: torch.Tensor) -> torch.Tensor:
         """A residual stream (B, T, C) or (B, C) through the final norm, the head and the soft-cap."""
-        logits = self.lm_head(self.norm_f(x))
+        logits = self.lm_head.forward(self.norm_f.forward(x))
         return soft_cap(logits, self.config.logit_softcap) if self.config.logit_softcap is not None else logits
 
     def _step(
@@ -574,7 +583,7 @@ class GPT(nn.Module):
         x, rope = self._embed(tokens, slot.expand(tokens.shape[0]) if positions is None else positions)
         mask = self._step_mask(kv_cache, slot, x.dtype)
         for layer, block in enumerate(self.blocks):
-            x = block(x, rope, mask, kv_cache, layer, None, idx, slot)
+            x = block.forward(x, rope, mask, kv_cache, layer, None, idx, slot)
         return self.read_out(x)[:, None], None
 
     def _step_mask(self, kv_cache: KVCache, slot: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -110,7 +110,7 @@ def _check_order(order: int) -> None:
         raise TinyLMError(f"n-gram order must be an integer from 1 to {MAX_ORDER} (got {order!r})")
 
 
-def _as_stream(ids, vocab_size: int, what: str) -> np.ndarray:
+def as_stream(ids, vocab_size: int, what: str) -> np.ndarray:
     x = np.asarray(ids)
     if x.ndim != 1:
         raise TinyLMError(f"the {what} must be a 1-D stream of token ids (got shape {x.shape})")
@@ -184,7 +184,7 @@ class NGramLM:
         return np.repeat(x, reps), np.repeat(np.arange(x.shape[0]), reps)
 
     def fit(self, ids) -> "NGramLM":
-        x, _ = self._pad(_as_stream(ids, self.V, "training stream"))
+        x, _ = self._pad(as_stream(ids, self.V, "training stream"))
         V, N = self.V, self.order
         ok = _ok_windows(x, N, self._padded)
         self.unigram_counts = np.bincount(x[x != SOS_ID], minlength=V).astype(np.int64)
@@ -318,7 +318,7 @@ class NGramLM:
         """(target positions, probability of each target) over a stream: every position that is
         not ``<sos>`` (and not ``<eos>`` unless ``score_eos``)."""
         self._check_fitted()
-        x, original = self._pad(_as_stream(ids, self.V, "query stream"))
+        x, original = self._pad(as_stream(ids, self.V, "query stream"))
         keep = x != SOS_ID
         if not score_eos:
             keep &= x != EOS_ID
@@ -376,7 +376,7 @@ class NGramLM:
     def fit_weights(self, ids, iterations: int = 50, tol: float = 1e-6) -> np.ndarray:
         """EM for the interpolation weights on held-out ids (the validation split)."""
         self._check_fitted()
-        x, _ = self._pad(_as_stream(ids, self.V, "held-out stream"))
+        x, _ = self._pad(as_stream(ids, self.V, "held-out stream"))
         targets = np.flatnonzero(x != SOS_ID)
         if targets.size == 0:
             raise TinyLMError("the held-out stream holds no token to predict")

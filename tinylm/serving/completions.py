@@ -267,10 +267,6 @@ def new_text(choice: Choice, tokenizer, stops, final: bool) -> str:
     return piece
 
 
-def finish_reason(reason: str | None) -> str | None:
-    return None if reason is None else "length" if reason == "length" else "stop"
-
-
 def prompt_offsets(ids: list[int], tokenizer, pieces: list[str]) -> list[int]:
     """Where each prompt token starts in the prompt's text: len(decode(ids[:k])). When the tokens'
     own texts (``pieces``) add up to the text, their running lengths (no decode per prefix: a
@@ -305,16 +301,12 @@ def logprobs_json(choice: Choice, tokenizer, start: int = 0, offset: int = 0, pr
         tops += [top_dict(a) if a is not None else None for a in alts]
         ids_top += [top_list(a) if a is not None else None for a in alts]
         offset += len(tokenizer.decode(ids))
-    for k in range(start, len(choice.tokens)):
-        offsets.append(offset + len(tokenizer.decode_continuation(choice.prompt_ids, choice.tokens[:k])))
-        tokens.append(tokenizer.decode([choice.tokens[k]]))
-        logprobs.append(choice.logprobs[k])
-        tops.append(top_dict(choice.top[k]))
-        ids_top.append(top_list(choice.top[k]))
+    new = [(k, choice.tokens[k], choice.logprobs[k], choice.top[k]) for k in range(start, len(choice.tokens))]
     if choice.stop is not None:  # the stop token, after the text
-        stop, lp, alternatives = choice.stop
-        offsets.append(offset + len(tokenizer.decode_continuation(choice.prompt_ids, choice.tokens)))
-        tokens.append(tokenizer.decode([stop]))
+        new.append((len(choice.tokens), *choice.stop))
+    for k, i, lp, alternatives in new:  # position, id, log p, alternatives
+        offsets.append(offset + len(tokenizer.decode_continuation(choice.prompt_ids, choice.tokens[:k])))
+        tokens.append(tokenizer.decode([i]))
         logprobs.append(lp)
         tops.append(top_dict(alternatives))
         ids_top.append(top_list(alternatives))
@@ -327,14 +319,24 @@ def logprobs_json(choice: Choice, tokenizer, start: int = 0, offset: int = 0, pr
     }
 
 
-def tinylm_part(choice: Choice) -> dict:
-    """tinylm's extension of a choice: the token ids (what `tinylm generate --json` prints) and speed."""
-    return {
-        "token_ids": choice.tokens,
-        "finish": choice.finish_reason,
-        "seconds": round(choice.seconds, 4),
-        "tokens_per_s": round(len(choice.tokens) / choice.seconds, 1) if choice.seconds > 0 else None,
-    }
+def choice_json(c: Choice, text: str, logprobs: dict | None = None, final: bool = False) -> dict:
+    """A choice of the response or of a chunk. The final one carries OpenAI's finish reason and
+    tinylm's extension: the token ids (what `tinylm generate --json` prints) and speed."""
+    out = {"index": c.index, "text": text, "logprobs": logprobs, "finish_reason": None}
+    if final:
+        out["finish_reason"] = {None: None, "length": "length"}.get(c.finish_reason, "stop")
+        out["tinylm"] = {
+            "token_ids": c.tokens,
+            "finish": c.finish_reason,
+            "seconds": round(c.seconds, 4),
+            "tokens_per_s": round(len(c.tokens) / c.seconds, 1) if c.seconds > 0 else None,
+        }
+    return out
+
+
+def response_json(plan: Plan, model: str, choices: list[dict], **more) -> dict:
+    """The envelope of the response and of each chunk."""
+    return dict(id=plan.id, object="text_completion", created=plan.created, model=model, choices=choices, **more)
 
 
 def usage(plan: Plan) -> dict:
@@ -343,41 +345,16 @@ def usage(plan: Plan) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def completion_json(plan: Plan, tokenizer, model: str, prompt_parts: dict | None = None) -> dict:
-    r = plan.request
-    out = []
+def completion_json(plan: Plan, tokenizer, model: str, prompt_parts: dict | None) -> dict:
+    r, out = plan.request, []
     for c in plan.choices:
         text = visible_text(tokenizer.decode_continuation(c.prompt_ids, c.tokens), plan.stops, final=True)
-        item = {
-            "index": c.index,
-            "text": (c.prompt if r.echo else "") + text,
-            "logprobs": None,
-            "finish_reason": finish_reason(c.finish_reason),
-            "tinylm": tinylm_part(c),
-        }
+        lp = None
         if r.logprobs is not None:
-            part = prompt_parts.get(c.index) if (r.echo and prompt_parts) else None
-            item["logprobs"] = logprobs_json(c, tokenizer, prompt_part=part)
-        out.append(item)
-    body = {
-        "id": plan.id,
-        "object": "text_completion",
-        "created": plan.created,
-        "model": model,
-        "choices": out,
-        "usage": usage(plan),
-        "seed": plan.seed,
-    }
-    if plan.warnings:
-        body["warnings"] = plan.warnings
-    return body
-
-
-def chunk_json(plan: Plan, model: str, index: int, text: str, logprobs=None, finish=None, extra=None) -> dict:
-    choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
-    if extra:
-        choice.update(extra)
-    return {"id": plan.id, "object": "text_completion", "created": plan.created, "model": model, "choices": [choice]}
+            lp = logprobs_json(c, tokenizer, prompt_part=(prompt_parts or {}).get(c.index))
+        out.append(choice_json(c, (c.prompt if r.echo else "") + text, lp, final=True))
+    more = {"warnings": plan.warnings} if plan.warnings else {}
+    return response_json(plan, model, out, usage=usage(plan), seed=plan.seed, **more)
 
 
 # ------------------------------------------------------------------------------------ decoding
@@ -403,9 +380,11 @@ class Outbox:
             queue.put_nowait(item)
 
 
-async def echo_logprobs(served, plan: Plan) -> dict:
-    """With echo and logprobs: every prompt token's log probability (the first has none), the
-    distinct prompts of the request scored together."""
+async def echo_logprobs(served, plan: Plan) -> dict | None:
+    """With echo and logprobs (None otherwise): every prompt token's log probability (the first has
+    none), the distinct prompts of the request scored together."""
+    if not (plan.request.echo and plan.request.logprobs is not None):
+        return None
     rows = list(dict.fromkeys(tuple(c.echo_ids) for c in plan.choices))
     scored = await served.on_model_thread(
         lambda: served.rows_logprobs([list(r) for r in rows], plan.request.logprobs), "prompt"
@@ -498,11 +477,11 @@ async def sse_events(served, plan: Plan, outbox: Outbox, prompt_parts: dict | No
     pending: list[str] = []  # chunks of the events taken from the queue, not yet written
     with start_rows(served, plan, outbox) as events:  # left when the client disconnects too
         try:
-            first = {"warnings": plan.warnings} if plan.warnings else None
+            first = {"warnings": plan.warnings} if plan.warnings else {}
             for c in plan.choices if r.echo or first else ():  # a chunk each for the echoed prompt or warnings
-                part = prompt_parts.get(c.index) if r.echo and prompt_parts else None
+                part = (prompt_parts or {}).get(c.index)
                 lp = logprobs_json(c, tok, prompt_part=part) if part is not None else None
-                yield sse(chunk_json(plan, served.name, c.index, c.prompt if r.echo else "", lp, extra=first))
+                yield sse(response_json(plan, served.name, [choice_json(c, c.prompt if r.echo else "", lp) | first]))
             while left:
                 # every event already waiting goes out in one write: when the loop falls behind the
                 # decoding thread (16 streams), a write per token would cost more than the token
@@ -511,59 +490,27 @@ async def sse_events(served, plan: Plan, outbox: Outbox, prompt_parts: dict | No
                     ready.append(events.get_nowait())
                 for index, event in ready:
                     record(plan, index, event)
-                    c = plan.choices[index]
-                    if isinstance(event, TokenEvent):
-                        lp = (
-                            logprobs_json(c, tok, start=len(c.tokens) - 1, offset=len(c.prompt) if r.echo else 0)
-                            if r.logprobs is not None
-                            else None
-                        )
-                        text = new_text(c, tok, plan.stops, False)
-                        pending.append(sse(chunk_json(plan, served.name, index, text, lp)))
-                    else:
-                        left -= 1
-                        text = new_text(c, tok, plan.stops, True)
-                        pending.append(
-                            sse(
-                                chunk_json(
-                                    plan,
-                                    served.name,
-                                    index,
-                                    text,
-                                    None,
-                                    finish_reason(c.finish_reason),
-                                    {"tinylm": tinylm_part(c)},
-                                )
-                            )
-                        )
+                    c, final = plan.choices[index], not isinstance(event, TokenEvent)
+                    left -= final
+                    lp = None
+                    if r.logprobs is not None and not final:
+                        lp = logprobs_json(c, tok, start=len(c.tokens) - 1, offset=len(c.prompt) if r.echo else 0)
+                    choice = choice_json(c, new_text(c, tok, plan.stops, final), lp, final)
+                    pending.append(sse(response_json(plan, served.name, [choice])))
                 yield "".join(pending)
                 pending.clear()
             if r.stream_options is not None and r.stream_options.include_usage:
-                yield sse(
-                    {
-                        "id": plan.id,
-                        "object": "text_completion",
-                        "created": plan.created,
-                        "model": served.name,
-                        "choices": [],
-                        "usage": usage(plan),
-                    }
-                )
+                yield sse(response_json(plan, served.name, [], usage=usage(plan)))
             yield "data: [DONE]\n\n"
         except APIError as exc:  # the chunks before the failed event still go out, then the error
             yield "".join(pending) + sse(exc.body())
 
 
 # -------------------------------------------------------------------------------- entry points
-def scores_prompt(plan: Plan) -> bool:
-    """echo with logprobs: the prompt's own tokens are scored too."""
-    return plan.request.echo and plan.request.logprobs is not None
-
-
 async def complete(served, plan: Plan, outbox: Outbox, is_disconnected: Callable[[], Awaitable[bool]]) -> dict:
     """The whole response: the prompt scored (with echo and logprobs), the choices decoded (nothing
     with max_tokens 0), by beam search or on the scheduler's rows."""
-    prompt_parts = await echo_logprobs(served, plan) if scores_prompt(plan) else None
+    prompt_parts = await echo_logprobs(served, plan)
     if not plan.scoring_only:
         await (beam(served, plan) if plan.beam else decode(served, plan, outbox, is_disconnected))
         ended = [c for c in plan.choices if c.finish_reason == "stop_token"]
@@ -575,5 +522,4 @@ async def complete(served, plan: Plan, outbox: Outbox, is_disconnected: Callable
 async def sse_stream(served, plan: Plan, outbox: Outbox) -> AsyncIterator[str]:
     """The response as server-sent events. The prompt is scored (with echo and logprobs) before the
     first event, so a prompt it cannot score is an HTTP error, not an event."""
-    prompt_parts = await echo_logprobs(served, plan) if scores_prompt(plan) else None
-    return sse_events(served, plan, outbox, prompt_parts)
+    return sse_events(served, plan, outbox, await echo_logprobs(served, plan))

@@ -24,18 +24,9 @@ class LensRequest(Strict):
 
 
 def lens_json(served, text: str, top: int) -> dict:
-    """The lens of ``served`` over its start token and ``text``; a text longer than the context keeps
-    its last tokens after the start token (the prompt rule), with a warning."""
-    start = [served.tokenizer.bos_id] if served.tokenizer.bos_id is not None else []
-    ids, notes = list(served.tokenizer.encode(text)), []
-    keep = served.context_length - len(start)
-    if len(ids) > keep:
-        notes.append(
-            f"the text is {len(start) + len(ids)} tokens, longer than the context "
-            f"({served.context_length}); showing its last {keep} after the start token"
-        )
-        ids = ids[-keep:]
-    grid = logit_lens(served.model, start + ids, top)
+    """The lens of ``served`` over its start token and ``text`` (``ServedModel.fit_text``)."""
+    ids, notes = served.fit_text(text)
+    grid = logit_lens(served.model, ids, top)
     shown = sorted({i for row in grid.top_ids for cell in row for i in cell})
     labels = {piece["id"]: piece["text"] for piece in served.pieces(shown)}
     return {

@@ -232,21 +232,26 @@ class ServedModel:
                     values, ids = logp.topk(k)
                     c.stop = (stop, float(logp[stop]), list(zip(ids.tolist(), values.tolist())))
 
-    def attention(self, text: str) -> dict:
-        """The maps of ``tinylm attention``; a text longer than the context keeps its last tokens
-        after the start token (the prompt rule), with a warning."""
+    def fit_text(self, text: str) -> tuple[list[int], list[str]]:
+        """The start token and ``text``'s ids, and the warnings: a text longer than the context keeps
+        its last tokens after the start token (the prompt rule)."""
         start = [self.tokenizer.bos_id] if self.tokenizer.bos_id is not None else []
         ids = list(self.tokenizer.encode(text))
-        notes = []
-        if len(start) + len(ids) <= self.context_length:
+        keep = self.context_length - len(start)
+        if len(ids) <= keep:
+            return start + ids, []
+        return start + ids[-keep:], [
+            f"the text is {len(start) + len(ids)} tokens, longer than the context "
+            f"({self.context_length}); showing its last {keep} after the start token"
+        ]
+
+    def attention(self, text: str) -> dict:
+        """The maps of ``tinylm attention``, of the text ``fit_text`` keeps."""
+        ids, notes = self.fit_text(text)
+        if notes:
+            maps = attention_maps_of_ids(self.model, self.tokenizer, ids, text)
+        else:  # as `tinylm attention` draws them (a text that encodes to no token is refused there)
             maps = attention_maps(self.model, self.tokenizer, text)
-        else:
-            keep = self.context_length - len(start)
-            notes.append(
-                f"the text is {len(start) + len(ids)} tokens, longer than the context "
-                f"({self.context_length}); showing its last {keep} after the start token"
-            )
-            maps = attention_maps_of_ids(self.model, self.tokenizer, start + ids[-keep:], text)
         return {
             "tokens": maps.tokens,
             "n_layers": maps.n_layers,

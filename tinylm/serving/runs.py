@@ -35,7 +35,7 @@ from tinylm.serving.completions import APIError, bad
 from tinylm.serving.models import ServedModel, unique_name
 from tinylm.serving.schemas import Strict
 from tinylm.serving.state import RunsRoot, ServerState, StateDep
-from tinylm.training.metrics import EVAL_SAMPLES, read_eval_samples
+from tinylm.training.metrics import EVAL_SAMPLES, parse_metrics_row, read_eval_samples
 
 router = APIRouter()
 MAX_DEPTH = 3  # runs/<study>/<stage>/metrics.csv is as deep as tinylm writes them
@@ -64,13 +64,13 @@ def find_runs(root: Path) -> dict[str, Path]:
 
 def read_rows(path: Path) -> list[dict]:
     """metrics.csv's rows up to its last complete line (the trainer may be writing the next one),
-    numbers as int or float and an empty cell as None (as ``training.metrics.read_metrics``)."""
+    read as ``training.metrics.read_metrics`` reads them."""
     text = path.read_text(encoding="utf-8", errors="replace")
     text = text[: text.rfind("\n") + 1]
     rows = []
     for row in csv.DictReader(io.StringIO(text)):
         try:
-            rows.append({k: None if v in (None, "") else int(v) if v.isdigit() else float(v) for k, v in row.items()})
+            rows.append(parse_metrics_row(row))
         except ValueError:  # a damaged line: the curves go on without it
             continue
     return rows

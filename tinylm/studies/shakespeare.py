@@ -77,14 +77,8 @@ def run_config(cfg: StudyConfig, spec: TokenizerSpec, out_dir: Path) -> RunConfi
     rc.tokenizer.type, rc.tokenizer.vocab_size = spec.kind, spec.vocab_size
     rc.tokenizer.merges, rc.tokenizer.normalization = spec.merges, spec.normalization
     t = rc.train
-    t.batch_size, t.max_steps, t.max_minutes, t.lr, t.min_lr = (
-        gpt.batch_size,
-        gpt.max_steps,
-        gpt.minutes,
-        gpt.lr,
-        gpt.lr / 10,
-    )
-    t.warmup_steps = max(1, min(100, gpt.max_steps // 10))
+    t.batch_size, t.max_steps, t.max_minutes = gpt.batch_size, gpt.max_steps, gpt.minutes
+    t.lr, t.min_lr, t.warmup_steps = gpt.lr, gpt.lr / 10, max(1, min(100, gpt.max_steps // 10))
     t.eval_interval, t.eval_batches, t.log_interval = gpt.eval_interval, gpt.eval_batches, gpt.eval_interval
     # train.progress stays on: a bar on a terminal, a line per evaluation in a log file
     t.early_stopping_patience, t.threads, t.seed, t.device = gpt.patience, cfg.threads, cfg.seed, "cpu"
@@ -396,12 +390,7 @@ class StudyRun:
     start: float = field(default_factory=time.perf_counter)
     state: dict = field(
         default_factory=lambda: {
-            "rows": [],
-            "tokenizers": [],
-            "samples": [],
-            "bigram_runs": [],
-            "gpt_runs": [],
-            "gpt_curves": [],
+            **{table: [] for table in ("rows", "tokenizers", "samples", "bigram_runs", "gpt_runs", "gpt_curves")},
             "stage_seconds": {},
             "overlap": None,
         }

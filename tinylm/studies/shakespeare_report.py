@@ -14,9 +14,9 @@ import re
 from functools import partial
 from pathlib import Path
 
-from tinylm.evaluation.plots import pyplot
+from tinylm.evaluation.plots import pyplot, save_figure
 from tinylm.evaluation.report import format_number
-from tinylm.studies.shakespeare_summary import summary_lines
+from tinylm.studies.shakespeare_summary import mark, summary_lines
 
 RESULT_COLUMNS = [
     "tokenizer",
@@ -45,13 +45,6 @@ SPLITS = ("train", "valid", "test")
 
 
 _f = partial(format_number, missing="-", grouped=True)  # the study's cells: "-" for no value, 1,234.5
-NOT_CONVERGED = " (not converged)"
-
-
-def mark(entry: dict | None) -> str:
-    """The tag every table puts after a model stopped by its step or wall-clock cap rather than by
-    early stopping; an entry without the flag is not marked."""
-    return NOT_CONVERGED if entry is not None and entry.get("converged") is False else ""
 
 
 def _variant(row: dict) -> str:
@@ -349,7 +342,6 @@ def plot_bigram_runs(runs: list[dict], folder: Path) -> dict:
     if not runs:
         return {}
     plt = pyplot()
-    folder.mkdir(exist_ok=True)
     files = {}
     for r in runs:
         hist = r["history"]
@@ -364,9 +356,7 @@ def plot_bigram_runs(runs: list[dict], folder: Path) -> dict:
         ax.set(xlabel="step", ylabel="loss (nats per token)")
         ax.legend(fontsize=8)
         ax.grid(alpha=0.3)
-        fig.tight_layout()
-        fig.savefig(folder / name, dpi=80)
-        plt.close(fig)
+        save_figure(fig, folder / name, dpi=80)
         files[(r["tokenizer"], r["label"])] = name
     return files
 
@@ -461,6 +451,4 @@ def plot_learning_curves(state: dict, path: Path) -> None:
             ax.set_visible(True)
             ax.legend(fontsize=7)
             ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
+    save_figure(fig, path, dpi=90)

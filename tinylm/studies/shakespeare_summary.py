@@ -32,15 +32,8 @@ def _pair(a, b, digits=2) -> str:
 def _runs(cfg, state: dict) -> tuple[dict | None, dict | None]:
     """(the run with the report's settings, the run with tinylm's stronger defaults), each None
     when missing."""
-    runs = [
-        {
-            "config": dataclasses.asdict(cfg),
-            "tokenizers": state["tokenizers"],
-            "rows": state["rows"],
-            "bigram_runs": state["bigram_runs"],
-            "gpt_runs": state["gpt_runs"],
-        }
-    ]
+    this_run = {part: state[part] for part in ("tokenizers", "rows", "bigram_runs", "gpt_runs")}
+    runs = [{"config": dataclasses.asdict(cfg), **this_run}]
     path = Path(cfg.compare_with or "") / "study.json"
     if cfg.compare_with and path.is_file():
         runs.append(json.loads(path.read_text()))
@@ -68,7 +61,9 @@ def _one(run: dict | None, part: str, **match) -> dict | None:
     return next(iter(_matching(run, part, **match)), None)
 
 
-def _mark(entry: dict | None) -> str:
+def mark(entry: dict | None) -> str:
+    """The tag every table puts after a model stopped by its step or wall-clock cap rather than by
+    early stopping; an entry without the flag is not marked."""
     return " (not converged)" if entry is not None and entry.get("converged") is False else ""
 
 
@@ -80,7 +75,7 @@ def _best_cells(best, model: str, merges: int, **match) -> str:
     r = min(rows, key=lambda r: r["test_bpb"])
     label = f"{r['order']}-gram {r['smoothing']}" if model == "ngram" else r["smoothing"]
     return (
-        f"bpe-{merges} {label}{_mark(r)} | {_pair(r['valid_ppl'], r['test_ppl'])} | "
+        f"bpe-{merges} {label}{mark(r)} | {_pair(r['valid_ppl'], r['test_ppl'])} | "
         f"{_pair(r['valid_bpb'], r['test_bpb'], 3)}"
     )
 
@@ -89,7 +84,7 @@ def _line(stage: str, setting: str, report_cell: str, our_row: dict | None, best
     ours = (
         "- | -"
         if our_row is None
-        else f"{_pair(our_row['valid_ppl'], our_row['test_ppl'])}{_mark(our_row)} | "
+        else f"{_pair(our_row['valid_ppl'], our_row['test_ppl'])}{mark(our_row)} | "
         f"{_pair(our_row['valid_bpb'], our_row['test_bpb'], 3)}"
     )
     return f"| {stage} | {setting} | {report_cell} | {ours} | {best_cell} |"
@@ -120,27 +115,16 @@ def _head_lines(rep: dict, ours, best) -> list[str]:
 
 
 def _tokenizer_lines(rep: dict, ours, best) -> list[str]:
+    def tokens_per_word(t: dict) -> str:
+        return _pair(t["splits"]["valid"]["tokens_per_word"], t["splits"]["test"]["tokens_per_word"], 4)
+
     lines = []
     for t in rep["tokenizers"]:
         m, tpw = t["merges"], t["tokens_per_word"]
         o, b = _one(ours, "tokenizers", tokenizer=f"word_bpe-{m}"), _one(best, "tokenizers", tokenizer=f"bpe-{m}")
-        o_cell = (
-            (
-                f"{_pair(o['splits']['valid']['tokens_per_word'], o['splits']['test']['tokens_per_word'], 4)} | "
-                f"vocab {o['vocab_size']:,}, {o['splits']['train']['distinct_tokens']:,} in use"
-            )
-            if o
-            else "- | -"
-        )
-        b_cell = (
-            (
-                f"bpe-{m} | "
-                f"{_pair(b['splits']['valid']['tokens_per_word'], b['splits']['test']['tokens_per_word'], 4)} "
-                f"| vocab {b['vocab_size']:,}"
-            )
-            if b
-            else "- | - | -"
-        )
+        in_use = f"{o['splits']['train']['distinct_tokens']:,} in use" if o else ""
+        o_cell = f"{tokens_per_word(o)} | vocab {o['vocab_size']:,}, {in_use}" if o else "- | -"
+        b_cell = f"bpe-{m} | {tokens_per_word(b)} | vocab {b['vocab_size']:,}" if b else "- | - | -"
         lines.append(
             f"| 1 tokenizer | {m} merges: tokens per word (vocabulary {t['vocab_size']:,}) | "
             f"{_pair(tpw['valid'], tpw['test'], 4)} | {o_cell} | {b_cell} |"
@@ -242,14 +226,14 @@ def _verdict(run: dict, what: str) -> list[str]:
             gap = r["test_bpb"] - gpt["test_bpb"]
             wins = wins and gap > 0
             verb = "beats" if gap > 0 else "does not beat"
-            value = f"{r['test_bpb']:.3f}" + (", not converged" if _mark(r) else "")
+            value = f"{r['test_bpb']:.3f}" + (", not converged" if mark(r) else "")
             parts.append(
                 f"{verb} {name} ({value}) by {gap:.3f} bits per byte ({gap / r['test_bpb']:.1%})"
                 if gap > 0
                 else f"{verb} {name} ({value}): it is {-gap:.3f} bits per byte worse"
             )
         lines.append(
-            f"- {what}, {tok}: the best GPT, {gpt['smoothing']}{_mark(gpt)} at {gpt['test_bpb']:.3f} test bits "
+            f"- {what}, {tok}: the best GPT, {gpt['smoothing']}{mark(gpt)} at {gpt['test_bpb']:.3f} test bits "
             "per byte, " + "; ".join(parts) + "." + _cap_caveat(gpt, wins)
         )
     return lines
@@ -258,7 +242,7 @@ def _verdict(run: dict, what: str) -> list[str]:
 def _cap_caveat(gpt: dict, wins: bool) -> str:
     """What a cap on the GPT means for the answer: training on could only lower its best
     validation loss, so a win is a lower bound on the margin and a loss may be the cap's doing."""
-    if not _mark(gpt):
+    if not mark(gpt):
         return ""
     return (
         " It was stopped by a cap while still improving, so these margins are what the cap allowed, not the "

@@ -24,6 +24,17 @@ def published() -> list[dict]:
 
 
 _num = partial(format_number, digits=None, missing="-")  # a published value as printed ("-": not given)
+# the rows of the table, each a quantity both tinylm and the reports give
+QUANTITIES = (
+    "hardware",
+    "training time",
+    "validation perplexity",
+    "BLEU-1 / 2 / 3 / 4",
+    "decoding comparison",
+    "KV cache",
+    "gradient accumulation",
+    "gradient checkpointing",
+)
 
 
 def _join(parts) -> str:
@@ -93,38 +104,18 @@ def _report_column(r: dict) -> dict[str, str]:
         mem = [f"{ck['memory_without_mib']} MiB", f"{ck['memory_with_mib']} MiB"]
     if mem[0] is None and ck.get("memory_without_gb") is not None:
         mem = [f"{ck['memory_without_gb']} GB", f"{ck['memory_with_gb']} GB"]
-    time = (
-        [
-            ck.get("time_without") or _num(ck.get("time_without_s")) + " s",
-            ck.get("time_with") or _num(ck.get("time_with_s")) + " s",
-        ]
-        if ck
-        else [None, None]
-    )
+    time = [ck.get(f"time_{w}") or _num(ck.get(f"time_{w}_s")) + " s" for w in ("without", "with")]
     ck_cell = _join([f"memory {mem[0]} -> {mem[1]}" if mem[0] else "", f"time {time[0]} -> {time[1]}" if ck else ""])
-    return {
-        "hardware": r.get("hardware") or "-",
-        "training time": r.get("training_time") or "-",
-        "validation perplexity": ppl,
-        "BLEU-1 / 2 / 3 / 4": _join(_bleu_cell(b) for b in r.get("bleu") or []),
-        "decoding comparison": dec_cell,
-        "KV cache": kv_cell,
-        "gradient accumulation": acc_cell,
-        "gradient checkpointing": ck_cell,
-    }
+    bleu_cell = _join(_bleu_cell(b) for b in r.get("bleu") or [])
+    hardware, train_time = r.get("hardware") or "-", r.get("training_time") or "-"
+    return dict(zip(QUANTITIES, (hardware, train_time, ppl, bleu_cell, dec_cell, kv_cell, acc_cell, ck_cell)))
 
 
 def _ours(parts: dict) -> dict[str, str]:
     ev, machine = parts.get("eval") or {}, parts.get("machine") or {}
     valid = (ev.get("eval") or {}).get("valid") or {}
-    hardware = (
-        (
-            f"{machine.get('cpu')}, {machine.get('train_threads')} torch threads"
-            + (f", {machine['cuda']}" if machine.get("cuda") else ", no GPU")
-        )
-        if machine
-        else "-"
-    )
+    gpu = machine.get("cuda") or "no GPU"
+    hardware = f"{machine.get('cpu')}, {machine.get('train_threads')} torch threads, {gpu}" if machine else "-"
     train_time = f"{ev.get('train_seconds', 0) / 60:.1f} min, {ev.get('steps')} steps" if ev else "-"
     if ev.get("tokens_per_s") and ev.get("train_seconds"):
         train_time += f", {ev['tokens_per_s'] * ev['train_seconds'] / 1e6:.2f}M training positions"
@@ -161,16 +152,7 @@ def _ours(parts: dict) -> dict[str, str]:
         ppl += f"; on the BLEU samples' continuations {bleu['reference_ppl']:.2f}"
     if ppl != "-":
         ppl += f" (after: {train_time})"
-    return {
-        "hardware": hardware,
-        "training time": train_time,
-        "validation perplexity": ppl,
-        "BLEU-1 / 2 / 3 / 4": bleu_cell,
-        "decoding comparison": dec_cell,
-        "KV cache": kv_cell,
-        "gradient accumulation": acc_cell,
-        "gradient checkpointing": ck_cell,
-    }
+    return dict(zip(QUANTITIES, (hardware, train_time, ppl, bleu_cell, dec_cell, kv_cell, acc_cell, ck_cell)))
 
 
 def comparison_table(parts: dict) -> tuple[list[str], list[tuple]]:
@@ -178,4 +160,4 @@ def comparison_table(parts: dict) -> tuple[list[str], list[tuple]]:
     reports = published()
     columns = [_ours(parts)] + [_report_column(r) for r in reports]
     headers = ["", "tinylm (this run)"] + [f'"{r["title"]}"' for r in reports]
-    return headers, [(q, *(c[q] for c in columns)) for q in columns[0]]
+    return headers, [(q, *(c[q] for c in columns)) for q in QUANTITIES]

@@ -6,19 +6,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tinylm.evaluation.plots import pyplot
+from tinylm.evaluation.plots import pyplot, save_figure
 from tinylm.training.metrics import read_metrics
 
 MIB = 2**20
-
-
-def _save(fig, plt, path: str | Path) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
 
 
 def _bar_labels(ax, bars, fmt: str) -> None:
@@ -69,7 +60,7 @@ def accumulation_curves(rows: list[dict], runs_dir: Path, path: str | Path) -> P
         ax.legend(fontsize=7)
     micro = rows[0]["micro_batch"] if rows else "?"
     fig.suptitle(f"Gradient accumulation: k micro-batches of {micro} stories per update")
-    return _save(fig, plt, path)
+    return save_figure(fig, path)
 
 
 def checkpointing_bars(rows: list[dict], path: str | Path) -> Path:
@@ -99,7 +90,7 @@ def checkpointing_bars(rows: list[dict], path: str | Path) -> Path:
         ax.tick_params(axis="x", labelsize=8)
         ax.grid(alpha=0.3, axis="y")
     fig.suptitle("Gradient checkpointing: memory against time")
-    return _save(fig, plt, path)
+    return save_figure(fig, path)
 
 
 def decoding_chart(settings: list[dict], path: str | Path) -> Path:
@@ -122,7 +113,7 @@ def decoding_chart(settings: list[dict], path: str | Path) -> Path:
         ax.grid(alpha=0.3, axis="y")
         ax.tick_params(axis="x", labelsize=8)
     fig.suptitle("Decoding comparison")
-    return _save(fig, plt, path)
+    return save_figure(fig, path)
 
 
 def embedding_curves(rows: list[dict], runs_dir: Path, path: str | Path) -> Path:
@@ -145,4 +136,4 @@ def embedding_curves(rows: list[dict], runs_dir: Path, path: str | Path) -> Path
     )
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    return _save(fig, plt, path)
+    return save_figure(fig, path)

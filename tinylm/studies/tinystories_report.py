@@ -28,18 +28,8 @@ def _bleu_rows(settings):
         if "missing" in s:
             rows.append((s["name"], *(["missing"] * 6), "missing: " + s["missing"]))
             continue
-        rows.append(
-            (
-                s["name"],
-                s["bleu1"],
-                s["bleu2"],
-                s["bleu3"],
-                s["bleu4"],
-                _sentence_bleu4(s),
-                f"{s['sacrebleu']['bleu']:.2f}",
-                f"{s['tokens_per_s']:.0f}",
-            )
-        )
+        bleu = [s[f"bleu{n}"] for n in (1, 2, 3, 4)]
+        rows.append((s["name"], *bleu, _sentence_bleu4(s), f"{s['sacrebleu']['bleu']:.2f}", f"{s['tokens_per_s']:.0f}"))
     return rows
 
 

@@ -35,7 +35,7 @@ from pathlib import Path
 
 from tinylm.constants import SPECIAL_TOKENS
 from tinylm.errors import TinyLMError
-from tinylm.tokenizers.bpe import BYTE_BASE, FIRST_MERGE_ID, GPT2_SPLIT, SPLIT_PATTERNS, BPETokenizer, total_pattern
+from tinylm.tokenizers.bpe import BYTE_BASE, FIRST_MERGE_ID, SPLIT_PATTERNS, BPETokenizer, total_pattern
 from tinylm.tokenizers.char import CharTokenizer
 
 _MAX_ALIAS_MERGES = 100_000  # guard against a pathological file blowing up the alias expansion
@@ -256,14 +256,3 @@ def import_hf(path: str | Path) -> BPETokenizer:
         hf_vocab.get(_visible(tok.token_bytes[i], table)) for i in range(BYTE_BASE, tok.vocab_size)
     ]
     return tok
-
-
-__all__ = [
-    "byte_to_unicode",
-    "to_hf_tokenizer",
-    "save_hf_tokenizer_json",
-    "save_hf_tokenizer",
-    "hf_tokenizer_config",
-    "import_hf",
-    "GPT2_SPLIT",
-]

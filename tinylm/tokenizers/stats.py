@@ -61,19 +61,9 @@ def collect(tokenizers: dict[str, object], splits: dict[str, list[str]]) -> list
 
 
 def format_table(rows: list[dict]) -> str:
+    numbers = ("vocab_size", "documents", "words", "tokens", "tokens_per_word", "bytes_per_token")
     body = [
-        [
-            r["tokenizer"],
-            r["split"],
-            r["vocab_size"],
-            r["documents"],
-            r["words"],
-            r["tokens"],
-            r["tokens_per_word"],
-            r["bytes_per_token"],
-            100 * r["unk_rate"],
-            100 * r["roundtrip_exact"],
-        ]
+        [r["tokenizer"], r["split"], *(r[k] for k in numbers), 100 * r["unk_rate"], 100 * r["roundtrip_exact"]]
         for r in rows
     ]
     return tabulate(

@@ -30,6 +30,8 @@ from tinylm.tokenizers.word_bpe import END_OF_WORD, EOW_ID, WordBPETokenizer
 WORD_PATTERN = r"\w+(?:'\w+)*|[^\w\s]"
 _NO_SPACE_BEFORE = set(".,!?;:)]}'\"") | {"n't", "'s"}
 _PUNCT = re.compile(r"[^\w\s]+")
+# the constructor's options besides the vocabulary, saved with it
+OPTIONS = ("lowercase", "pattern", "keep_punctuation", "splitter", "special_tokens", "specials_at", "oov")
 
 
 @dataclass
@@ -165,18 +167,7 @@ class WordTokenizer(Tokenizer):
             bpe = WordBPETokenizer(normalization="none").train(
                 [" ".join([w] * c) for w, c in counts.items()], merges=oov_merges
             )
-        self.__init__(
-            ranked,
-            self.lowercase,
-            self.pattern,
-            self.keep_punctuation,
-            self.splitter,
-            self.special_tokens,
-            self.specials_at,
-            self.oov,
-            bpe,
-        )
-        self.word_counts = counts  # kept for coverage reports right after training (not saved)
+        self.__init__(ranked, **{k: getattr(self, k) for k in OPTIONS}, oov_bpe=bpe)
         return self
 
     def encode(self, text: str) -> list[int]:
@@ -248,15 +239,7 @@ class WordTokenizer(Tokenizer):
         return self._pieces[i]
 
     def _state(self) -> dict:
-        state = {
-            "lowercase": self.lowercase,
-            "pattern": self.pattern,
-            "keep_punctuation": self.keep_punctuation,
-            "splitter": self.splitter,
-            "words": self.words,
-            "specials_at": self.specials_at,
-            "oov": self.oov,
-        }
+        state = {"words": self.words, **{k: getattr(self, k) for k in OPTIONS}}
         if self.oov_bpe is not None:
             state["oov_bpe"] = self.oov_bpe._state()
         return state
@@ -266,17 +249,7 @@ class WordTokenizer(Tokenizer):
         if not isinstance(state.get("words"), list) or any(not isinstance(w, str) for w in state["words"]):
             raise TinyLMError('word tokenizer file: "words" must be a list of strings')
         bpe = WordBPETokenizer._from_state(state["oov_bpe"]) if state.get("oov_bpe") else None
-        return cls(
-            state["words"],
-            state.get("lowercase", False),
-            state.get("pattern", WORD_PATTERN),
-            state.get("keep_punctuation", True),
-            state.get("splitter", "regex"),
-            state.get("special_tokens", SPECIAL_TOKENS),
-            state.get("specials_at", "start"),
-            state.get("oov", "unk"),
-            bpe,
-        )
+        return cls(state["words"], **{k: state[k] for k in OPTIONS if k in state}, oov_bpe=bpe)
 
 
 _NLP = None

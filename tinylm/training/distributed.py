@@ -61,13 +61,7 @@ def setup_distributed(device_name: str = "auto") -> DistContext:
         if use_cuda:
             torch.cuda.set_device(local_rank)
         torch_dist.init_process_group(backend="nccl" if use_cuda else "gloo", rank=rank, world_size=world)
-    return DistContext(
-        rank=torch_dist.get_rank(),
-        world_size=torch_dist.get_world_size(),
-        local_rank=local_rank,
-        backend=torch_dist.get_backend(),
-        owns_group=owns,
-    )
+    return DistContext(torch_dist.get_rank(), torch_dist.get_world_size(), local_rank, torch_dist.get_backend(), owns)
 
 
 def rank_device(dist: DistContext, device: torch.device) -> torch.device:

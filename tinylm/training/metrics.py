@@ -46,18 +46,20 @@ class MetricsLog:
         return len(rows) - len(keep)
 
 
+def parse_metrics_row(row: dict) -> dict:
+    """A metrics.csv row (csv.DictReader's) with its numbers as int or float and an empty cell as None."""
+    return {k: None if v in (None, "") else int(v) if v.isdigit() else float(v) for k, v in row.items()}
+
+
 def read_metrics(path: str | Path) -> list[dict]:
-    """Every row of a metrics.csv, numbers as int or float, an empty cell as None."""
+    """Every row of a metrics.csv, as ``parse_metrics_row`` reads it."""
     path = Path(path)
     if not path.is_file():
         raise TinyLMError(f"no metrics file {path}: this run has not logged any training step")
     with open(path, newline="") as f:
         rows = list(csv.DictReader(f))
     try:
-        return [
-            {k: None if v in (None, "") else int(v) if v.isdigit() else float(v) for k, v in row.items()}
-            for row in rows
-        ]
+        return [parse_metrics_row(row) for row in rows]
     except ValueError as exc:
         raise TinyLMError(f"{path} holds a cell that is not a number ({exc})") from exc
 

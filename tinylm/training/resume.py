@@ -68,18 +68,12 @@ IGNORED_KEYS = ("out_dir",)
 # ------------------------------------------------------------------------------------- RNG state
 def capture_rng() -> dict:
     """This process's RNG states: torch CPU and CUDA as uint8 tensors, Python and NumPy."""
-    np_state = np.random.get_state()
+    name, key, pos, has_gauss, cached = np.random.get_state()
     return {
         "torch_cpu": torch.get_rng_state(),
         "torch_cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
         "python": random.getstate(),
-        "numpy": (
-            np_state[0],
-            torch.from_numpy(np_state[1].astype(np.int64)),
-            int(np_state[2]),
-            int(np_state[3]),
-            float(np_state[4]),
-        ),
+        "numpy": (name, torch.from_numpy(key.astype(np.int64)), int(pos), int(has_gauss), float(cached)),
     }
 
 
