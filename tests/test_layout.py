@@ -302,7 +302,7 @@ LAYERS = (
     "cli",
 )
 LAYER_OF = {name: rank for rank, names in enumerate(LAYERS) for name in names.split()}
-MAX_FUNCTION_LINES = 100
+MAX_FUNCTION_LINES = 80
 
 
 def layer(module: str) -> int:

@@ -72,9 +72,30 @@ def test_buckets():
     assert batch_buckets(32) == [1, 2, 4, 8, 16, 32]
     assert batch_buckets(6) == [1, 2, 4, 6]
     assert batch_buckets(1) == [1]
-    assert [cache_slots(n, 128, bucketed=True) for n in (1, 70, 128)] == [128, 128, 128]  # a short context: one bucket
+    assert [cache_slots(n, 128, bucketed=True) for n in (1, 70, 128)] == [64, 128, 128]
     assert [cache_slots(n, 1024, bucketed=True) for n in (1, 64, 65, 200, 600, 1024)] == [64, 64, 128, 256, 1024, 1024]
     assert cache_slots(300, 512, bucketed=True) == 512
+
+
+def test_a_bucketed_short_context_keeps_one_cache_size():
+    """Contexts up to 256 tokens are served from caches of the whole context, the one slot size the
+    compiled server compiles at start, whatever the rows need."""
+    model = GPT(ModelConfig(vocab_size=48, context_length=200, d_model=16, n_layers=1, n_heads=2)).eval()
+    scheduler = Scheduler(model, max_batch=4, bucketed=True)
+    sizes, merge = [], scheduler.batch._merge
+
+    def watched(rows, new):
+        merge(rows, new)
+        sizes.append(scheduler.cache.max_len)
+
+    scheduler.batch._merge = watched
+    try:
+        prompts = [[2, 5, 6], [2, 9]]
+        cfgs = [GenerationConfig(max_new_tokens=5, temperature=0)]
+        assert served(scheduler, prompts, cfgs) == alone(model, prompts, cfgs)
+    finally:
+        scheduler.close()
+    assert sizes and set(sizes) == {200}
 
 
 @pytest.mark.parametrize("positions", ["learned", "rope"])

@@ -66,6 +66,17 @@ def no_allowed_token(step: int) -> str:
     )
 
 
+def _token_event(t: int, logits: torch.Tensor, logprobs: int | None) -> TokenEvent:
+    event = TokenEvent(t)
+    if logprobs is not None:
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        event.logprob = float(logp[t])
+        if logprobs > 0:
+            values, ids = logp.topk(min(logprobs, logp.numel()))
+            event.top = list(zip(ids.tolist(), values.tolist()))
+    return event
+
+
 def hits_stop_string(decode: Callable[[list[int]], str], ids: list[int], stop_strings) -> bool:
     """Whether the text of ``ids`` holds a stop string, checked after each new token: only the end
     can hold a new match, so decoding a generous tail keeps this cheap."""
@@ -82,6 +93,7 @@ class Row:
     emit: Callable[[object], None]  # receives TokenEvent / DoneEvent / ErrorEvent
     decode: Callable[[list[int]], str] | None = None  # for stop strings
     logprobs: int | None = None  # report the top-N alternatives of each token (None: no log probs)
+    token_events: bool = True  # False: tokens are read off ``out`` (no event per token: less work per step)
     cancelled: threading.Event = field(default_factory=threading.Event)
 
     # decoding state, owned by whoever steps the batch
@@ -120,16 +132,28 @@ class Batch:
         use_cache: bool = True,
         shared_generator: torch.Generator | None = None,
         keep_finished: bool = False,
+        min_slots: int = 0,
     ):
         self.model, self.max_batch, self.compile = model, max_batch, compile
         self.bucketed = compile if bucketed is None else bucketed
         self.use_cache, self.shared_generator, self.keep_finished = use_cache, shared_generator, keep_finished
+        self.min_slots = min_slots  # a cache never smaller (a server keeps one shape for a short context)
         self.context_length = model.config.context_length
         self.device = model_device(model)
         self.rows: list[Row] = []  # in the order of the cache's batch dimension
         self.cache: KVCache | None = None
         self.pending: torch.Tensor | None = None  # (B,) each row's last token, not yet in the cache
+        self.positions: torch.Tensor | None = None  # (B,) each row's next position, while the rows stay
+        self.groups: list[tuple] | None = None  # the rows by knobs (``_knob_groups``), while the rows stay
         self.steps = 0
+
+    def _rows_changed(self) -> None:
+        self.positions = self.groups = None
+
+    def clear(self) -> None:
+        """Drop every row and the cache (a step failed: its rows were told so)."""
+        self.rows, self.cache, self.pending = [], None, None
+        self._rows_changed()
 
     def capacity(self, rows: int) -> int:
         """The cache's batch size for ``rows`` rows (bucketed: a batch bucket, the rest padding)."""
@@ -140,7 +164,7 @@ class Batch:
     def step(self, joining: list[Row] = (), before_select: Callable[[list[Row]], None] | None = None) -> None:
         """One token for every row (and the first for each joining row); events go to ``emit``.
         ``before_select`` sees the rows of this step before any token goes out."""
-        logits = self.forward(joining)
+        logits = self._forward(joining)
         if before_select is not None:
             before_select(self.rows)
         self.select(logits)
@@ -150,11 +174,16 @@ class Batch:
         """The next-token logits of every row, in ``rows`` order (B, V), joining rows last: each
         row's pending token goes into the cache, rows at the context slide, joining rows are
         prefilled. Rows that slid move to the end of ``rows``."""
+        return self._forward(joining)
+
+    def _forward(self, joining: list[Row]) -> torch.Tensor:
         started = [r for r in joining if self._start(r)]
         self.steps += 1
         if self.use_cache:
             return self._forward_cached(started)
-        self.rows = self.rows + started
+        if started:
+            self.rows = self.rows + started
+            self._rows_changed()
         return full_forward(self.model, [r.seq[-self.context_length :] for r in self.rows])
 
     def feed(self, tokens: torch.Tensor) -> None:
@@ -177,6 +206,7 @@ class Batch:
             used.add(i)
             rows.append(row)
         self.rows = rows
+        self._rows_changed()
         index = torch.tensor(order, dtype=torch.long, device=self.device)
         if self.cache is not None:
             self.cache.reorder(index, start)
@@ -207,9 +237,12 @@ class Batch:
     def _decode(self) -> torch.Tensor:
         """One token for every row (padding rows: token 0 at position 0, their logits dropped)."""
         n, padding = len(self.rows), self.cache.batch_size - len(self.rows)
-        positions = torch.tensor([r.cached for r in self.rows] + [0] * padding, dtype=torch.long, device=self.device)
+        if self.positions is None:  # the rows changed: their positions again
+            cached = [r.cached for r in self.rows] + [0] * padding
+            self.positions = torch.tensor(cached, dtype=torch.long, device=self.device)
         tokens = torch.cat([self.pending, self.pending.new_zeros(padding)]) if padding else self.pending
-        logits = decode_step(self.model, self.cache, tokens, positions, self.compile)
+        logits = decode_step(self.model, self.cache, tokens, self.positions, self.compile)
+        self.positions[:n] += 1  # padding rows stay at position 0
         for r in self.rows:
             r.cached += 1
         return logits[:n] if padding else logits
@@ -233,33 +266,43 @@ class Batch:
         knobs shape the distribution alike are shaped together (row-wise ops: the same numbers as
         one at a time); each sampled row draws from its own generator in one batched call."""
         scores = self._apply_history(logits)
-        groups: dict[tuple, list[int]] = {}
-        for i, r in enumerate(self.rows):
-            c = r.cfg
-            groups.setdefault((c.greedy, c.temperature, c.top_k, c.top_p, c.min_p), []).append(i)
-        tokens = torch.empty(len(self.rows), dtype=torch.long, device=self.device)
-        for members in groups.values():
-            cfg = self.rows[members[0]].cfg
-            whole = len(members) == len(self.rows)
-            group = scores if whole else scores.index_select(0, torch.tensor(members, device=self.device))
-            generator = (
-                self.shared_generator
-                if self.shared_generator is not None
-                else (None if cfg.greedy else [self.rows[i].generator for i in members])
-            )
-            picked = select_next(group, cfg, generator)
-            if whole:
-                tokens = picked
-            else:
-                tokens[torch.tensor(members, device=self.device)] = picked
-        token_list = tokens.tolist()
-        for i, r in enumerate(self.rows):
+        groups = self._knob_groups()
+        if len(groups) == 1:
+            tokens = select_next(scores, groups[0][0], groups[0][2])
+        else:
+            tokens = torch.empty(len(self.rows), dtype=torch.long, device=self.device)
+            for cfg, members, generators in groups:
+                tokens[members] = select_next(scores.index_select(0, members), cfg, generators)
+        leaving = []
+        for i, t in enumerate(tokens.tolist()):
+            r = self.rows[i]
             if r.history is not None:
-                r.history.observe(tokens[i : i + 1], [token_list[i]])
-            if not r.cancelled.is_set() and not r.finished:
-                self._accept(r, token_list[i], logits[i : i + 1])
+                r.history.observe(tokens[i : i + 1], [t])
+            if r.finished:  # riding along (``keep_finished``)
+                continue
+            if not r.cancelled.is_set():
+                self._accept(r, t, logits[i : i + 1])
+            if r.cancelled.is_set():  # cancelled from outside, or finished here
+                leaving.append(r)
         self.pending = tokens
-        self.leave([r for r in self.rows if r.cancelled.is_set()])
+        self.leave(leaving)
+
+    def _knob_groups(self) -> list[tuple]:
+        """(knobs, the rows' indices (a tensor), their generators) for each group of rows whose
+        knobs shape the distribution alike."""
+        if self.groups is None:
+            by_knobs: dict[tuple, list[int]] = {}
+            for i, r in enumerate(self.rows):
+                c = r.cfg
+                by_knobs.setdefault((c.greedy, c.temperature, c.top_k, c.top_p, c.min_p), []).append(i)
+            self.groups = []
+            for members in by_knobs.values():
+                cfg = self.rows[members[0]].cfg
+                generators = self.shared_generator
+                if generators is None and not cfg.greedy:
+                    generators = [self.rows[i].generator for i in members]
+                self.groups.append((cfg, torch.tensor(members, device=self.device), generators))
+        return self.groups
 
     def _apply_history(self, logits: torch.Tensor) -> torch.Tensor:
         scores = logits
@@ -282,14 +325,8 @@ class Batch:
             return self._finish(r, "stop_token", t)
         r.out.append(t)
         r.seq.append(t)
-        event = TokenEvent(t)
-        if r.logprobs is not None:
-            logp = torch.log_softmax(row_logits[0].float(), dim=-1)
-            event.logprob = float(logp[t])
-            if r.logprobs > 0:
-                values, ids = logp.topk(min(r.logprobs, logp.numel()))
-                event.top = list(zip(ids.tolist(), values.tolist()))
-        r.emit(event)
+        if r.token_events:
+            r.emit(_token_event(t, row_logits[0], r.logprobs))
         if cfg.stop_strings and r.decode is not None and hits_stop_string(r.decode, r.out, cfg.stop_strings):
             return self._finish(r, "stop_string")
         if len(r.out) >= cfg.max_new_tokens:
@@ -311,6 +348,7 @@ class Batch:
         n = sum(kept)
         if not n or not self.use_cache:
             self.rows = [r for r, k in zip(self.rows, kept) if k]
+            self._rows_changed()
             self.cache = self.pending = None
             return
         # the rows beyond the first n that stay fill the places of those that leave: only they are
@@ -319,6 +357,7 @@ class Batch:
         order = [i if kept[i] else tail.pop() for i in range(n)]
         rest = sorted(set(range(self.cache.batch_size)) - set(order))
         self.rows = [self.rows[i] for i in order]
+        self._rows_changed()
         self.pending = self.pending.index_select(0, torch.tensor(order, dtype=torch.long, device=self.device))
         cache = self.cache
         cache.reorder(torch.tensor(order + rest, dtype=torch.long, device=self.device))
@@ -364,7 +403,7 @@ class Batch:
         # slots for what the rows may still generate, not always the whole context: a batch of 32
         # rows of a 1,024-token model would hold gigabytes of cache it mostly never fills
         remaining = max(r.cfg.max_new_tokens - len(r.out) for r in self.rows + rows)
-        size = cache_slots(length + remaining, self.context_length, self.bucketed)
+        size = cache_slots(max(length + remaining, self.min_slots), self.context_length, self.bucketed)
         capacity = self.capacity(total)
         if old is not None and old.batch_size == capacity and old.max_len == size and old.length >= new.length:
             _write_rows(old, len(self.rows), new)  # the same bucket: no new cache
@@ -377,6 +416,7 @@ class Batch:
             _write_rows(cache, len(self.rows), new)
             self.cache = cache
         self.rows = self.rows + rows  # ``select`` sets every row's pending token next
+        self._rows_changed()
 
 
 def _write_rows(cache: KVCache, offset: int, part: KVCache, n_rows: int | None = None) -> None:

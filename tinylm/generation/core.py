@@ -45,20 +45,16 @@ def fit_prompts(prompts: Iterable[Iterable[int]], context_length: int) -> list[l
     return rows
 
 
-SHORT_CONTEXT = 256  # up to this context a bucketed cache always has the context's slots: one shape
-SLOT_BUCKET = 64  # longer contexts: 64, 128, 256, ... slots
+SLOT_BUCKET = 64  # a bucketed cache has 64, 128, 256, ... slots (at most the context)
 
 
 def cache_slots(needed: int, context_length: int, bucketed: bool) -> int:
     """KV-cache slots for rows that need ``needed``: exactly that (at most the context), or, for a
-    compiled step (one compilation per shape), from a few buckets: the whole context when it is
-    short, else a power of two times 64. The step reads every slot, so a long context is not
-    always held whole."""
+    compiled step (one compilation per shape), 64 times a power of two, so that few shapes serve
+    every length. The step reads every slot, so a bucket is never much larger than the need."""
     needed = min(needed, context_length)
     if not bucketed:
         return needed
-    if context_length <= SHORT_CONTEXT:
-        return context_length
     slots = SLOT_BUCKET
     while slots < needed:
         slots *= 2

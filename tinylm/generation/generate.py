@@ -20,13 +20,14 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass
+from functools import partial
 from typing import Callable, Iterator
 
 import torch
 
 from tinylm.config import GenerationConfig
 from tinylm.errors import TinyLMError
-from tinylm.generation.batch import Batch, DoneEvent, ErrorEvent, Row, TokenEvent
+from tinylm.generation.batch import Batch, ErrorEvent, Row
 from tinylm.generation.beam import beam_search
 from tinylm.generation.core import Generated, fit_prompts, model_device
 from tinylm.models.gpt import eval_mode
@@ -51,14 +52,19 @@ class TokenStream:
         with eval_mode(self.model):
             yield from self._steps()
 
-    def _rows(self) -> tuple[list[Row], list[list]]:
-        """One row per prompt, each collecting the events of its latest step."""
-        cfg, events = self.cfg, [[] for _ in self.prompts]
-        rows = []
+    def _rows(self) -> list[Row]:
+        """One row per prompt. Its tokens are read off the row after each step; its end (or an
+        error) arrives as an event, which sets its result."""
+        cfg, rows = self.cfg, []
         for r, prompt in enumerate(self.prompts):
             row_cfg = dataclasses.replace(cfg, seed=cfg.seed + r) if cfg.seed is not None and cfg.seed_per_row else cfg
-            rows.append(Row(prompt, row_cfg, events[r].append, self.decode))
-        return rows, events
+            rows.append(Row(prompt, row_cfg, partial(self._record, r), self.decode, token_events=False))
+        return rows
+
+    def _record(self, r: int, event) -> None:
+        if isinstance(event, ErrorEvent):
+            raise ValueError(event.message)
+        self.results[r].finish_reason = event.finish_reason
 
     def _steps(self):
         cfg = self.cfg
@@ -73,22 +79,16 @@ class TokenStream:
             shared_generator=shared,
             keep_finished=shared is not None,
         )
-        rows, events = self._rows()
-        joining = rows
-        for _ in range(cfg.max_new_tokens):
-            batch.step(joining)
-            joining = []
+        rows, counts = self._rows(), [0] * len(self.prompts)
+        for step in range(cfg.max_new_tokens):
+            batch.step(rows if step == 0 else ())
+            if step == 0:  # the rows' own lists: they grow as the rows accept tokens
+                for result, row in zip(self.results, rows):
+                    result.tokens = row.out
             emitted: list[int | None] = [None] * len(rows)
-            for r, row_events in enumerate(events):
-                for event in row_events:
-                    if isinstance(event, ErrorEvent):
-                        raise ValueError(event.message)
-                    if isinstance(event, TokenEvent):
-                        emitted[r] = event.token
-                    elif isinstance(event, DoneEvent):
-                        self.results[r].finish_reason = event.finish_reason
-                row_events.clear()
-                self.results[r].tokens[:] = rows[r].out
+            for r, row in enumerate(rows):
+                if len(row.out) > counts[r]:
+                    emitted[r], counts[r] = row.out[-1], len(row.out)
             yield emitted
             if all(row.finished for row in rows):
                 break

@@ -23,10 +23,11 @@ from typing import Callable
 import torch
 
 from tinylm.generation.batch import Batch, ErrorEvent, Row, batch_buckets
-from tinylm.generation.core import SHORT_CONTEXT, cache_slots
+from tinylm.generation.core import cache_slots
 from tinylm.generation.decode import decode_step
 
 log = logging.getLogger(__name__)
+SHORT_CONTEXT = 256  # contexts up to this are served from one cache size (the whole context)
 
 
 class Scheduler:
@@ -36,13 +37,17 @@ class Scheduler:
         self, model, max_batch: int = 32, name: str = "model", compile: bool = False, bucketed: bool | None = None
     ):
         self.model, self.max_batch = model, max_batch
-        self.batch = Batch(model, max_batch, compile=compile, bucketed=bucketed)
+        context = model.config.context_length
+        bucketed = compile if bucketed is None else bucketed
+        # a short context is one slot bucket: every batch bucket compiles at start, none later
+        one_shape = bucketed and context <= SHORT_CONTEXT
+        self.batch = Batch(model, max_batch, compile, bucketed, min_slots=context if one_shape else 0)
         self.inbox: queue.Queue = queue.Queue()
         self.max_rows_seen = 0
         self._active = 0  # rows decoding, published between steps (mid-step, sliding rows are briefly out)
         self._stop = threading.Event()
         self.compile_seconds: dict[tuple[int, int], float] = {}  # (rows, slots) -> seconds, compiled at start
-        if compile and model.config.context_length <= SHORT_CONTEXT:
+        if compile and one_shape:
             self._compile_buckets()
         self._thread = threading.Thread(target=self._loop, name=f"tinylm-decode-{name}", daemon=True)
         self._thread.start()
@@ -126,7 +131,7 @@ class Scheduler:
                     log.exception("decoding step failed")
                     for r in batch.rows + joining:
                         r.emit(ErrorEvent(f"generation failed: {type(exc).__name__}: {exc}"))
-                    batch.rows, batch.cache, batch.pending = [], None, None
+                    batch.clear()
             self._active = len(batch.rows)
 
     def _step(self, joining: list[Row]) -> None:
