@@ -77,11 +77,8 @@ def test_buckets():
     assert cache_slots(300, 512, bucketed=True) == 512
 
 
-def test_a_bucketed_short_context_keeps_one_cache_size():
-    """Contexts up to 256 tokens are served from caches of the whole context, the one slot size the
-    compiled server compiles at start, whatever the rows need."""
-    model = GPT(ModelConfig(vocab_size=48, context_length=200, d_model=16, n_layers=1, n_heads=2)).eval()
-    scheduler = Scheduler(model, max_batch=4, bucketed=True)
+def cache_sizes_of(scheduler: Scheduler) -> list[int]:
+    """The cache's slot count after each time rows join the scheduler's batch, as it runs."""
     sizes, merge = [], scheduler.batch._merge
 
     def watched(rows, new):
@@ -89,6 +86,15 @@ def test_a_bucketed_short_context_keeps_one_cache_size():
         sizes.append(scheduler.cache.max_len)
 
     scheduler.batch._merge = watched
+    return sizes
+
+
+def test_a_bucketed_short_context_keeps_one_cache_size():
+    """Contexts up to 256 tokens are served from caches of the whole context, the one slot size the
+    compiled server compiles at start, whatever the rows need."""
+    model = GPT(ModelConfig(vocab_size=48, context_length=200, d_model=16, n_layers=1, n_heads=2)).eval()
+    scheduler = Scheduler(model, max_batch=4, bucketed=True)
+    sizes = cache_sizes_of(scheduler)
     try:
         prompts = [[2, 5, 6], [2, 9]]
         cfgs = [GenerationConfig(max_new_tokens=5, temperature=0)]
@@ -123,13 +129,7 @@ def test_bucketed_long_context_moves_between_slot_buckets():
     long = (list(range(2, 30)), GenerationConfig(max_new_tokens=330, temperature=0.9, top_k=5, seed=8))
     want = [alone(model, [p], [c])[0, 0] for p, c in (short, long)]
     scheduler = Scheduler(model, max_batch=4, bucketed=True)
-    sizes, merge = [], scheduler.batch._merge
-
-    def watched(rows, new):
-        merge(rows, new)
-        sizes.append(scheduler.cache.max_len)
-
-    scheduler.batch._merge = watched
+    sizes = cache_sizes_of(scheduler)
     got, first_token, done = {}, threading.Event(), threading.Semaphore(0)
 
     def emitter(key):
