@@ -738,6 +738,7 @@ def experiments(opts: ExperimentsOptions) -> int:
     only = [p.strip() for p in opts.only.split(",") if p.strip()] if opts.only else None
     words = ([f"--config {opts.config}"] if opts.config else []) + (["--quick"] if opts.quick else [])
     words += ([f"--out {opts.out}"] if opts.out else []) + list(opts.overrides)
+    words += [f"--only {opts.only}"] if opts.only else []  # the report names the parts this invocation ran
     manifest = run_experiments(
         cfg, exp, cfg.out_dir, quick=opts.quick, only=only, command="tinylm experiments " + " ".join(words)
     )
