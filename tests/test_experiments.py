@@ -6,12 +6,13 @@ from __future__ import annotations
 import csv
 import json
 
+import numpy as np
 import pytest
 from conftest import make_stories
 
 from tinylm.cli import main
 from tinylm.errors import TinyLMError
-from tinylm.studies.tinystories import PARTS, load_experiment_config
+from tinylm.studies.tinystories import PARTS, column_config, head_patterns, load_experiment_config
 from tinylm.studies.tradeoffs import accumulation_variants, first_stories
 
 CONFIG = """
@@ -29,6 +30,7 @@ experiments:
   bleu_selection: first       # the too-short first story is always among them
   temperatures: [0.7, 1.2]
   beam_widths: [2]
+  decoding_prompts: ["Once, there was a boy named Tim.", "The dog"]
   kv_new_tokens: [12, 40]     # 5 + 40 tokens: past the context of 32
   kv_prompt_tokens: 4
   kv_repeats: 1
@@ -112,8 +114,8 @@ def test_runner_writes_every_part_and_resumes_from_cache(corpus, tmp_path, capsy
     assert [s["name"] for s in bleu["settings"]] == ["T0.7", "T1.2"]
 
     dec = json.loads((run / "decoding.json").read_text())
-    beam = dec["settings"][-1]
-    assert beam["name"] == "beam2" and "bleu4" in beam
+    beam, blocked = dec["settings"][-2:]
+    assert (beam["name"], blocked["name"]) == ("beam2", "beam2_no_repeat3") and "bleu4" in beam
     # the per-sample CSVs lie beside decoding.json; the examples are their first rows, every setting side by side
     names = [s["name"] for s in dec["settings"]]
     assert (
@@ -121,8 +123,21 @@ def test_runner_writes_every_part_and_resumes_from_cache(corpus, tmp_path, capsy
         and beam["csv"] == "decoding_samples_beam2.csv"
     )
     beam_rows = list(csv.DictReader(open(run / "decoding_samples_beam2.csv", encoding="utf-8")))
-    assert len(dec["examples"]) == 5 and set(names) <= set(dec["examples"][0])
-    assert [e["beam2"]["text"] for e in dec["examples"]] == [r["hypothesis_continuation"] for r in beam_rows[:5]]
+    # the examples: the first row of each distinct prompt (the 6 samples open 4 ways), every setting side by side
+    first_of = {}
+    for i, r in enumerate(beam_rows):
+        first_of.setdefault(r["prompt"], i)
+    assert len(first_of) == 4 and [e["prompt"] for e in dec["examples"]] == list(first_of)
+    assert set(names) <= set(dec["examples"][0])
+    assert [e["prompt"] for e in dec["prompt_examples"]] == ["Once, there was a boy named Tim.", "The dog"]
+    assert all(isinstance(e[n], str) for e in dec["prompt_examples"] for n in names)
+    for row in csv.DictReader(open(run / "decoding_samples_beam2_no_repeat3.csv", encoding="utf-8")):
+        words = row["hypothesis_continuation"].split()
+        trigrams = list(zip(words, words[1:], words[2:]))
+        assert len(trigrams) == len(set(trigrams)), words  # the blocked beam repeats no 3-gram
+    assert [e["beam2"]["text"] for e in dec["examples"]] == [
+        beam_rows[i]["hypothesis_continuation"] for i in first_of.values()
+    ]
     kv_rows = json.loads((run / "kv_cache.json").read_text())["rows"]
     assert [(r["decoding"], r["total_tokens"], r["beyond_context"]) for r in kv_rows] == [
         ("greedy", 17, False),
@@ -169,7 +184,8 @@ def test_runner_writes_every_part_and_resumes_from_cache(corpus, tmp_path, capsy
 
     md = (run / "report.md").read_text()
     assert "| equal updates | 2 | 8 | 2 | 4 |" in md and "sliding window" in md and "sentence BLEU-4" in md
-    assert "| prompt | real continuation | sample_T0.8_k50 | greedy | beam2 |" in md
+    assert "| prompt | real continuation | sample_T0.8_k50 | greedy | beam2 | beam2_no_repeat3 |" in md
+    assert "| prompt | sample_T0.8_k50 | greedy | beam2 | beam2_no_repeat3 |" in md  # the reports' own prompts
     for heading in (
         "## Configuration",
         "## Training",
@@ -282,11 +298,98 @@ def test_the_shipped_assignment_config_loads():
     cfg, exp = load_experiment_config(path, ["data.train=a.txt", "data.valid=b.txt"])
     assert (cfg.model.n_layers, cfg.model.n_heads, cfg.model.d_model, cfg.model.context_length) == (3, 8, 300, 224)
     assert (cfg.train.epochs, cfg.train.batch_size, exp.accum_micro_batch, exp.tradeoff_stories) == (2, 32, 16, 384)
-    assert 9 + max(exp.kv_new_tokens) == 512 and len(exp.attention_texts) == 4  # <sos> + 8 prompt tokens
+    assert 9 + max(exp.kv_new_tokens) == 512 and len(exp.attention_texts) == 5  # <sos> + 8 prompt tokens
     assert cfg.model.d_attn == 304 and cfg.tokenizer.type == "word" and cfg.data.train == "a.txt"
     assert (exp.bleu_samples, exp.prompt_tokens, exp.temperatures, exp.beam_widths) == (50, 5, [0.7, 1.0, 1.2], [5, 10])
     assert exp.accum_steps == [1, 2, 4, 8] and exp.smoothing == "method1"
     assert (exp.decoding.temperature, exp.decoding.top_k) == (0.8, 50)
+    column = column_config(cfg, exp)  # the same data and tokenizer; 300-d FastText rows projected to d_model
+    assert column.tokenizer == cfg.tokenizer and column.embeddings == cfg.embeddings and column.model.d_embed == 300
+    assert column.data.batching == "packed" and column.train.document_attention and column.train.optimizer == "muon"
+    assert (column.train.max_minutes, column.train.schedule_clock, column.train.epochs) == (60, "wall", None)
     quick_cfg, quick_exp = load_experiment_config(path, [], quick=True)
     assert quick_cfg.model.d_model < cfg.model.d_model and quick_cfg.train.max_minutes <= 2
     assert quick_exp.bleu_samples == 50 and quick_exp.tradeoff_micro_batches % 8 == 0
+    quick_column = column_config(quick_cfg, quick_exp)
+    assert quick_column.model.d_embed == quick_cfg.model.d_model and quick_column.train.max_minutes <= 2
+
+
+COLUMN = [  # the second column from the command line, key by key over the file's (empty) section
+    "experiments.tinylm_settings.data.batching=packed",
+    "experiments.tinylm_settings.model.positions=rope",
+    "experiments.tinylm_settings.model.norm=rmsnorm",
+    "experiments.tinylm_settings.model.qk_norm=true",
+    "experiments.tinylm_settings.train.optimizer=muon",
+    "experiments.tinylm_settings.train.ema_decay=0.9",
+    "experiments.tinylm_settings.train.document_attention=true",
+    "experiments.tinylm_settings.train.max_steps=12",
+]
+
+
+@pytest.mark.slow
+def test_the_tinylm_settings_column_is_trained_on_the_same_tokens_and_judged_by_the_quality_parts(corpus, tmp_path):
+    config, data = corpus
+    run = tmp_path / "run"
+    args = ["experiments", "--config", str(config), "--quick", "--out", str(run), *data, *COLUMN]
+    assert main([*args, "--only", "bleu"]) == 0
+    parts = json.loads((run / "experiments.json").read_text())["parts"]
+    # BLEU judges the column's model: the report-settings baseline is not needed, so not trained
+    assert (parts["baseline"], parts["tinylm_settings"], parts["bleu"]) == ("not requested", "done", "done")
+    column = run / "tinylm-settings"
+    assert json.loads((column / "tokenizer.json").read_text()) and not (run / "checkpoints").exists()
+    assert (column / "checkpoints" / "ema").is_dir()  # the weight average is the column's result
+    summary = json.loads((run / "tinylm_settings.json").read_text())["summary"]
+    assert summary["checkpoint"] == "checkpoints/ema" and summary["steps"] == 12
+
+    assert main([*args, "--only", "curves"]) == 0  # the baseline's part: now it trains
+    parts = json.loads((run / "experiments.json").read_text())["parts"]
+    assert (parts["baseline"], parts["tinylm_settings"], parts["bleu"]) == ("done", "done", "done")  # bleu still fresh
+    assert (run / "tokenizer.json").read_text() == (column / "tokenizer.json").read_text()  # the same vocabulary
+    md = (run / "report.md").read_text()
+    assert "## Report settings and tinylm settings" in md
+    ppl = [json.loads((d / "eval.json").read_text())["eval"]["valid"]["token_ppl"] for d in (run, column)]
+    assert f"| valid perplexity per word token | {ppl[0]:.2f} | {ppl[1]:.2f} |" in md
+    assert "| architecture | learned positions, layernorm, gelu | rope positions, rmsnorm, gelu, QK-norm |" in md
+    assert "|  | tinylm, report settings | tinylm settings |" in md  # both columns beside the reports
+    assert "judged the tinylm-settings model (tinylm-settings/): bleu; the report-settings model: none" in md
+
+
+def test_the_column_may_not_change_the_tokens_and_is_checked_whole_at_load(corpus):
+    config, data = corpus
+    with pytest.raises(TinyLMError, match="data.batching only"):
+        load_experiment_config(config, [*data, "experiments.tinylm_settings.tokenizer.vocab_size=50"])
+    with pytest.raises(TinyLMError, match="data.batching only"):
+        load_experiment_config(config, [*data, "experiments.tinylm_settings.data.lowercase=true"])
+    with pytest.raises(TinyLMError, match=r"experiments.tinylm_settings: unknown config key model.n_layerz"):
+        load_experiment_config(config, [*data, "experiments.tinylm_settings.model.n_layerz=2"])
+    with pytest.raises(TinyLMError, match=r"experiments.tinylm_settings: .*train.lr"):
+        load_experiment_config(config, [*data, "experiments.tinylm_settings.train.lr=-1"])
+
+
+def test_head_patterns_name_the_head_that_follows_each_pattern_most():
+    T = 6
+    previous, own = np.eye(T, k=-1), np.eye(T)
+    previous[0, 0] = 1
+    first = np.zeros((T, T))
+    first[:, 0] = 1
+    found = head_patterns([np.stack([own, previous]), np.stack([first, (previous + own) / 2])])
+    assert [(h["pattern"], h["layer"], h["head"], h["weight"]) for h in found] == [
+        ("the previous token", 0, 1, 1.0),
+        ("the first token (<sos>)", 1, 0, 1.0),
+        ("its own token", 0, 0, 1.0),
+    ]
+    assert head_patterns([own[None, :2, :2]]) == []  # too short for the first, previous and own tokens to differ
+
+
+@pytest.mark.slow
+def test_a_whole_run_with_the_column_trains_the_baseline_first_and_judges_the_column(corpus, tmp_path):
+    config, data = corpus
+    run = tmp_path / "run"
+    assert main(["experiments", "--config", str(config), "--quick", "--out", str(run), *data, *COLUMN]) == 0
+    parts = json.loads((run / "experiments.json").read_text())["parts"]
+    assert all(status == "done" for status in parts.values()), parts
+    for name in ("bleu", "decoding", "generations", "kv_cache", "attention"):
+        assert json.loads((run / f"{name}.json").read_text())["judged"] == "tinylm-settings", name
+    assert "judged" not in json.loads((run / "accumulation.json").read_text())  # the report settings' runs
+    baseline = json.loads((run / "baseline.json").read_text())
+    assert baseline["parameters_total"] == json.loads((run / "eval.json").read_text())["parameters"]

@@ -102,7 +102,7 @@ def test_a_binary_eval_json_makes_its_section_missing_not_a_crash(tmp_path, caps
     write_training_run(tmp_path)
     (tmp_path / "eval.json").write_bytes(b"\xff\xfe\x00binary")
     assert main(["report", str(tmp_path)]) == 0
-    assert "eval.json (perplexity of the best checkpoint)" in capsys.readouterr().out
+    assert "eval.json (perplexity of the run's result checkpoint)" in capsys.readouterr().out
 
 
 def test_run_without_metrics_is_reported_incomplete(tmp_path, capsys):

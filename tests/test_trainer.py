@@ -298,3 +298,18 @@ def test_document_attention_with_stories_batching_is_refused(prepared_run):
     cfg.data.batching = "stories"
     with pytest.raises(TinyLMError, match="document_attention=true is for data.batching=packed"):
         cfg.validate()
+
+
+def test_init_from_starts_from_a_checkpoints_weights_with_a_fresh_optimizer(prepared_run, tmp_path):
+    cfg, prepared = prepared_run
+    first = train(with_overrides(cfg, max_steps=4), prepared, tmp_path / "first")
+    start = first.checkpoint_dir / "last"
+    # lr 0: the continued run's weights stay the checkpoint's, step for step
+    again = train(with_overrides(cfg, max_steps=2, lr=0.0, init_from=str(start)), prepared, tmp_path / "again")
+    expected = load_checkpoint(start)[0].state_dict()
+    for name, value in load_checkpoint(again.checkpoint_dir / "last")[0].state_dict().items():
+        assert torch.equal(value, expected[name]), name
+    assert again.steps == 2  # its own step count, not the first run's
+    other = with_overrides(cfg, model={"d_model": 48}, max_steps=1, init_from=str(start))
+    with pytest.raises(TinyLMError, match=r"train.init_from=.*does not match model"):
+        train(other, prepared, tmp_path / "other")

@@ -344,6 +344,9 @@ class TrainConfig:
     compile: bool = False
     grad_checkpointing: bool = False
     checkpoint_impl: Literal["tinylm", "torch"] = "tinylm"  # our autograd.Function, or torch's as the reference
+    # a checkpoint directory whose weights start the run (continued training, fine-tuning): the
+    # optimizer, the step count and the schedule start fresh, unlike --resume
+    init_from: str | None = None
     keep_last: int = option(2, ge=0)  # resumable step-N checkpoints kept (plus best and last)
     save_interval: int = option(0, ge=0)  # steps between resumable checkpoints; 0: at every evaluation
     early_stopping_patience: int = option(0, ge=0)  # evaluations without improvement; 0 disables

@@ -51,6 +51,11 @@ def eval_sampler(cfg: RunConfig, tokenizer, out_dir: Path, fresh: bool):
     return write
 
 
+def result_checkpoint(checkpoint_dir: Path) -> str:
+    """The checkpoint that is a run's result: the weight average when the run kept one, else the best raw weights."""
+    return "ema" if (checkpoint_dir / "ema").is_dir() else "best"
+
+
 def run_pipeline(cfg: RunConfig, out_dir: str | Path, *, resume=None, force: bool = False) -> dict:
     """``resume``: a checkpoint or run directory to continue training from (``force``: allow the
     --force keys to differ). Under torchrun rank 0 prepares first, all ranks train, rank 0 evaluates."""
@@ -80,8 +85,7 @@ def run_pipeline(cfg: RunConfig, out_dir: str | Path, *, resume=None, force: boo
     distributed.cleanup(dist)
     if not dist.is_main:
         return {}
-    # with a weight average the averaged model is the run's result; the best raw weights are scored too
-    chosen = "ema" if (result.checkpoint_dir / "ema").is_dir() else "best"
+    chosen = result_checkpoint(result.checkpoint_dir)  # the best raw weights are scored too
     evals, evals_best = {}, {}
     for ckpt in dict.fromkeys(("best", chosen)):  # the chosen one last: it writes the samples below
         model, tokenizer, meta = load_checkpoint(result.checkpoint_dir / ckpt)

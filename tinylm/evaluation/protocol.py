@@ -31,12 +31,12 @@ from pathlib import Path
 import torch
 from tabulate import tabulate
 
-from tinylm.config import BleuSelection, BleuSmoothing, check_fields, option
+from tinylm.config import BleuSelection, BleuSmoothing, GenerationConfig, check_fields, option
 from tinylm.constants import IGNORE_INDEX, PAD_ID
 from tinylm.data.tokens import pad_rows
 from tinylm.errors import TinyLMError
 from tinylm.evaluation.bleu import BLEU_MEANING, BLEU_TOKEN_PATTERN, corpus_bleu_n, sacrebleu_score, sentence_bleu_n
-from tinylm.generation.generate import generate
+from tinylm.generation.generate import generate_many
 from tinylm.models.gpt import eval_mode
 
 log = logging.getLogger(__name__)
@@ -64,6 +64,16 @@ class Decoding:
     top_k: int | None = None
     top_p: float | None = None
     beam_width: int = 1
+    no_repeat_ngram_size: int = 0  # n-gram blocking (0: off), the usual remedy for beam search's loops
+
+    def generation(self, max_new_tokens: int, seed: int | None, stop_ids: tuple[int, ...]) -> GenerationConfig:
+        """This setting as generation knobs."""
+        knobs = dict(beam_width=self.beam_width) if self.beam_width > 1 else dict(temperature=self.temperature)
+        if self.beam_width == 1:
+            knobs.update(top_k=self.top_k, top_p=self.top_p, seed=seed)
+        return GenerationConfig(
+            max_new_tokens=max_new_tokens, no_repeat_ngram_size=self.no_repeat_ngram_size, stop_ids=stop_ids, **knobs
+        )
 
 
 @dataclass
@@ -154,18 +164,8 @@ def continue_sample(
 ) -> list[int]:
     prompt = ([] if bos_id is None else [bos_id]) + sample.prompt_ids
     try:
-        if setting.beam_width > 1:
-            return generate(model, prompt, max_new_tokens, beam_width=setting.beam_width, stop_ids=stop_ids)
-        return generate(
-            model,
-            prompt,
-            max_new_tokens,
-            setting.temperature,
-            setting.top_k,
-            setting.top_p,
-            seed=seed,
-            stop_ids=stop_ids,
-        )
+        cfg = setting.generation(max_new_tokens, seed, stop_ids)
+        return generate_many(model, [prompt], cfg)[0].tokens
     except TinyLMError as exc:  # a bad knob (temperature < 0, top_p outside (0, 1], ...) names itself
         raise TinyLMError(f"decoding setting {setting.name}: {exc}") from exc
 

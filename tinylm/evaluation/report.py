@@ -38,6 +38,15 @@ def read_json(path: Path):
         return None
 
 
+def read_yaml(path: Path):
+    """A run file's YAML mapping, or None when it is missing or damaged."""
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8")) if path.is_file() else None
+    except (yaml.YAMLError, UnicodeDecodeError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
 def format_number(v, digits: int | None = 4, *, missing: str = "missing", grouped: bool = False) -> str:
     """A table cell: ``missing`` for None or "", yes / no for a bool, a float with ``digits``
     decimals (``grouped``: 1,234.5), an int as 1,234; with ``digits=None`` any value as its source
@@ -116,7 +125,7 @@ _markdown.add_render_rule("image", _embedded_image)
 # ------------------------------------------------------------------------------------- sections
 def section_config(doc: Doc, run: Path, ev, baseline, prep):
     doc.h("Configuration")
-    cfg = yaml.safe_load((run / "config.yaml").read_text()) if (run / "config.yaml").is_file() else None
+    cfg = read_yaml(run / "config.yaml")
     if not cfg:
         doc.lack("config.yaml (the run's configuration)")
         return
@@ -233,14 +242,17 @@ def section_training(doc: Doc, run: Path, ev, want_curves: bool = False):
 
 
 def section_eval(doc: Doc, ev):
-    doc.h("Evaluation (best checkpoint, each document scored from `<sos>`)")
+    doc.h("Evaluation (each document scored from `<sos>`)")
     if ev and ev.get("eval"):
+        scored = ev.get("checkpoint", "checkpoints/best")
+        average = " (the weight average; the best raw weights score as `eval_best` in eval.json)"
+        doc.p(f"The run's result, `{scored}`" + (average if scored.endswith("ema") else "") + ":")
         doc.table(
             ["split", "token ppl", "bits per byte", "word ppl", "tokens"],
             [(s, m["token_ppl"], m["bpb"], m["word_ppl"], m["tokens"]) for s, m in ev["eval"].items()],
         )
     else:
-        doc.lack("eval.json (perplexity of the best checkpoint)")
+        doc.lack("eval.json (perplexity of the run's result checkpoint)")
 
 
 def sample_blocks(doc: Doc, samples) -> bool:

@@ -17,6 +17,7 @@ from pathlib import Path
 from tinylm.evaluation.plots import pyplot, save_figure
 from tinylm.evaluation.report import format_number
 from tinylm.studies.shakespeare_summary import mark, summary_lines
+from tinylm.training.bigram import BigramConfig
 
 RESULT_COLUMNS = [
     "tokenizer",
@@ -195,6 +196,17 @@ def model_lines(state: dict) -> list[str]:
     return lines
 
 
+def _bigram_batches(bigram) -> str:
+    """What each step of the bigram runs trained on (tinylm.training.bigram's modes)."""
+    pairs = f"random minibatches of {bigram.batch_size} pairs"
+    if bigram.mode == "auto":
+        return (
+            f"every pair through the pair-count matrix up to a vocabulary of {BigramConfig.counts_max_vocab:,}, "
+            f"{pairs} above it"
+        )
+    return "every pair through the pair-count matrix" if bigram.mode == "counts" else pairs
+
+
 def bigram_lines(bigram, state: dict, curve_files: dict) -> list[str]:
     if not state["bigram_runs"]:
         return []
@@ -202,7 +214,7 @@ def bigram_lines(bigram, state: dict, curve_files: dict) -> list[str]:
         "",
         "## Task 3: neural bigram runs",
         "",
-        f"AdamW, batch {bigram.batch_size} ({bigram.mode} mode), {bigram.schedule} learning rate, "
+        f"AdamW, {_bigram_batches(bigram)}, {bigram.schedule} learning rate, "
         f"validation every {bigram.eval_interval or max(10, bigram.max_steps // 30)} steps, early stopping "
         f"after {bigram.patience} evaluations without improvement, at most {bigram.max_steps} steps / "
         f"{bigram.max_seconds:g} s per run; the weights of the best validation loss are kept. The best run "

@@ -45,6 +45,7 @@ import torch
 from tinylm.config import (
     BleuSelection,
     BleuSmoothing,
+    ConfigError,
     GenerationConfig,
     RunConfig,
     apply_updates,
@@ -64,10 +65,10 @@ from tinylm.evaluation.protocol import SAMPLING_TEMPERATURES, BleuProtocol, Deco
 from tinylm.evaluation.report import read_json
 from tinylm.generation.generate import complete, generate, generate_many
 from tinylm.models.checkpoint import load_checkpoint
-from tinylm.pipeline import run_pipeline
+from tinylm.pipeline import result_checkpoint, run_pipeline
 from tinylm.studies import tinystories_figures as figures
 from tinylm.studies.stages import Stage, stage_key
-from tinylm.studies.tinystories_report import write_experiments_report
+from tinylm.studies.tinystories_report import QUALITY_PARTS, write_experiments_report
 from tinylm.studies.tradeoffs import Tradeoffs, Variant, accumulation_variants, alternated_runs, first_stories
 from tinylm.tokenizers.io import train_from_config
 
@@ -86,6 +87,13 @@ class ExperimentsConfig:
     decoding: GenerationConfig = option(factory=lambda: GenerationConfig(temperature=0.8, top_k=50))
     smoothing: BleuSmoothing = BleuProtocol.smoothing
     beam_widths: list[int] = option([5, 10], ge=1)
+    beam_no_repeat_ngram: int = option(
+        3, "each beam width again with n-gram blocking of this size, beside plain beam (0: not run)", ge=0
+    )
+    decoding_prompts: list[str] = option(
+        ["The sun was shining and", "Once, there was a boy named Tim.", "there was a brave explorer"],
+        "prompts every decoding setting continues side by side (the reports' own examples)",
+    )
     kv_new_tokens: list[int] = option([32, 56, 248], "new tokens per row; past the context the window slides", ge=1)
     kv_prompt_tokens: int = option(8, ge=1)
     kv_batch: int = option(20, "prompts decoded together (the reports timed a batch of 20)", ge=1)
@@ -118,8 +126,23 @@ class ExperimentsConfig:
     decode_threads: int = option(1, ge=1)
     train_threads: int | None = option(None, "None: train.threads, else 2", ge=1)
     decoding_examples: int = option(5, "prompts whose continuations the decoding comparison prints side by side", ge=0)
+    # the second column: the same task and tokenizer trained with this repository's settings
+    tinylm_settings: dict = option(
+        None,
+        "overrides of the run's model, train, embeddings and data.batching for the tinylm-settings "
+        "model; the quality parts (BLEU, decoding, generations, KV cache, attention) then use it. "
+        "Empty: no second column",
+        factory=dict,
+    )
 
     def validate(self) -> None:
+        column = self.tinylm_settings
+        if set(column) - COLUMN_SECTIONS or set(column.get("data") or {}) - {"batching"}:
+            raise ConfigError(
+                "tinylm_settings",
+                "experiments.tinylm_settings may set model, train, embeddings, sample and data.batching only: "
+                "the two columns share the data and the tokenizer, so their perplexities compare",
+            )
         smallest = min(self.accum_steps)
         bad = [k for k in self.accum_steps if k % smallest]
         if bad:
@@ -127,6 +150,17 @@ class ExperimentsConfig:
                 f"experiments.accum_steps {bad} are not multiples of the smallest, {smallest}: the "
                 "equal-updates runs train k / smallest times its epochs"
             )
+
+
+COLUMN_SECTIONS = {"model", "train", "embeddings", "sample", "data"}
+
+
+def column_config(cfg: RunConfig, exp: ExperimentsConfig) -> RunConfig:
+    """The tinylm-settings column's run config: the run's, with ``experiments.tinylm_settings`` over it."""
+    try:
+        return config_from_dict(merge_dicts(cfg.to_dict(), exp.tinylm_settings))
+    except TinyLMError as exc:
+        raise TinyLMError(f"experiments.tinylm_settings: {exc}") from None
 
 
 def load_experiment_config(
@@ -137,12 +171,17 @@ def load_experiment_config(
     raw = read_config(path, quick) if path else {}
     ov = parse_overrides(overrides or [])
     sections = [raw.pop("experiments", None) or {}, ov.pop("experiments", {})]
-    cfg, exp = config_from_dict(merge_dicts(raw, ov)), ExperimentsConfig()
+    cfg, exp, column = config_from_dict(merge_dicts(raw, ov)), ExperimentsConfig(), {}
     for section in sections:
         if not isinstance(section, dict):
             raise TinyLMError("the experiments section must be a mapping of keys")
+        column = merge_dicts(column, section.pop("tinylm_settings", None) or {})  # key by key, not replaced
         apply_updates(exp, section, prefix="experiments.")
-    return cfg, check_config(exp, "experiments.")
+    exp.tinylm_settings = column
+    check_config(exp, "experiments.")
+    if column:
+        column_config(cfg, exp)  # checked whole now, not an hour into the run
+    return cfg, exp
 
 
 # --------------------------------------------------------------------------------------- study
@@ -160,10 +199,19 @@ class Study:
         """Threads for the training runs."""
         return self.exp.train_threads or self.cfg.train.threads or 2
 
+    @property
+    def column_dir(self) -> Path:
+        return self.run_dir / "tinylm-settings"
+
+    @property
+    def judged_dir(self) -> Path:
+        """The run whose model the quality parts judge: the tinylm-settings column when there is one."""
+        return self.column_dir if self.exp.tinylm_settings else self.run_dir
+
     @cached_property
     def model(self) -> tuple:
-        """(model, tokenizer) of the baseline's best checkpoint, on CPU, in eval mode."""
-        return load_checkpoint(self.run_dir / "checkpoints" / "best")[:2]
+        """(model, tokenizer) of the judged run's result checkpoint, on CPU, in eval mode."""
+        return result_model(self.judged_dir)
 
     @cached_property
     def prepared(self) -> PreparedData:
@@ -182,13 +230,36 @@ class Study:
         return clean_documents(raw[split], self.cfg.data)[0]
 
 
+def result_model(run_dir: Path) -> tuple:
+    """(model, tokenizer) of a training run's result checkpoint, on CPU, in eval mode."""
+    checkpoints = run_dir / "checkpoints"
+    return load_checkpoint(checkpoints / result_checkpoint(checkpoints))[:2]
+
+
 # ----------------------------------------------------------------------------------------- parts
 def part_baseline(study: Study) -> dict:
     (study.run_dir / "eval.json").unlink(missing_ok=True)  # a failed training run must not leave the old one
     summary = run_pipeline(study.cfg, study.run_dir)
-    model, _ = study.model
+    model, _ = result_model(study.run_dir)
     return {
         "summary": summary,
+        "parameters_total": model.num_parameters(),
+        "parameters_trainable": model.num_parameters(trainable_only=True),
+    }
+
+
+def part_tinylm_settings(study: Study) -> dict:
+    """The second column: the same data and tokenizer (prepared again in its own directory, which
+    rebuilds the same vocabulary) trained with the column's settings."""
+    if not study.exp.tinylm_settings:
+        return {"off": True}
+    out = study.column_dir
+    (out / "eval.json").unlink(missing_ok=True)
+    summary = run_pipeline(column_config(study.cfg, study.exp), out)
+    model, _ = result_model(out)
+    return {
+        "summary": summary,
+        "run_dir": out.name,
         "parameters_total": model.num_parameters(),
         "parameters_trainable": model.num_parameters(trainable_only=True),
     }
@@ -220,7 +291,10 @@ def part_decoding(study: Study) -> dict:
         top_k=knobs.top_k,
     )
     settings = [sampling, Decoding("greedy", temperature=0.0)]
-    settings += [Decoding(f"beam{k}", beam_width=k) for k in study.exp.beam_widths]
+    for k in study.exp.beam_widths:
+        settings.append(Decoding(f"beam{k}", beam_width=k))
+        if n := study.exp.beam_no_repeat_ngram:
+            settings.append(Decoding(f"beam{k}_no_repeat{n}", beam_width=k, no_repeat_ngram_size=n))
     out = run_bleu(
         model,
         tok,
@@ -236,29 +310,44 @@ def part_decoding(study: Study) -> dict:
             row["speed_vs_sampling"] = row["tokens_per_s"] / base
     out["threads"] = study.exp.decode_threads
     out["examples"] = _decoding_examples(study.run_dir, out["settings"], study.exp.decoding_examples)
+    out["prompt_examples"] = _prompt_examples(study, settings)
     out["png"] = figures.decoding_chart(out["settings"], study.run_dir / "decoding.png").name
     return out
 
 
 def _decoding_examples(run_dir: Path, settings: list[dict], n: int) -> list[dict]:
-    """The first ``n`` prompts with the real continuation and each setting's, read back from the
-    per-sample CSVs just written (the table shows what the BLEU numbers were computed on)."""
+    """The first ``n`` samples with distinct prompts, the real continuation and each setting's, read
+    back from the per-sample CSVs just written (the table shows what the BLEU numbers were computed on)."""
     columns = {}
     for s in settings:
         with open(run_dir / s["csv"], newline="", encoding="utf-8") as f:
-            columns[s["name"]] = list(csv.DictReader(f))[:n]
+            columns[s["name"]] = list(csv.DictReader(f))
     first = next(iter(columns.values()))
+    distinct: dict[str, int] = {}  # prompt -> its first row
+    for i, row in enumerate(first):
+        distinct.setdefault(row["prompt"], i)
     return [
         {
-            "prompt": row["prompt"],
-            "reference": row["reference_continuation"],
+            "prompt": first[i]["prompt"],
+            "reference": first[i]["reference_continuation"],
             **{
                 name: {"text": rows[i]["hypothesis_continuation"], "sentence_bleu4": float(rows[i]["sentence_bleu4"])}
                 for name, rows in columns.items()
             },
         }
-        for i, row in enumerate(first)
+        for i in list(distinct.values())[:n]
     ]
+
+
+def _prompt_examples(study: Study, settings: list[Decoding]) -> list[dict]:
+    """``experiments.decoding_prompts`` continued by every setting (``sample.max_new_tokens`` at most)."""
+    model, tok = study.model
+    rows = [{"prompt": p} for p in study.exp.decoding_prompts]
+    for setting in settings:
+        cfg = setting.generation(study.cfg.sample.max_new_tokens, study.exp.seed, tok.stop_ids)
+        for row, c in zip(rows, complete(model, tok, study.exp.decoding_prompts, cfg)):
+            row[setting.name] = c.continuation(tok)
+    return rows
 
 
 def part_generations(study: Study) -> dict:
@@ -426,6 +515,32 @@ def part_tokenizers(study: Study) -> dict:
     return {"rows": rows, "stories": len(valid), "oov_merges": tc.oov_merges, "configured": tc.oov}
 
 
+HEAD_PATTERNS = {  # what a head can attend to, as the key's offset from the query (None: the first token)
+    "the previous token": -1,
+    "the first token (<sos>)": None,
+    "its own token": 0,
+}
+
+
+def head_patterns(weights: list[np.ndarray]) -> list[dict]:
+    """For each pattern of HEAD_PATTERNS, the head that follows it most: the mean weight its queries
+    put on that key (queries from the third token on, where the first, previous and own tokens differ)."""
+    found = []
+    for pattern, offset in HEAD_PATTERNS.items():
+        best = None
+        for layer, w in enumerate(weights):  # (H, T, T)
+            queries = np.arange(2, w.shape[-1])
+            if not len(queries):
+                return []
+            keys = np.zeros_like(queries) if offset is None else queries + offset
+            share = w[:, queries, keys].mean(-1)  # (H,)
+            head = int(share.argmax())
+            if best is None or share[head] > best["weight"]:
+                best = {"pattern": pattern, "layer": layer, "head": head, "weight": float(share[head])}
+        found.append(best)
+    return found
+
+
 def part_attention(study: Study) -> dict:
     model, tok = study.model
     out_dir = study.run_dir / "attention"
@@ -450,6 +565,7 @@ def part_attention(study: Study) -> dict:
                 "html": str(page.relative_to(study.run_dir)),
                 "max_row_sum_error": row_sum_err,
                 "max_weight_above_diagonal": above,
+                "clearest_heads": head_patterns(maps.weights),
             }
         )
     return {"texts": rows}
@@ -579,6 +695,7 @@ def part_embedding_init(study: Study) -> dict:
 
 PARTS: dict[str, Callable[[Study], dict]] = {
     "baseline": part_baseline,
+    "tinylm_settings": part_tinylm_settings,
     "bleu": part_bleu,
     "decoding": part_decoding,
     "generations": part_generations,
@@ -593,11 +710,23 @@ PARTS: dict[str, Callable[[Study], dict]] = {
 }
 
 
-def part_key(study: Study, name: str, baseline_stamp: str | None, finished: dict | None = None) -> str:
+TRAINING_PARTS = ("baseline", "tinylm_settings")
+
+
+def trained_by(study: Study, name: str) -> str | None:
+    """The training part whose model part ``name`` reads (None for a training part itself)."""
+    if name in TRAINING_PARTS:
+        return None
+    return "tinylm_settings" if name in QUALITY_PARTS and study.exp.tinylm_settings else "baseline"
+
+
+def part_key(study: Study, name: str, stamps: dict[str, str], finished: dict | None = None) -> str:
     payload = {"part": name, "run": study.cfg.to_dict(), "quick": study.quick}
-    if name != "baseline":
+    if name == "tinylm_settings":
+        payload["column"] = study.exp.tinylm_settings
+    elif name != "baseline":
         payload["experiments"] = dataclasses.asdict(study.exp)
-        payload["baseline"] = baseline_stamp
+        payload["trained"] = stamps.get(trained_by(study, name))
     if name == "machine":
         payload["finished"] = finished  # re-described whenever any other part ran again
     return stage_key(payload)
@@ -605,7 +734,7 @@ def part_key(study: Study, name: str, baseline_stamp: str | None, finished: dict
 
 def _run_part(study: Study, name: str, stage: Stage) -> tuple[dict, str]:
     """(the part's result, its status): reused when its file holds the same key, else computed and
-    saved; a TinyLMError of any part but the baseline is saved as the part's error, run again next time."""
+    saved; a TinyLMError of any part but a training part is saved as its error, run again next time."""
     result = stage.fresh()
     if result is not None:
         log.info(f"experiments: {name}: cached ({name}.json)")
@@ -615,8 +744,10 @@ def _run_part(study: Study, name: str, stage: Stage) -> tuple[dict, str]:
     def compute() -> dict:
         try:
             result = PARTS[name](study)
+            if trained_by(study, name) == "tinylm_settings":
+                result["judged"] = study.column_dir.name  # the report says which model each part judged
         except TinyLMError as exc:
-            if name == "baseline":
+            if name in TRAINING_PARTS:
                 raise
             log.info(f"experiments: {name}: {exc}")
             result = {"error": str(exc)}
@@ -645,19 +776,23 @@ def run_experiments(
     study = Study(cfg, exp, run_dir, quick)
     t_start = time.perf_counter()
     manifest = {"quick": quick, "command": command, "parts": {}, "experiments": dataclasses.asdict(exp)}
-    stamp, finished = None, {}
+    wanted = set(only or PARTS)
+    wanted |= {trained_by(study, name) for name in wanted} - {None}  # a part's model is trained (or cached) first
+    stamps, finished = {}, {}
     for name in PARTS:
-        stage = Stage(run_dir / f"{name}.json", part_key(study, name, stamp, finished))
-        if only and name not in only and name != "baseline":
+        stage = Stage(run_dir / f"{name}.json", part_key(study, name, stamps, finished))
+        if name not in wanted:
             saved = stage.saved()
             manifest["parts"][name] = (
                 "not requested" if not saved else ("done" if saved.get("key") == stage.key else "stale")
             )
             finished[name] = (saved or {}).get("finished_utc")
+            if name in TRAINING_PARTS and saved and saved.get("key") == stage.key:  # its model still stands
+                stamps[name] = f"{stage.key}@{saved.get('finished_utc')}"
             continue
         result, manifest["parts"][name] = _run_part(study, name, stage)
-        if name == "baseline":
-            stamp = f"{stage.key}@{result.get('finished_utc')}"
+        if name in TRAINING_PARTS:
+            stamps[name] = f"{stage.key}@{result.get('finished_utc')}"
         finished[name] = result.get("finished_utc")
     manifest["seconds"] = round(time.perf_counter() - t_start, 2)
     (run_dir / "experiments.json").write_text(json.dumps(manifest, indent=2))

@@ -111,8 +111,12 @@ def _report_column(r: dict) -> dict[str, str]:
     return dict(zip(QUANTITIES, (hardware, train_time, ppl, bleu_cell, dec_cell, kv_cell, acc_cell, ck_cell)))
 
 
-def _ours(parts: dict) -> dict[str, str]:
-    ev, machine = parts.get("eval") or {}, parts.get("machine") or {}
+JUDGED = ("BLEU-1 / 2 / 3 / 4", "decoding comparison", "KV cache")  # cells of the model the quality parts judge
+
+
+def _ours(parts: dict, ev: dict | None, judged: bool = True) -> dict[str, str]:
+    """tinylm's column for the run whose eval.json is ``ev``; ``judged``: the quality parts judged its model."""
+    ev, machine = ev or {}, parts.get("machine") or {}
     valid = (ev.get("eval") or {}).get("valid") or {}
     gpu = machine.get("cuda") or "no GPU"
     hardware = f"{machine.get('cpu')}, {machine.get('train_threads')} torch threads, {gpu}" if machine else "-"
@@ -148,16 +152,24 @@ def _ours(parts: dict) -> dict[str, str]:
         if "memory_ratio" in r
     )
     ppl = f"{valid['token_ppl']:.2f} (every validation story)" if valid.get("token_ppl") else "-"
-    if bleu.get("reference_ppl"):
+    if judged and bleu.get("reference_ppl"):
         ppl += f"; on the BLEU samples' continuations {bleu['reference_ppl']:.2f}"
     if ppl != "-":
         ppl += f" (after: {train_time})"
-    return dict(zip(QUANTITIES, (hardware, train_time, ppl, bleu_cell, dec_cell, kv_cell, acc_cell, ck_cell)))
+    cells = dict(zip(QUANTITIES, (hardware, train_time, ppl, bleu_cell, dec_cell, kv_cell, acc_cell, ck_cell)))
+    return {q: cell if judged or q not in JUDGED else "-" for q, cell in cells.items()}
 
 
 def comparison_table(parts: dict) -> tuple[list[str], list[tuple]]:
     """(headers, rows): a row per quantity, tinylm's column first, then one per report."""
     reports = published()
-    columns = [_ours(parts)] + [_report_column(r) for r in reports]
-    headers = ["", "tinylm (this run)"] + [f'"{r["title"]}"' for r in reports]
+    column = parts.get("tinylm_settings_eval")
+    ours = [_ours(parts, parts.get("eval"), judged=not column)]
+    headers = ["", "tinylm, report settings" if column else "tinylm (this run)"]
+    if column:  # its own training, the quality parts and the same trade-off runs
+        tradeoffs = {q for q in QUANTITIES if q.startswith("gradient")}
+        ours.append({q: "-" if q in tradeoffs else c for q, c in _ours(parts, column).items()})
+        headers.append("tinylm settings")
+    columns = ours + [_report_column(r) for r in reports]
+    headers += [f'"{r["title"]}"' for r in reports]
     return headers, [(q, *(c[q] for c in columns)) for q in QUANTITIES]

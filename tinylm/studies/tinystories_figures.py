@@ -111,7 +111,8 @@ def decoding_chart(settings: list[dict], path: str | Path) -> Path:
     ax_speed.set(ylabel="new tokens / s", title="decoding speed (one prompt at a time)")
     for ax in (ax_bleu, ax_speed):
         ax.grid(alpha=0.3, axis="y")
-        ax.tick_params(axis="x", labelsize=8)
+        ax.tick_params(axis="x", labelsize=8, labelrotation=25)
+        plt.setp(ax.get_xticklabels(), ha="right", rotation_mode="anchor")  # long names side by side
     fig.suptitle("Decoding comparison")
     return save_figure(fig, path)
 

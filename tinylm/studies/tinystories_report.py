@@ -13,6 +13,9 @@ from tinylm.evaluation import report
 from tinylm.evaluation.report import Doc, safely
 from tinylm.studies.tinystories_compare import comparison_table
 
+# the parts that judge a trained model's output (tinylm.studies.tinystories chooses which model)
+QUALITY_PARTS = ("bleu", "decoding", "generations", "kv_cache", "attention")
+
 
 def _mib(n) -> str:
     return "missing" if n is None else f"{n / 2**20:.2f} MiB"
@@ -151,8 +154,8 @@ def _decoding_examples(doc: Doc, dec: dict) -> None:
         return
     names = [s["name"] for s in dec["settings"] if s["name"] in examples[0]]
     doc.p(
-        f"The first {len(examples)} of these prompts, each setting's continuation side by side (the same tokens "
-        "the BLEU numbers above were computed on; its sentence BLEU-4 in brackets):"
+        f"The first {len(examples)} distinct prompts of these, each setting's continuation side by side (the same "
+        "tokens the BLEU numbers above were computed on; its sentence BLEU-4 in brackets):"
     )
     doc.table(
         ["prompt", "real continuation", *names],
@@ -161,6 +164,13 @@ def _decoding_examples(doc: Doc, dec: dict) -> None:
             for e in examples
         ],
     )
+    prompted = dec.get("prompt_examples")
+    if prompted:
+        doc.p(
+            "The reports' own example prompts, continued by each setting (no reference story: these are read, "
+            "not scored):"
+        )
+        doc.table(["prompt", *names], [(e["prompt"], *(e.get(n, "missing") for n in names)) for e in prompted])
 
 
 def _section_kv(doc: Doc, kv):
@@ -168,7 +178,13 @@ def _section_kv(doc: Doc, kv):
         return
     doc.p(
         f"A batch of {kv.get('batch', 1)} prompts (the first tokens of validation stories) decoded together, "
-        f"torch threads: {kv['threads']}, median of {kv['repeats']} alternated runs (cache, no cache, ...); "
+        f"torch threads: {kv['threads']}, "
+        + (
+            "one timed run of each"
+            if kv["repeats"] == 1
+            else f"median of {kv['repeats']} alternated runs (cache, no cache, ...)"
+        )
+        + "; "
         f"context {kv['context_length']}; sampling is seeded per row. Cache memory: keys and values of every layer "
         "for the batch (float32); the cache never holds more than the context. Rows whose prompt + new tokens "
         f"pass the context of {kv['context_length']} decode with a sliding window (tinylm.generation): when the "
@@ -408,6 +424,75 @@ def _section_reports(doc: Doc, parts: dict):
     doc.table(*comparison_table(parts))
 
 
+def _settings_cells(cfg: dict) -> list[str]:
+    m, t, d = cfg["model"], cfg["train"], cfg["data"]
+    width = f"d_model {m['d_model']}" + (f" (embeddings {m['d_embed']})" if m.get("d_embed") != m["d_model"] else "")
+    blocks = f"{m['n_layers']} x {width}, {m['n_heads']} heads, d_ff {m['d_ff']}"
+    parts = f"{m['positions']} positions, {m['norm']}, {m.get('ffn', 'gelu')}" + (
+        ", QK-norm" if m.get("qk_norm") else ""
+    )
+    batching = f"{d['batching']}" + (", attention inside each story" if t.get("document_attention") else "")
+    optimizer = t.get("optimizer", "adamw") + (f" (weight average {t['ema_decay']})" if t.get("ema_decay") else "")
+    if t.get("epochs"):
+        stop = f"{t['epochs']} epochs"
+    elif t.get("max_tokens"):
+        stop = f"{t['max_tokens']:,} tokens"
+    else:
+        stop = f"{t['max_minutes']} minutes" if t.get("max_minutes") else f"{t['max_steps']} steps"
+    decay = f"cosine over the {'wall clock' if t.get('schedule_clock') == 'wall' else 'steps'}"
+    rows = f"{t['batch_size']} x {m['context_length']}"
+    return [blocks, parts, batching, rows, optimizer, f"{t['lr']}, {decay}", stop]
+
+
+def _judged_sentence(run: Path, column_dir: str) -> str:
+    """Which model the quality sections below judged, read from their files."""
+    parts = {name: report.read_json(run / f"{name}.json") for name in QUALITY_PARTS}
+    judged = [name for name, part in parts.items() if part and part.get("judged") == column_dir]
+    if len(judged) == len(parts):
+        return f"The quality sections below judge the tinylm-settings model ({column_dir}/)."
+    other = [name for name, part in parts.items() if part and name not in judged]
+    missing = " (the others have not run)" if len(judged) + len(other) < len(parts) else ""
+    return (
+        f"Parts that judged the tinylm-settings model ({column_dir}/): {', '.join(judged) or 'none'}; "
+        f"the report-settings model: {', '.join(other) or 'none'}{missing}."
+    )
+
+
+def _section_columns(doc: Doc, run: Path, column) -> None:
+    """The report-settings model beside the tinylm-settings one: same data, same tokenizer."""
+    if not column or column.get("off"):
+        return
+    if not _start_section(doc, "Report settings and tinylm settings", column, "tinylm_settings", "the second column"):
+        return
+    side = run / column["run_dir"]
+    configs = [report.read_yaml(d / "config.yaml") for d in (run, side)]
+    evals = [report.read_json(d / "eval.json") for d in (run, side)]
+    if not all(configs) or not all(evals):
+        doc.lack("config.yaml and eval.json of both columns")
+        return
+    names = ["layers and width", "architecture", "batching", "rows x tokens", "optimizer", "learning rate", "stop"]
+    rows = [(n, a, b) for n, a, b in zip(names, *(_settings_cells(c) for c in configs))]
+    for label, key, fmt in (
+        ("parameters", "parameters", "{:,}"),
+        ("optimizer steps", "steps", "{:,}"),
+        ("training seconds", "train_seconds", "{:.0f}"),
+        ("tokens/s", "tokens_per_s", "{:,.0f}"),
+    ):
+        rows.append((label, *(fmt.format(e[key]) for e in evals)))
+    for label, key, fmt in (
+        ("valid perplexity per word token", "token_ppl", "{:.2f}"),
+        ("bits per byte", "bpb", "{:.4f}"),
+    ):
+        rows.append((label, *(fmt.format(e["eval"]["valid"][key]) for e in evals)))
+    doc.p(
+        "The same stories, the same cleaning and the same word vocabulary in both columns, so their "
+        "perplexities compare; each column's model is scored story by story from `<sos>` on the validation "
+        "split. " + _judged_sentence(run, column["run_dir"])
+    )
+    doc.table(["", "report settings", "tinylm settings"], rows)
+    report.sample_blocks(doc, report.read_json(side / "samples.json"))
+
+
 def _section_attention(doc: Doc, run: Path, att):
     if not _start_section(doc, "Attention maps", att, "attention", "the attention maps"):
         return
@@ -420,6 +505,12 @@ def _section_attention(doc: Doc, run: Path, att):
             f"{t['max_row_sum_error']:.1e}, largest weight above the diagonal {t['max_weight_above_diagonal']:.1e}. "
             f"Browse every layer and head: [{t['html']}]({t['html']})"
         )
+        if t.get("clearest_heads"):
+            found = "; ".join(
+                f"layer {h['layer']} head {h['head']} puts {h['weight']:.2f} of its weight on {h['pattern']}"
+                for h in t["clearest_heads"]
+            )
+            doc.p(f"Measured on these weights (mean over the queries from the third token on): {found}.")
         for png in t["pngs"]:
             if (run / png).is_file():
                 doc.img(png, png)
@@ -461,9 +552,13 @@ def build_report(run_dir: str | Path) -> Doc:
         name: read(f"{name}.json")
         for name in ("eval", "machine", "bleu", "decoding", "kv_cache", "accumulation", "checkpointing")
     }
+    column = read("tinylm_settings.json") or {}
+    if column.get("run_dir"):
+        parts["tinylm_settings_eval"] = report.read_json(run / column["run_dir"] / "eval.json")
     safely(doc, _section_reports, {k: v for k, v in parts.items() if isinstance(v, dict) and not v.get("error")})
     safely(doc, report.section_training, run, ev, want_curves=True)
     safely(doc, report.section_eval, ev)
+    safely(doc, _section_columns, run, read("tinylm_settings.json"))
     safely(doc, _section_bleu, run, read("bleu.json"), ev)
     safely(doc, _section_generations, read("generations.json"), read("samples.json"))
     safely(doc, _section_decoding, run, read("decoding.json"))

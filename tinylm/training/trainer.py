@@ -37,7 +37,13 @@ from tinylm.constants import IGNORE_INDEX
 from tinylm.data.prepare import PreparedData
 from tinylm.data.tokens import Batches
 from tinylm.errors import TinyLMError
-from tinylm.models.checkpoint import load_model_state, prune_step_checkpoints, read_model_state, save_checkpoint
+from tinylm.models.checkpoint import (
+    load_checkpoint,
+    load_model_state,
+    prune_step_checkpoints,
+    read_model_state,
+    save_checkpoint,
+)
 from tinylm.models.embeddings import apply_pretrained_embeddings
 from tinylm.models.gpt import GPT, eval_mode
 from tinylm.tokenizers import Tokenizer
@@ -482,7 +488,9 @@ def setup_model(cfg: RunConfig, prepared: PreparedData, out_dir: Path, dist: Dis
     """The model on ``device``, the same initial weights on every rank (pretrained embeddings when
     configured); then each rank's own dropout stream."""
     model = build_model(cfg, prepared.tokenizer.vocab_size).to(device)
-    if getattr(cfg, "embeddings", None) is not None and cfg.embeddings.kind != "none":
+    if cfg.train.init_from:
+        start_from_weights(model, cfg.train.init_from, prepared.tokenizer)
+    elif getattr(cfg, "embeddings", None) is not None and cfg.embeddings.kind != "none":
         apply_pretrained_embeddings(
             model,
             prepared.tokenizer,
@@ -494,6 +502,19 @@ def setup_model(cfg: RunConfig, prepared: PreparedData, out_dir: Path, dist: Dis
     if dist.rank:
         torch.manual_seed(cfg.train.seed + 1_000_003 * dist.rank)  # ranks draw different dropout masks
     return model
+
+
+def start_from_weights(model: GPT, checkpoint: str, tokenizer) -> None:
+    """Copy a checkpoint's weights into ``model``: the same architecture and the same vocabulary."""
+    trained, trained_tokenizer, _ = load_checkpoint(checkpoint)
+    pieces = lambda tok: (tok.type_name, [tok.decode([i]) for i in range(tok.vocab_size)])  # noqa: E731
+    if pieces(trained_tokenizer) != pieces(tokenizer):
+        raise TinyLMError(f"train.init_from={checkpoint}: its tokenizer is not the one this run prepared")
+    try:
+        model.load_state_dict(trained.state_dict())
+    except RuntimeError as exc:
+        first = str(exc).strip().splitlines()[-1].strip()
+        raise TinyLMError(f"train.init_from={checkpoint}: its model does not match model.*: {first}") from None
 
 
 def setup_schedule(cfg: RunConfig, data: TrainData, say: Callable[[str], None]) -> RunConfig:
