@@ -280,6 +280,7 @@ def test_every_subcommand_has_help_listing_every_option(capsys):
         "report",
         "attention",
         "serve",
+        "check",
         "experiments",
         "study",
         "tokenizer-stats",

@@ -299,6 +299,7 @@ LAYERS = (
     "serving",
     "pipeline",
     "studies",
+    "courses",
     "cli",
 )
 LAYER_OF = {name: rank for rank, names in enumerate(LAYERS) for name in names.split()}

@@ -37,6 +37,7 @@ from tinylm.config import (
     option,
     preset_names,
 )
+from tinylm.courses.check import PASSING, check_adapter, summary, write_json
 from tinylm.data.corpora import load_text_file
 from tinylm.data.prepare import prepare as prepare_data
 from tinylm.errors import TinyLMError
@@ -825,6 +826,31 @@ def tokenizer_stats(opts: TokenizerStatsOptions) -> int:
     rows = collect(tokenizers, splits)
     print(json.dumps(rows, indent=1) if opts.json else format_table(rows))
     return 0
+
+
+@dataclass
+class CheckOptions:
+    adapter: str = opt(
+        "the student's adapter file: a filled copy of tinylm/courses/adapter_template.py", positional=True
+    )
+    parts: str | None = opt("comma-separated parts to check (default: every part)", metavar="A,B")
+    json: str | None = opt("also write the verdicts to this JSON file", metavar="PATH")
+    timeout: float = opt("seconds each part may run before it counts as timed out", 30.0, gt=0)
+    memory_gb: float = opt("memory the adapter's process may take beyond what torch maps, in GiB", 4.0, gt=0)
+
+
+@command("check")
+def check(opts: CheckOptions) -> int:
+    """Check a student's own model, training and generation parts against tinylm's, naming the mistake."""
+    parts = [name.strip() for name in opts.parts.split(",") if name.strip()] if opts.parts else None
+    results = []
+    for result in check_adapter(opts.adapter, parts, opts.timeout, int(opts.memory_gb * 2**30)):
+        print(result.line(), flush=True)  # one line per part as it is judged: a slow part shows where it is
+        results.append(result)
+    print(summary(results))
+    if opts.json:
+        write_json(opts.json, opts.adapter, results)
+    return 0 if all(r.status in PASSING for r in results) else 1
 
 
 if __name__ == "__main__":

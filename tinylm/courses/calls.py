@@ -1,0 +1,125 @@
+"""One call of a part, the same in the student's process and in tinylm's: the inputs copied, the
+gradients of a fixed projection of the output taken, the result reduced to tensors, and the bytes
+that carry requests and replies between the two processes.
+
+A part is called with keyword arguments (``calls``: one dict per call; a schedule is called once
+per step). For a part that trains, ``grad`` names the arguments whose gradients are compared: a
+tensor argument, or a dict of tensors (every tensor in it). The scalar that is differentiated is
+``(output * projection).sum()`` with ``projection`` a fixed random tensor, not ``output.sum()``:
+a softmax row sums to 1 whatever its inputs, so the gradient of a plain sum is zero and would
+hide every mistake in it.
+"""
+
+from __future__ import annotations
+
+import io
+import numbers
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+Calls = list[dict[str, Any]]
+
+
+def clone_tree(value: Any) -> Any:
+    """A deep copy of tensors in dicts, lists and tuples: a function that changes its inputs in
+    place (``p.sub_(...)``) must not change the inputs the next function is given."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, dict):
+        return {k: clone_tree(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(clone_tree(v) for v in value)
+    return value
+
+
+def to_plain(value: Any) -> Any:
+    """A part's return value as tensors in dicts and lists (numbers become float64 tensors), or a
+    TypeError saying what came back instead."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, numbers.Real):
+        return torch.tensor(float(value), dtype=torch.float64)
+    if isinstance(value, dict):
+        return {str(k): to_plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [to_plain(v) for v in value]
+    if hasattr(value, "__array__"):  # a numpy array
+        return torch.as_tensor(value)
+    if value is None:
+        raise TypeError("returned None (a missing return statement?)")
+    raise TypeError(
+        f"returned a {type(value).__name__}; a part returns tensors, numbers, or lists, tuples, dicts of them"
+    )
+
+
+def mark_leaves(kwargs: dict[str, Any], names: list[str]) -> dict[str, torch.Tensor]:
+    """Replace the arguments ``names`` (tensors, or dicts of tensors) by copies that require
+    gradients; returns them by display name (``x``, ``weights['q_proj.weight']``)."""
+    leaves = {}
+    for name in names:
+        value = kwargs[name]
+        if isinstance(value, torch.Tensor):
+            kwargs[name] = leaves[name] = value.detach().clone().requires_grad_()
+        elif isinstance(value, dict):
+            copy = dict(value)
+            for key, tensor in value.items():
+                if isinstance(tensor, torch.Tensor):
+                    copy[key] = leaves[f"{name}[{key!r}]"] = tensor.detach().clone().requires_grad_()
+            kwargs[name] = copy
+    return leaves
+
+
+def gradients(output: Any, projection: torch.Tensor, leaves: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """d (output * projection).sum() / d leaf, for each leaf; None where no gradient reaches it.
+    An output of the wrong shape gets no gradients: the output's own comparison reports it."""
+    if not isinstance(output, torch.Tensor) or output.shape != projection.shape:
+        return {}
+    if not output.requires_grad:
+        return {name: None for name in leaves}
+    found = torch.autograd.grad((output * projection).sum(), list(leaves.values()), allow_unused=True)
+    return {name: None if g is None else g.detach() for name, g in zip(leaves, found)}
+
+
+def run_call(fn: Callable, calls: Calls, grad: list[str] = (), projection: torch.Tensor | None = None) -> dict:
+    """``fn`` on each call's arguments: {"output": the output (a list of outputs for several
+    calls), "grads": {argument: gradient}} (gradients only with ``grad``, for a single call)."""
+    calls = clone_tree(calls)
+    if not grad:
+        with torch.no_grad():
+            outputs = [to_plain(fn(**kwargs)) for kwargs in calls]
+        return {"output": outputs if len(outputs) > 1 else outputs[0], "grads": {}}
+    (kwargs,) = calls
+    leaves = mark_leaves(kwargs, list(grad))
+    with torch.enable_grad():
+        output = fn(**kwargs)
+        grads = gradients(output, projection, leaves)
+    return {"output": to_plain(output), "grads": grads}
+
+
+def describe_exception(exc: BaseException, adapter: str | Path) -> str:
+    """``Type: message``, and the adapter's line it came from: what the student needs, never a
+    traceback through tinylm."""
+    lines = str(exc).strip().splitlines()
+    text = type(exc).__name__ + (f": {lines[0][:300]}" if lines else "")
+    adapter = Path(adapter).resolve()
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if Path(f.filename).resolve() == adapter]
+    if frames:
+        text += f" ({adapter.name} line {frames[-1].lineno}, in {frames[-1].name})"
+    return text
+
+
+# ------------------------------------------------------------------------------ the wire
+def send(conn, message: dict) -> None:
+    """One message (tensors, numbers, strings in dicts and lists) as torch.save's bytes."""
+    buffer = io.BytesIO()
+    torch.save(message, buffer)
+    conn.send_bytes(buffer.getvalue())
+
+
+def receive(conn) -> dict:
+    """The next message; ``weights_only`` loading, so bytes from the student's process cannot run
+    code in tinylm's."""
+    return torch.load(io.BytesIO(conn.recv_bytes()), weights_only=True)

@@ -1,0 +1,212 @@
+"""The verdict on each part of a student's adapter: ok, differs (with the mistake named when one of
+``parts``' usual mistakes gives the student's output), not implemented, error, or timed out.
+
+For each part: its seeded inputs, tinylm's output and gradients on them, the student's from the
+sandboxed process, and a comparison at the part's tolerance, output first, then each gradient.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+
+from tinylm.courses.calls import Calls, run_call
+from tinylm.courses.parts import PARTS, PARTS_BY_NAME, Mistake, Part, Tolerance
+from tinylm.courses.sandbox import DEFAULT_MEMORY_BYTES, STARTUP_SECONDS, Sandbox
+from tinylm.errors import TinyLMError
+
+PASSING = ("ok", "not implemented")  # what lets `tinylm check` exit 0
+
+
+@dataclass
+class PartResult:
+    part: str
+    status: str  # ok, differs, not implemented, error, timed out
+    detail: str = ""
+    mistake: str | None = None  # the key of the named mistake
+    max_error: float | None = None
+
+    def line(self, width: int = 30) -> str:
+        if self.status in ("ok", "not implemented"):
+            verdict = self.status
+        elif self.status == "timed out":
+            verdict = f"timed out {self.detail}"
+        else:
+            verdict = f"{self.status}: {self.detail}"
+        return f"{self.part:<{width}} {verdict}"
+
+    def as_json(self) -> dict:
+        data = asdict(self)
+        if data["max_error"] is not None and not math.isfinite(data["max_error"]):
+            data["max_error"] = str(data["max_error"])  # JSON has no inf or nan
+        return data
+
+
+@dataclass(frozen=True)
+class Case:
+    """A part's inputs and tinylm's answer on them; ``request`` is what the student's process gets."""
+
+    calls: Calls
+    request: dict
+    expected: dict
+
+
+def make_case(part: Part) -> Case:
+    gen = torch.Generator().manual_seed(part.seed)
+    calls = part.inputs(gen)
+    projection = None
+    if part.grad:  # a fixed random direction of the output's shape (calls.py says why not a plain sum)
+        shape = run_call(part.reference, calls)["output"].shape
+        projection = torch.randn(shape, generator=gen)
+    expected = run_call(part.reference, calls, list(part.grad), projection)
+    request = {"function": part.function, "calls": calls, "grad": list(part.grad), "projection": projection}
+    return Case(calls, request, expected)
+
+
+# ------------------------------------------------------------------------------ comparing
+@dataclass(frozen=True)
+class Mismatch:
+    message: str
+    max_error: float
+    label: str = ""  # where: "[3]['weight']" (the first index is the call, for a part called several times)
+
+
+def flatten(tree: Any, label: str = "") -> dict[str, Any]:
+    """Tensors in nested dicts and lists by their place: ``[0]['weight']``."""
+    if isinstance(tree, dict):
+        return {k: v for key, value in tree.items() for k, v in flatten(value, f"{label}[{key!r}]").items()}
+    if isinstance(tree, list):
+        return {k: v for i, value in enumerate(tree) for k, v in flatten(value, f"{label}[{i}]").items()}
+    return {label: tree}
+
+
+def mismatch(actual: Any, expected: Any, tolerance: Tolerance, what: str = "output") -> Mismatch | None:
+    """None when every tensor of ``actual`` is within tolerance of ``expected`` (nan matching nan,
+    inf matching the same inf), else the first tensor that is not, with its largest error."""
+    got, want = flatten(actual), flatten(expected)
+    if set(got) != set(want):
+        missing, extra = sorted(set(want) - set(got)), sorted(set(got) - set(want))
+        return Mismatch(f"{what} is not shaped as expected (missing {missing}, unexpected {extra})", math.inf)
+    for label, e in want.items():
+        a = got[label]
+        if tuple(a.shape) != tuple(e.shape):
+            return Mismatch(f"{what}{label} has shape {tuple(a.shape)}, expected {tuple(e.shape)}", math.inf, label)
+        a64, e64 = a.double(), e.double()
+        close = torch.isclose(a64, e64, rtol=tolerance.rtol, atol=tolerance.atol, equal_nan=True)
+        if bool(close.all()):
+            continue
+        error = torch.where(close, 0.0, (a64 - e64).abs().nan_to_num(nan=math.inf, posinf=math.inf))
+        flat = int(error.argmax())
+        index = [int(i) for i in torch.unravel_index(torch.tensor(flat), tuple(error.shape))] if error.dim() else []
+        at = f"{what}{label}{index if index else ''}"
+        worst = float(error.reshape(-1)[flat])
+        return Mismatch(
+            f"max abs error {worst:.3g} at {at} (yours {float(a64.reshape(-1)[flat]):.6g}, "
+            f"tinylm's {float(e64.reshape(-1)[flat]):.6g})",
+            worst,
+            label,
+        )
+    return None
+
+
+def gradient_mismatch(got: dict, want: dict, tolerance: Tolerance) -> Mismatch | None:
+    for name, expected in want.items():
+        actual = got.get(name)
+        if actual is None:
+            return Mismatch(
+                f"no gradient reaches {name}: is the output cut off from autograd (.detach, numpy)?", math.inf
+            )
+        wrong = mismatch(actual, expected, tolerance, f"the gradient of {name}")
+        if wrong is not None:
+            return wrong
+    return None
+
+
+def call_note(calls: Calls, label: str) -> str:
+    """For a part called several times, which call a mismatch is in and its plain arguments."""
+    if len(calls) < 2 or not label.startswith("["):
+        return ""
+    i = int(label[1 : label.index("]")])
+    plain = ", ".join(f"{k}={v}" for k, v in calls[i].items() if isinstance(v, (int, float)))
+    return f" (call {i}: {plain})"
+
+
+def named_mistake(part: Part, case: Case, output: Any) -> Mistake | None:
+    """The first of the part's usual mistakes whose output, on the same inputs, is the student's."""
+    for candidate in part.mistakes:
+        if mismatch(output, run_call(candidate.fn, case.calls)["output"], part.tolerance) is None:
+            return candidate
+    return None
+
+
+def judge(part: Part, case: Case, reply: dict) -> PartResult:
+    """A part's verdict from the student's reply (child.answer's dict, or the sandbox's)."""
+    status = reply["status"]
+    if status != "ok":
+        return PartResult(part.name, status, reply.get("error", ""))
+    wrong = mismatch(reply["output"], case.expected["output"], part.tolerance)
+    if wrong is None:
+        wrong_grad = gradient_mismatch(reply["grads"], case.expected["grads"], part.tolerance)
+        if wrong_grad is None:
+            return PartResult(part.name, "ok")
+        return PartResult(
+            part.name, "differs", f"the output is right; {wrong_grad.message}", None, wrong_grad.max_error
+        )
+    found = named_mistake(part, case, reply["output"])
+    if found is not None:
+        return PartResult(part.name, "differs", f"yours equals {found.says}", found.key, wrong.max_error)
+    return PartResult(part.name, "differs", wrong.message + call_note(case.calls, wrong.label), None, wrong.max_error)
+
+
+# ---------------------------------------------------------------------------------- running
+def select_parts(names: list[str] | None) -> list[Part]:
+    if not names:
+        return list(PARTS)
+    unknown = [n for n in names if n not in PARTS_BY_NAME]
+    if unknown:
+        raise TinyLMError(f"unknown part(s) {', '.join(unknown)}; the parts are {', '.join(PARTS_BY_NAME)}")
+    return [PARTS_BY_NAME[n] for n in names]
+
+
+def check_adapter(
+    adapter: str | Path,
+    parts: list[str] | None = None,
+    timeout: float = 30.0,
+    memory_bytes: int = DEFAULT_MEMORY_BYTES,
+) -> Iterator[PartResult]:
+    """Each chosen part's verdict, as soon as it is known. The adapter runs in its own process
+    (``sandbox``): ``timeout`` seconds per part, ``memory_bytes`` of memory."""
+    path = Path(adapter)
+    if not path.is_file():
+        raise TinyLMError(f"adapter file {path} does not exist" if not path.exists() else f"{path} is not a file")
+    chosen = select_parts(parts)
+    cpu_seconds = int(STARTUP_SECONDS + timeout * len(chosen)) + 1  # a budget no honest run reaches
+    return _verdicts(Sandbox(path.resolve(), timeout, memory_bytes, cpu_seconds), chosen)
+
+
+def _verdicts(sandbox: Sandbox, parts: list[Part]) -> Iterator[PartResult]:
+    with sandbox:
+        for part in parts:
+            case = make_case(part)
+            yield judge(part, case, sandbox.call(case.request))
+
+
+def summary(results: list[PartResult]) -> str:
+    counts = {
+        s: sum(r.status == s for r in results) for s in ("ok", "differs", "error", "timed out", "not implemented")
+    }
+    return ", ".join(f"{n} {s}" for s, n in counts.items() if n) or "no parts checked"
+
+
+def write_json(path: str | Path, adapter: str | Path, results: list[PartResult]) -> None:
+    data = {
+        "adapter": str(adapter),
+        "passed": all(r.status in PASSING for r in results),
+        "parts": [r.as_json() for r in results],
+    }
+    Path(path).write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")

@@ -1,0 +1,534 @@
+"""The parts ``tinylm check`` knows: for each, the adapter function it calls, its seeded inputs,
+tinylm's reference, the tolerance (and why), the arguments whose gradients count, and the usual
+mistakes it can name.
+
+Inputs are small (batch 2, 5 positions, width 16, 4 heads) and float32, drawn from a generator
+seeded by the part's name, so a part's inputs do not change when other parts are added. Weight
+matrices are scaled by 1/sqrt(fan-in) so that activations stay near 1 and the tolerances are
+absolute errors of values of that size; norm gains are near 1 and biases near 0, but not exactly,
+so that forgetting either shows.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+from functools import partial
+from typing import Callable
+
+import torch
+from torch import nn
+
+from tinylm.constants import IGNORE_INDEX
+from tinylm.courses import mistakes as wrong
+from tinylm.courses import reference_adapter as ref
+from tinylm.models.gpt import state_dict_by_parts
+
+B, T, C, HEADS, D_FF = 2, 5, 16, 4, 32
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    atol: float
+    rtol: float
+    why: str
+
+
+@dataclass(frozen=True)
+class Mistake:
+    key: str  # short and stable: JSON and tests name it
+    says: str  # completes "yours equals ..."
+    fn: Callable  # the adapter function's signature
+
+
+@dataclass(frozen=True)
+class Part:
+    name: str
+    function: str  # the adapter's function
+    inputs: Callable[[torch.Generator], list[dict]]  # keyword arguments, one dict per call
+    reference: Callable
+    tolerance: Tolerance
+    grad: tuple[str, ...] = ()  # arguments whose gradients are compared (one call only)
+    mistakes: tuple[Mistake, ...] = ()
+
+    @property
+    def seed(self) -> int:
+        return zlib.crc32(self.name.encode())
+
+
+# ------------------------------------------------------------------------------ inputs
+def randn(gen: torch.Generator, *shape: int, scale: float = 1.0) -> torch.Tensor:
+    return torch.randn(shape, generator=gen) * scale
+
+
+def random_weights(module: nn.Module, gen: torch.Generator) -> dict[str, torch.Tensor]:
+    """Fresh random values for ``module``'s parameters under tinylm's state-dict names, q/k/v and
+    gate/up apart (the names the adapter receives)."""
+    weights = {}
+    for name, t in state_dict_by_parts(module).items():
+        if t.dim() >= 2:
+            weights[name] = randn(gen, *t.shape, scale=t.shape[1] ** -0.5)
+        elif name.endswith("weight"):  # a norm's gain
+            weights[name] = 1.0 + randn(gen, *t.shape, scale=0.1)
+        else:
+            weights[name] = randn(gen, *t.shape, scale=0.1)
+    return weights
+
+
+def linear_inputs(gen):
+    # square, so that forgetting the transpose gives a result of the right shape, which is named
+    return [{"x": randn(gen, B, T, 8), "weight": randn(gen, 8, 8, scale=8**-0.5), "bias": randn(gen, 8, scale=0.1)}]
+
+
+def embedding_inputs(gen):
+    return [{"ids": torch.randint(0, 7, (B, T), generator=gen), "weight": randn(gen, 7, C)}]  # ids repeat
+
+
+def softmax_inputs(gen):
+    x = randn(gen, 3, 4, 6)
+    x[0, 1, 2] = 1000.0  # exp(1000) overflows float32: a softmax must subtract the maximum first
+    return [{"x": x, "dim": 1}]  # not the last axis, so that ignoring dim shows
+
+
+def attention_inputs(gen):
+    return [{"q": randn(gen, B, 2, T, 4), "k": randn(gen, B, 2, T, 4), "v": randn(gen, B, 2, T, 4), "causal": True}]
+
+
+def multihead_inputs(gen, rope: bool):
+    weights = random_weights(ref.attention_module(C, HEADS), gen)
+    return [{"x": randn(gen, B, T, C), "weights": weights, "n_heads": HEADS, "rope": rope}]
+
+
+def layernorm_inputs(gen):
+    # rows off centre and a large eps: the mistakes that move eps or the mean show at these sizes
+    x = randn(gen, B, T, C) + 0.5
+    return [{"x": x, "weight": 1.0 + randn(gen, C, scale=0.1), "bias": randn(gen, C, scale=0.1), "eps": 0.1}]
+
+
+def rmsnorm_inputs(gen):
+    return [{"x": randn(gen, B, T, C) + 0.5, "weight": 1.0 + randn(gen, C, scale=0.1), "eps": 0.1}]
+
+
+def feed_forward_inputs(gen, kind: str):
+    weights = random_weights(ref.feed_forward_module(C, D_FF, kind, bias=kind != "swiglu"), gen)
+    return [{"x": randn(gen, B, T, C), "weights": weights, "kind": kind}]
+
+
+def block_inputs(gen):
+    weights = random_weights(ref.block_module(C, HEADS, D_FF), gen)
+    return [{"x": randn(gen, B, T, C), "weights": weights, "n_heads": HEADS}]
+
+
+def cross_entropy_inputs(gen):
+    targets = torch.randint(0, 10, (B, 6), generator=gen)
+    targets[0, 5:] = IGNORE_INDEX  # rows padded unequally: the ways of averaging differ
+    targets[1, 3:] = IGNORE_INDEX
+    return [{"logits": randn(gen, B, 6, 10, scale=2.0), "targets": targets, "ignore_index": IGNORE_INDEX}]
+
+
+def adamw_inputs(gen):
+    shapes = {"weight": (4, 3), "bias": (3,)}
+    state = {
+        name: {"exp_avg": randn(gen, *s, scale=0.1), "exp_avg_sq": torch.rand(s, generator=gen) * 0.01}
+        for name, s in shapes.items()
+    }
+    call = {
+        "params": {name: randn(gen, *s) for name, s in shapes.items()},
+        "grads": {name: randn(gen, *s) for name, s in shapes.items()},
+        "state": state,
+        "lr": 0.01,
+        "betas": (0.9, 0.999),
+        "eps": 1e-8,
+        "weight_decay": 0.1,
+        "step": 3,  # the third update: bias correction still matters (1 - 0.999^3 is 0.003)
+    }
+    return [call]
+
+
+def schedule_inputs(gen):
+    return [{"step": s, "max_lr": 1e-3, "min_lr": 1e-4, "warmup": 5, "total": 20} for s in range(25)]
+
+
+def clip_inputs(gen):
+    grads = {"weight": randn(gen, 4, 3), "bias": randn(gen, 3)}  # norm near 4
+    return [{"grads": grads, "max_norm": 1.0}, {"grads": grads, "max_norm": 100.0}]
+
+
+def top_k_inputs(gen):
+    logits = randn(gen, 3, 12, scale=2.0)
+    return [{"logits": logits, "k": 4}, {"logits": logits, "k": 2}]
+
+
+def top_p_inputs(gen):
+    # p = 0.05 is below every row's top probability: tinylm keeps that one token
+    logits = randn(gen, 4, 12, scale=1.5)
+    return [{"logits": logits, "p": 0.8}, {"logits": logits, "p": 0.05}]
+
+
+# ------------------------------------------------------------------------------ tolerances
+ELEMENTWISE = Tolerance(1e-6, 1e-6, "a few float32 operations per value: rounding only (~1e-7)")
+PRODUCT = Tolerance(1e-5, 1e-5, "float32 sums of 8 to 32 products, in whatever order the kernel adds them (~1e-6)")
+NORM = Tolerance(1e-5, 1e-5, "a mean, a variance and a square root per row of 16 in float32 (~1e-6)")
+ATTENTION = Tolerance(
+    1e-4, 1e-4, "three or four chained float32 matrix products, a softmax and their gradients: errors compound (~1e-5)"
+)
+LOSS = Tolerance(1e-5, 1e-5, "a log-sum-exp over 10 logits and a mean over 8 targets in float32 (~1e-6)")
+UPDATE = Tolerance(1e-6, 1e-5, "a few float32 operations per weight, a square root and a division (~1e-7)")
+SCHEDULE = Tolerance(1e-10, 1e-5, "one number per step; a float32 computation of it is within 1e-7 relative")
+COPY = Tolerance(0.0, 0.0, "kept logits are copied, the others are -inf: exact")
+
+
+def mistake(key: str, says: str, fn: Callable, **switches) -> Mistake:
+    return Mistake(key, says, partial(fn, **switches) if switches else fn)
+
+
+LINEAR_MISTAKES = (
+    mistake(
+        "weight_not_transposed",
+        "x @ weight + bias; weight is (out, in), so a linear map is x @ weight.T + bias",
+        wrong.linear,
+        transpose=False,
+    ),
+    mistake("no_bias", "x @ weight.T without the bias", wrong.linear, use_bias=False),
+)
+SOFTMAX_MISTAKES = (
+    mistake("ignores_dim", "a softmax over the last axis: the dim argument was ignored", wrong.softmax, axis=-1),
+    mistake("first_axis", "a softmax over axis 0 instead of dim", wrong.softmax, axis=0),
+    mistake(
+        "no_max_subtracted",
+        "exp(x) / sum(exp(x)) without subtracting the maximum first: exp overflows to inf and the result holds nan",
+        wrong.softmax,
+        subtract_max=False,
+    ),
+)
+ATTENTION_MISTAKES = (
+    mistake("no_scale", "tinylm's attention without the 1/sqrt(d) scale on the scores", wrong.attention, scale_power=0),
+    mistake(
+        "scale_by_d", "tinylm's attention with the scores scaled by 1/d, not 1/sqrt(d)", wrong.attention, scale_power=-1
+    ),
+    mistake(
+        "sees_next",
+        "tinylm's attention with a causal mask one position too wide: each position also sees the next one",
+        wrong.attention,
+        mask_diagonal=1,
+    ),
+    mistake("no_mask", "tinylm's attention without the causal mask", wrong.attention, masked=False),
+    mistake(
+        "softmax_over_queries",
+        "tinylm's attention with the softmax over the queries (dim -2), not over the keys (dim -1)",
+        wrong.attention,
+        softmax_dim=-2,
+    ),
+)
+
+
+def in_multihead(m: Mistake) -> Mistake:
+    """An attention mistake inside multi-head attention."""
+    return Mistake(m.key, m.says.replace("attention", "multi-head attention", 1), partial(wrong.multihead, attend=m.fn))
+
+
+MULTIHEAD_MISTAKES = (
+    *(in_multihead(m) for m in ATTENTION_MISTAKES),
+    mistake(
+        "heads_by_view",
+        "tinylm's multi-head attention with the heads cut by reshaping (B, T, C) straight to (B, H, T, D), "
+        "without the transpose: each head mixes positions",
+        wrong.multihead,
+        split="view",
+    ),
+)
+ROPE_MISTAKES = (
+    mistake(
+        "rope_halves",
+        "tinylm's attention with RoPE rotating the two halves of each head (x[:D/2], x[D/2:]: GPT-NeoX's "
+        "layout); tinylm rotates consecutive pairs (x0, x1), (x2, x3), ... (Meta's layout)",
+        wrong.multihead,
+        rotate=wrong.rotate_halves,
+    ),
+    mistake(
+        "rope_queries_only",
+        "tinylm's attention with RoPE on the queries only, not the keys",
+        wrong.multihead,
+        keys=False,
+    ),
+    mistake("no_rope", "tinylm's attention without RoPE: rope=True was ignored", wrong.multihead, rotate=None),
+)
+LAYERNORM_MISTAKES = (
+    mistake(
+        "unbiased_variance",
+        "LayerNorm with the unbiased variance (dividing by C - 1, torch.var's default); LayerNorm divides by C",
+        wrong.normalize,
+        unbiased=True,
+    ),
+    mistake(
+        "eps_outside_sqrt",
+        "LayerNorm with eps added to the standard deviation, not to the variance under the square root",
+        wrong.normalize,
+        eps_inside=False,
+    ),
+    mistake("no_affine", "LayerNorm without its weight and bias", wrong.normalize, affine=False),
+    mistake(
+        "no_centering", "LayerNorm without the mean subtracted (RMSNorm with a bias)", wrong.normalize, center=False
+    ),
+)
+
+
+def rms(fn: Callable) -> Callable:
+    """A ``normalize`` switch as an RMSNorm: no bias, no centring unless the switch says so."""
+    return lambda x, weight, eps: fn(x, weight, None, eps)
+
+
+RMSNORM_MISTAKES = (
+    mistake(
+        "centered",
+        "LayerNorm without bias: RMSNorm does not subtract the mean",
+        rms(partial(wrong.normalize, center=True)),
+    ),
+    mistake(
+        "eps_outside_sqrt",
+        "RMSNorm with eps added to the root mean square, not under the square root",
+        rms(partial(wrong.normalize, center=False, eps_inside=False)),
+    ),
+    mistake(
+        "sum_not_mean",
+        "x / sqrt(sum(x^2) + eps): RMSNorm takes the mean of the squares, not their sum",
+        rms(partial(wrong.normalize, center=False, reduce="sum")),
+    ),
+    mistake("no_weight", "RMSNorm without its weight", rms(partial(wrong.normalize, center=False, affine=False))),
+)
+NO_ACTIVATION = "the feed-forward without its activation: two linear maps in a row"
+GELU_MISTAKES = (
+    mistake(
+        "exact_gelu",
+        "the feed-forward with the exact (erf) GELU; tinylm uses GPT-2's tanh approximation, "
+        "F.gelu(x, approximate='tanh')",
+        wrong.feed_forward,
+        activation=torch.nn.functional.gelu,
+    ),
+    mistake("relu", "the feed-forward with ReLU instead of GELU", wrong.feed_forward, activation=torch.relu),
+    mistake("no_activation", NO_ACTIVATION, wrong.feed_forward, activation=wrong.identity),
+)
+RELU_MISTAKES = (
+    mistake(
+        "gelu",
+        "the feed-forward with GELU instead of ReLU",
+        wrong.feed_forward,
+        activation=partial(torch.nn.functional.gelu, approximate="tanh"),
+    ),
+    mistake("no_activation", NO_ACTIVATION, wrong.feed_forward, activation=wrong.identity),
+)
+SWIGLU_MISTAKES = (
+    mistake(
+        "gate_up_swapped",
+        "SwiGLU with gate and up swapped, silu(up(x)) * gate(x); tinylm computes down(silu(gate(x)) * up(x))",
+        wrong.feed_forward,
+        swap=True,
+    ),
+    mistake(
+        "sigmoid_gate",
+        "SwiGLU with sigmoid instead of SiLU (a GLU): sigmoid(gate(x)) * up(x)",
+        wrong.feed_forward,
+        gate_fn=torch.sigmoid,
+    ),
+)
+BLOCK_MISTAKES = (
+    mistake(
+        "post_norm",
+        "a post-norm block, norm1(x + attn(x)) then norm2(h + ffn(h)); tinylm's block is pre-norm: "
+        "h = x + attn(norm1(x)), then h + ffn(norm2(h))",
+        wrong.block,
+        layout="post",
+    ),
+    mistake(
+        "parallel",
+        "a parallel block, x + attn(norm1(x)) + ffn(norm2(x)); in tinylm's the feed-forward reads x + attn(norm1(x))",
+        wrong.block,
+        layout="parallel",
+    ),
+    mistake("no_residual", "a block without its residual connections", wrong.block, layout="no_residual"),
+    mistake(
+        "norm1_twice",
+        "a block with norm1 before the feed-forward too; norm2 belongs there",
+        wrong.block,
+        layout="one_norm",
+    ),
+)
+CROSS_ENTROPY_MISTAKES = (
+    mistake(
+        "mean_over_padding",
+        "the loss averaged over every position, padding included; divide by the targets that are not ignore_index",
+        wrong.cross_entropy,
+        divide_by="positions",
+    ),
+    mistake(
+        "sum", "the summed loss; tinylm takes the mean over the counted targets", wrong.cross_entropy, divide_by="none"
+    ),
+    mistake(
+        "mean_of_row_means",
+        "the mean of each row's mean loss; tinylm averages all counted targets at once, so a row with more "
+        "padding does not weigh more per target",
+        wrong.cross_entropy,
+        divide_by="rows",
+    ),
+)
+ADAMW_MISTAKES = (
+    mistake("no_bias_correction", "AdamW without bias correction of the moments", wrong.adamw, bias_correction=False),
+    mistake(
+        "l2_in_gradient",
+        "Adam with L2 regularisation (weight_decay * param added to the gradient); AdamW decays the weights "
+        "apart from the gradient: param *= 1 - lr * weight_decay",
+        wrong.adam_l2,
+    ),
+    mistake(
+        "decay_without_lr",
+        "AdamW with the decay not scaled by lr: param *= 1 - weight_decay instead of 1 - lr * weight_decay",
+        wrong.adamw,
+        decay="plain",
+    ),
+    mistake(
+        "step_off_by_one",
+        "AdamW with the bias correction one step ahead, 1 - beta ** (step + 1); step is this update's number, from 1",
+        wrong.adamw,
+        t_offset=1,
+    ),
+)
+SCHEDULE_MISTAKES = (
+    mistake("no_warmup", "a cosine from step 0 without the warmup", wrong.cosine_schedule, variant="no_warmup"),
+    mistake(
+        "warmup_from_zero",
+        "a warmup of max_lr * step / warmup, which gives step 0 a rate of 0; tinylm's is max_lr * (step + 1) / warmup",
+        wrong.cosine_schedule,
+        variant="warmup_from_zero",
+    ),
+    mistake(
+        "progress_from_zero",
+        "a cosine whose progress is step / total; tinylm's decay starts after warmup: "
+        "(step - warmup) / (total - warmup)",
+        wrong.cosine_schedule,
+        variant="progress_from_zero",
+    ),
+    mistake("to_zero", "a cosine that decays to 0 instead of min_lr", wrong.cosine_schedule, variant="to_zero"),
+    mistake(
+        "no_clamp",
+        "a cosine that rises again after total steps; tinylm stays at min_lr from step total on",
+        wrong.cosine_schedule,
+        variant="no_clamp",
+    ),
+)
+CLIP_MISTAKES = (
+    mistake(
+        "per_tensor",
+        "each gradient clipped by its own norm; the norm is over all gradients together",
+        wrong.clip_grad_norm,
+        how="per_tensor",
+    ),
+    mistake(
+        "by_value",
+        "gradients clamped to [-max_norm, max_norm] (clipping by value), not scaled by max_norm / norm",
+        wrong.clip_grad_norm,
+        how="by_value",
+    ),
+    mistake(
+        "always_scaled",
+        "gradients scaled to max_norm even when their norm is below it",
+        wrong.clip_grad_norm,
+        how="always",
+    ),
+)
+TOP_K_MISTAKES = (
+    mistake("k_plus_one", "top-k keeping k + 1 logits", wrong.top_k_shifted, by=1),
+    mistake("k_minus_one", "top-k keeping k - 1 logits (a strict > where >= belongs?)", wrong.top_k_shifted, by=-1),
+    mistake(
+        "zero_fill", "top-k with the other logits set to 0, not -inf: they can still be sampled", wrong.top_k_zero_fill
+    ),
+    mistake("smallest", "top-k keeping the k smallest logits", wrong.top_k_smallest),
+)
+TOP_P_MISTAKES = (
+    mistake(
+        "drops_crossing_token",
+        "top-p that drops the token whose probability crosses p (cumsum > p); tinylm keeps tokens until their "
+        "mass reaches p, that token included, and always the most likely one",
+        wrong.top_p,
+        keep_crossing=False,
+    ),
+    mistake(
+        "sorted_ascending",
+        "top-p over logits sorted ascending (torch.sort's default): it keeps the least likely tokens",
+        wrong.top_p,
+        descending=False,
+    ),
+)
+
+
+# ------------------------------------------------------------------------------ the parts
+def _part(name, inputs, reference, tolerance, grad=(), mistakes=(), function=None) -> Part:
+    return Part(name, function or f"run_{name}", inputs, reference, tolerance, tuple(grad), tuple(mistakes))
+
+
+PARTS: tuple[Part, ...] = (
+    _part("linear", linear_inputs, ref.run_linear, PRODUCT, ("x", "weight", "bias"), LINEAR_MISTAKES),
+    _part("embedding", embedding_inputs, ref.run_embedding, ELEMENTWISE, ("weight",)),
+    _part("softmax", softmax_inputs, ref.run_softmax, ELEMENTWISE, ("x",), SOFTMAX_MISTAKES),
+    _part(
+        "scaled_dot_product_attention",
+        attention_inputs,
+        ref.run_scaled_dot_product_attention,
+        ATTENTION,
+        ("q", "k", "v"),
+        ATTENTION_MISTAKES,
+    ),
+    _part(
+        "multihead_attention",
+        partial(multihead_inputs, rope=False),
+        ref.run_multihead_attention,
+        ATTENTION,
+        ("x", "weights"),
+        MULTIHEAD_MISTAKES,
+    ),
+    _part(
+        "multihead_attention_rope",
+        partial(multihead_inputs, rope=True),
+        ref.run_multihead_attention,
+        ATTENTION,
+        ("x", "weights"),
+        ROPE_MISTAKES + MULTIHEAD_MISTAKES,
+        function="run_multihead_attention",
+    ),
+    _part("layernorm", layernorm_inputs, ref.run_layernorm, NORM, ("x", "weight", "bias"), LAYERNORM_MISTAKES),
+    _part("rmsnorm", rmsnorm_inputs, ref.run_rmsnorm, NORM, ("x", "weight"), RMSNORM_MISTAKES),
+    _part(
+        "feed_forward_gelu",
+        partial(feed_forward_inputs, kind="gelu"),
+        ref.run_feed_forward,
+        PRODUCT,
+        ("x", "weights"),
+        GELU_MISTAKES,
+        function="run_feed_forward",
+    ),
+    _part(
+        "feed_forward_relu",
+        partial(feed_forward_inputs, kind="relu"),
+        ref.run_feed_forward,
+        PRODUCT,
+        ("x", "weights"),
+        RELU_MISTAKES,
+        function="run_feed_forward",
+    ),
+    _part(
+        "feed_forward_swiglu",
+        partial(feed_forward_inputs, kind="swiglu"),
+        ref.run_feed_forward,
+        PRODUCT,
+        ("x", "weights"),
+        SWIGLU_MISTAKES,
+        function="run_feed_forward",
+    ),
+    _part("block", block_inputs, ref.run_block, ATTENTION, ("x", "weights"), BLOCK_MISTAKES),
+    _part("cross_entropy", cross_entropy_inputs, ref.run_cross_entropy, LOSS, ("logits",), CROSS_ENTROPY_MISTAKES),
+    _part("adamw_step", adamw_inputs, ref.run_adamw_step, UPDATE, (), ADAMW_MISTAKES),
+    _part("cosine_schedule", schedule_inputs, ref.run_cosine_schedule, SCHEDULE, (), SCHEDULE_MISTAKES),
+    _part("clip_grad_norm", clip_inputs, ref.run_clip_grad_norm, UPDATE, (), CLIP_MISTAKES),
+    _part("top_k_filter", top_k_inputs, ref.run_top_k_filter, COPY, (), TOP_K_MISTAKES),
+    _part("top_p_filter", top_p_inputs, ref.run_top_p_filter, COPY, (), TOP_P_MISTAKES),
+)
+PARTS_BY_NAME = {part.name: part for part in PARTS}
