@@ -123,6 +123,15 @@ _markdown.add_render_rule("image", _embedded_image)
 
 
 # ------------------------------------------------------------------------------------- sections
+def stop_rule(train: dict) -> str:
+    """What ends a run, from its config's train section: epochs, a token budget, or steps (and minutes)."""
+    if train.get("epochs"):
+        return f"{train['epochs']} epochs"
+    if train.get("max_tokens"):
+        return f"{train['max_tokens']:,} tokens"
+    return f"{train['max_steps']} steps" + (f" or {train['max_minutes']} minutes" if train.get("max_minutes") else "")
+
+
 def section_config(doc: Doc, run: Path, ev, baseline, prep):
     doc.h("Configuration")
     cfg = read_yaml(run / "config.yaml")
@@ -148,9 +157,7 @@ def section_config(doc: Doc, run: Path, ev, baseline, prep):
         ("learning rate", f"{t['lr']} (warmup {t['warmup_steps']}, {t['schedule']} to {t['min_lr']})"),
         (
             "stop",
-            f"{t['epochs']} epochs"
-            if t.get("epochs")
-            else f"{t['max_steps']} steps" + (f" or {t['max_minutes']} minutes" if t.get("max_minutes") else ""),
+            stop_rule(t),
         ),
         ("label smoothing", t.get("label_smoothing", 0.0)),
     ]

@@ -433,15 +433,9 @@ def _settings_cells(cfg: dict) -> list[str]:
     )
     batching = f"{d['batching']}" + (", attention inside each story" if t.get("document_attention") else "")
     optimizer = t.get("optimizer", "adamw") + (f" (weight average {t['ema_decay']})" if t.get("ema_decay") else "")
-    if t.get("epochs"):
-        stop = f"{t['epochs']} epochs"
-    elif t.get("max_tokens"):
-        stop = f"{t['max_tokens']:,} tokens"
-    else:
-        stop = f"{t['max_minutes']} minutes" if t.get("max_minutes") else f"{t['max_steps']} steps"
     decay = f"cosine over the {'wall clock' if t.get('schedule_clock') == 'wall' else 'steps'}"
     rows = f"{t['batch_size']} x {m['context_length']}"
-    return [blocks, parts, batching, rows, optimizer, f"{t['lr']}, {decay}", stop]
+    return [blocks, parts, batching, rows, optimizer, f"{t['lr']}, {decay}", report.stop_rule(t)]
 
 
 def _judged_sentence(run: Path, column_dir: str) -> str:
