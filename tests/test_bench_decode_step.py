@@ -34,7 +34,9 @@ def test_bench_decode_step_quick_writes_consistent_rows(tmp_path):
         floor = r["products_us"] + r["attention_us"]
         assert r["bound"] == pytest.approx(r["eager_us"] / floor, rel=1e-2)
         assert r["floor_share"] == pytest.approx(floor / r["eager_us"], rel=1e-2)
-    assert rows[1]["products_us"] > rows[0]["products_us"]  # 16 rows multiply more than one
+    # 16 rows multiply at least about as long as one: at --quick's sizes the two are within timing
+    # noise of each other (a fresh-clone CI measured 74.7 against 76.6 us), so no strict order
+    assert rows[1]["products_us"] > 0.5 * rows[0]["products_us"]
     assert "| batch | slots | eager us |" in proc.stdout
 
 
