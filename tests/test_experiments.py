@@ -4,6 +4,7 @@ report, the cache (a re-run skips finished parts), and the config handling."""
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 
 import numpy as np
@@ -168,14 +169,16 @@ def test_runner_writes_every_part_and_resumes_from_cache(corpus, tmp_path, capsy
     assert tk[1]["stories_restored"] == 1.0 and tk[0]["vocab_size"] < tk[1]["vocab_size"]
     for png in ("accumulation.png", "checkpointing.png", "decoding.png", "embedding_init.png"):
         assert (run / png).stat().st_size > 10_000, png
-    # 16 stories in micro-batches of 4: k=1 makes 4 updates an epoch; k=2 makes 2 at equal tokens, and
-    # 4 over 2 epochs at equal updates; every epoch's time is measured
+    # 16 stories in micro-batches of 4: k=1 makes 4 updates an epoch, k=2 makes 2 at equal tokens; at
+    # equal updates k=1 makes k=2's 2 updates on half an epoch; every whole epoch's time is measured
     acc = json.loads((run / "accumulation.json").read_text())
     assert acc["train_stories"] == 16 and acc["all_train_stories"] == 70
     assert [
         (r["comparison"], r["accum_steps"], r["epochs"], r["optimizer_steps"], r["micro_batches"]) for r in acc["rows"]
-    ] == [("both", 1, 1, 4, 4), ("equal tokens", 2, 1, 2, 4), ("equal updates", 2, 2, 4, 8)]
-    assert all(len(r["epoch_seconds_each"]) == r["epochs"] and r["epoch_seconds"] > 0 for r in acc["rows"])
+    ] == [("equal tokens", 1, 1, 4, 4), ("both", 2, 1, 2, 4), ("equal updates", 1, 0.5, 2, 2)]
+    whole = acc["rows"][:2]
+    assert all(len(r["epoch_seconds_each"]) == r["epochs"] and r["epoch_seconds"] > 0 for r in whole)
+    assert acc["start"]["from"].startswith("checkpoints/") and acc["start"]["val_loss"] > 0
     att = json.loads((run / "attention.json").read_text())["texts"]
     assert att[0]["max_row_sum_error"] < 1e-5 and att[0]["max_weight_above_diagonal"] == 0.0
     assert (run / att[0]["html"]).is_file() and all((run / p).is_file() for p in att[0]["pngs"])
@@ -183,7 +186,7 @@ def test_runner_writes_every_part_and_resumes_from_cache(corpus, tmp_path, capsy
     assert (run / "curves.png").is_file()
 
     md = (run / "report.md").read_text()
-    assert "| equal updates | 2 | 8 | 2 | 4 |" in md and "sliding window" in md and "sentence BLEU-4" in md
+    assert "| equal updates | 1 | 4 | 0.5 | 2 |" in md and "sliding window" in md and "sentence BLEU-4" in md
     assert "| prompt | real continuation | sample_T0.8_k50 | greedy | beam2 | beam2_no_repeat3 |" in md
     assert "| prompt | sample_T0.8_k50 | greedy | beam2 | beam2_no_repeat3 |" in md  # the reports' own prompts
     for heading in (
@@ -237,16 +240,46 @@ def test_runner_writes_every_part_and_resumes_from_cache(corpus, tmp_path, capsy
 
 def test_accumulation_variants_pair_equal_tokens_with_equal_updates():
     variants = accumulation_variants([1, 2, 4, 8], epochs=1)
-    assert [(v.name, v.accum, v.epochs, v.comparison) for v in variants] == [
-        ("tokens_k1", 1, 1, "both"),
-        ("tokens_k2", 2, 1, "equal tokens"),
-        ("tokens_k4", 4, 1, "equal tokens"),
-        ("tokens_k8", 8, 1, "equal tokens"),
-        ("updates_k2", 2, 2, "equal updates"),
-        ("updates_k4", 4, 4, "equal updates"),
-        ("updates_k8", 8, 8, "equal updates"),
+    assert [(v.name, v.accum, v.epochs, v.comparison, v.updates_of) for v in variants] == [
+        ("tokens_k1", 1, 1, "equal tokens", None),
+        ("tokens_k2", 2, 1, "equal tokens", None),
+        ("tokens_k4", 4, 1, "equal tokens", None),
+        ("tokens_k8", 8, 1, "both", None),
+        ("updates_k1", 1, 1, "equal updates", 8),
+        ("updates_k2", 2, 1, "equal updates", 8),
+        ("updates_k4", 4, 1, "equal updates", 8),
     ]
-    assert [v.epochs for v in accumulation_variants([2, 4], epochs=3)] == [3, 3, 6]
+
+
+def test_equal_updates_runs_make_the_largest_accumulations_updates_on_k_over_its_share_of_tokens(tmp_path):
+    import numpy as np
+
+    from tinylm.config import RunConfig
+    from tinylm.data.prepare import PreparedData
+    from tinylm.data.tokens import TokenSplit
+    from tinylm.studies.tradeoffs import Tradeoffs, _tradeoff_config
+
+    split = TokenSplit("train", np.arange(64 * 33 + 1) % 50, np.array([0, 64 * 33 + 1]), n_bytes=9, n_words=9)
+    prepared = PreparedData(tokenizer=None, tokenizer_path=tmp_path, splits={"train": split, "valid": split}, report={})
+    cfg = RunConfig()
+    cfg.data.batching, cfg.model.context_length, cfg.train.batch_size = "packed", 64, 2  # 33 windows an epoch
+    tradeoffs = Tradeoffs(
+        cfg, prepared, tmp_path, micro_batches=8, repeats=1, threads=1, init_from="ckpt", lr_scale=0.5
+    )
+    configs = {v.name: _tradeoff_config(tradeoffs, v) for v in accumulation_variants([1, 2, 4, 8], epochs=2)}
+    # equal tokens: 2 epochs of 16 micro-batches (the 33rd window is dropped), k times fewer updates
+    assert [configs[f"tokens_k{k}"].train.max_steps for k in (1, 2, 4, 8)] == [32, 16, 8, 4]
+    assert [configs[f"tokens_k{k}"].train.epochs for k in (1, 2, 4, 8)] == [2, 2, 2, 2]
+    # equal updates: k=8's 4 updates each, not whole epochs (k / 8 of the tokens)
+    assert [configs[f"updates_k{k}"].train.max_steps for k in (1, 2, 4)] == [4, 4, 4]
+    assert all(configs[f"updates_k{k}"].train.epochs is None for k in (1, 2, 4))
+    continued = configs["tokens_k1"].train
+    assert continued.init_from == "ckpt" and continued.warmup_steps == 3 and continued.ema_decay == 0
+    assert (continued.lr, continued.min_lr, continued.muon_lr) == (
+        cfg.train.lr / 2,
+        cfg.train.min_lr / 2,
+        cfg.train.muon_lr / 2,
+    )
 
 
 def test_first_stories_keeps_whole_stories_and_their_share_of_bytes(tmp_path):
@@ -297,7 +330,7 @@ def test_the_shipped_assignment_config_loads():
     path = "tinystories-assignment"
     cfg, exp = load_experiment_config(path, ["data.train=a.txt", "data.valid=b.txt"])
     assert (cfg.model.n_layers, cfg.model.n_heads, cfg.model.d_model, cfg.model.context_length) == (3, 8, 300, 224)
-    assert (cfg.train.epochs, cfg.train.batch_size, exp.accum_micro_batch, exp.tradeoff_stories) == (2, 32, 16, 384)
+    assert (cfg.train.epochs, cfg.train.batch_size, exp.accum_micro_batch, exp.tradeoff_stories) == (2, 32, 4, 2000)
     assert 9 + max(exp.kv_new_tokens) == 512 and len(exp.attention_texts) == 5  # <sos> + 8 prompt tokens
     assert cfg.model.d_attn == 304 and cfg.tokenizer.type == "word" and cfg.data.train == "a.txt"
     assert (exp.bleu_samples, exp.prompt_tokens, exp.temperatures, exp.beam_widths) == (50, 5, [0.7, 1.0, 1.2], [5, 10])
@@ -390,6 +423,28 @@ def test_a_whole_run_with_the_column_trains_the_baseline_first_and_judges_the_co
     assert all(status == "done" for status in parts.values()), parts
     for name in ("bleu", "decoding", "generations", "kv_cache", "attention"):
         assert json.loads((run / f"{name}.json").read_text())["judged"] == "tinylm-settings", name
-    assert "judged" not in json.loads((run / "accumulation.json").read_text())  # the report settings' runs
+    # the trade-off runs continue from the column's model; the embedding comparison trains its own
+    for name in ("accumulation", "checkpointing"):
+        part = json.loads((run / f"{name}.json").read_text())
+        assert part["judged"] == "tinylm-settings" and part["start"]["from"].startswith("tinylm-settings/checkpoints/")
+    column_params = json.loads((run / "tinylm_settings.json").read_text())["parameters_total"]
+    assert "judged" not in json.loads((run / "embedding_init.json").read_text())
+    assert json.loads((run / "checkpointing.json").read_text())["rows"][0]["peak_activation_bytes"] > 0
+    assert column_params > 0
     baseline = json.loads((run / "baseline.json").read_text())
     assert baseline["parameters_total"] == json.loads((run / "eval.json").read_text())["parameters"]
+
+
+def test_a_trade_off_option_changes_only_the_keys_of_the_parts_that_read_it(corpus, tmp_path):
+    from tinylm.studies.tinystories import OPTION_READERS, ExperimentsConfig, Study, part_key
+
+    config, data = corpus
+    keys = []
+    for option in ([], ["experiments.accum_micro_batch=2"]):
+        cfg, exp = load_experiment_config(config, [*data, *option], quick=True)
+        study = Study(cfg, exp, tmp_path, quick=True)
+        keys.append({name: part_key(study, name, {}) for name in PARTS})
+    changed = {name for name in PARTS if keys[0][name] != keys[1][name]}
+    assert changed == {"accumulation"}
+    fields = {f.name for f in dataclasses.fields(ExperimentsConfig)}
+    assert set(OPTION_READERS) <= fields and all(set(r) <= set(PARTS) for r in OPTION_READERS.values())

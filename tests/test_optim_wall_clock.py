@@ -14,15 +14,18 @@ from tinylm.training import trainer as trainer_module
 from tinylm.training.optim import lr_at, wall_schedule_enabled
 
 
-def test_wall_fraction_replaces_step_progress():
+def test_the_decay_follows_the_further_spent_budget_time_or_steps():
     cfg = TrainConfig(lr=1e-3, min_lr=1e-4, warmup_steps=10, max_steps=1000, max_minutes=60, schedule_clock="wall")
     assert lr_at(4, cfg, wall_fraction=0.9) == pytest.approx(5e-4)  # warmup stays in steps
-    assert lr_at(500, cfg, wall_fraction=0.0) == pytest.approx(1e-3)
-    assert lr_at(500, cfg, wall_fraction=0.5) == pytest.approx(1e-4 + 0.5 * 9e-4)  # cosine midpoint
+    assert lr_at(10, cfg, wall_fraction=0.0) == pytest.approx(1e-3)
+    assert lr_at(20, cfg, wall_fraction=0.5) == pytest.approx(1e-4 + 0.5 * 9e-4)  # time further spent: its midpoint
     assert lr_at(20, cfg, wall_fraction=1.0) == pytest.approx(1e-4)  # early step, budget spent: min_lr
     assert lr_at(20, cfg, wall_fraction=3.0) == pytest.approx(1e-4)  # clamped
     quarter = 1e-4 + 0.5 * 9e-4 * (1 + math.cos(math.pi * 0.25))
-    assert lr_at(999, cfg, wall_fraction=0.25) == pytest.approx(quarter)
+    assert lr_at(250, cfg, wall_fraction=0.25) == pytest.approx(quarter)
+    by_steps = 1e-4 + 0.5 * 9e-4 * (1 + math.cos(math.pi * 240 / 990))  # steps further spent than time
+    assert lr_at(250, cfg, wall_fraction=0.1) == pytest.approx(by_steps)
+    assert lr_at(1000, cfg, wall_fraction=0.25) == pytest.approx(1e-4)  # the steps ran out first: min_lr
     # without a fraction the step schedule is unchanged
     assert lr_at(505, cfg) == pytest.approx(1e-4 + 0.5 * 9e-4)
     linear = TrainConfig(lr=1e-3, min_lr=0.0, warmup_steps=0, schedule="linear", max_minutes=1, schedule_clock="wall")

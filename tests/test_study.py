@@ -264,3 +264,18 @@ def test_cli_registers_the_study_and_reports_errors_on_one_line(tmp_path, capsys
     assert main(["study", "shakespeare", "--quick", "--bpe-merges", "-5", "--out", str(tmp_path / "bad")]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("tinylm study: error:") and "\n" not in err and "merges" in err
+
+
+def test_a_capped_gpt_follows_its_cap_with_its_cosine(tmp_path):
+    from tinylm.studies.shakespeare import run_config
+    from tinylm.studies.study_config import TokenizerSpec
+
+    spec = TokenizerSpec("bpe-100", "bpe", 356, 100)
+    capped = load_study_config("shakespeare-report")
+    rc = run_config(capped, spec, tmp_path)
+    assert (rc.train.schedule_clock, rc.train.max_minutes, rc.train.max_steps) == ("wall", 12, 20000)
+    assert capped.bigram.optimizer == "adam_l2"  # the report's Adam with the decay in the gradient
+    uncapped = copy.deepcopy(capped)
+    uncapped.gpt.minutes = 0
+    rc = run_config(uncapped, spec, tmp_path)
+    assert (rc.train.schedule_clock, rc.train.max_minutes) == ("steps", None)

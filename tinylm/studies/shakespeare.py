@@ -77,7 +77,9 @@ def run_config(cfg: StudyConfig, spec: TokenizerSpec, out_dir: Path) -> RunConfi
     rc.tokenizer.type, rc.tokenizer.vocab_size = spec.kind, spec.vocab_size
     rc.tokenizer.merges, rc.tokenizer.normalization = spec.merges, spec.normalization
     t = rc.train
-    t.batch_size, t.max_steps, t.max_minutes = gpt.batch_size, gpt.max_steps, gpt.minutes
+    t.batch_size, t.max_steps, t.max_minutes = gpt.batch_size, gpt.max_steps, gpt.minutes or None
+    # with a wall-clock cap the cosine ends when the cap (or max_steps) does: a capped run is a finished one
+    t.schedule_clock = "wall" if gpt.minutes else "steps"
     t.lr, t.min_lr, t.warmup_steps = gpt.lr, gpt.lr / 10, max(1, min(100, gpt.max_steps // 10))
     t.eval_interval, t.eval_batches, t.log_interval = gpt.eval_interval, gpt.eval_batches, gpt.eval_interval
     # train.progress stays on: a bar on a terminal, a line per evaluation in a log file
@@ -362,6 +364,7 @@ def gpt_model(
         "steps": result.steps,
         "stopped": result.stopped_because,
         "converged": converged(result.stopped_because),
+        "schedule_clock": rc.train.schedule_clock,  # wall: its cosine ended with the cap
         "train_seconds": round(result.seconds, 1),
         "tokens_per_s": result.tokens_per_s,
         "tokens_seen": result.steps * gpt.batch_size * gpt.context_length,

@@ -271,11 +271,18 @@ def gpt_lines(gpt, state: dict) -> list[str]:
         return []
     cap = f"{gpt.minutes:g} minutes of wall time" if gpt.minutes else "no wall-clock cap"
     recipe = ", ".join(f"`{o}`" for o in gpt.run_overrides) or "none"
+    annealed = all(g.get("schedule_clock") == "wall" for g in state["gpt_runs"])
+    schedule = (
+        f"cosine ending at {gpt.max_steps:,} steps or at the wall-clock cap, whichever comes first, so a "
+        "capped GPT finished its schedule"
+        if annealed
+        else f"cosine over at most {gpt.max_steps:,} steps, which a wall-clock cap cuts short"
+    )
     lines = [
         "",
         "## Task 4: GPTs",
         "",
-        f"Batch {gpt.batch_size}, lr {gpt.lr:g} (cosine over at most {gpt.max_steps:,} steps), dropout "
+        f"Batch {gpt.batch_size}, lr {gpt.lr:g} ({schedule}), dropout "
         f"{gpt.dropout:g}; validation every {gpt.eval_interval} steps on {gpt.eval_batches} batches, training "
         f"stops after {gpt.patience} evaluations without improvement and the best checkpoint is scored. "
         f'Safety caps: {gpt.max_steps:,} steps and {cap}; a GPT stopped by a cap is marked "not converged" '

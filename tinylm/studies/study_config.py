@@ -112,12 +112,14 @@ class StudyGPT:
     context_length: int = option(128, ge=1)
     dropout: float = option(0.1, ge=0, lt=1)
     batch_size: int = option(32, ge=1)
-    max_steps: int = option(3000, "the cosine schedule's length and a cap", ge=1)
+    max_steps: int = option(3000, "a cap; the cosine ends here or at the wall-clock cap, whichever comes first", ge=1)
     patience: int = option(
         4, "evaluations without improvement before stopping (0: none); the best checkpoint is scored", ge=0
     )
     minutes: float = option(
-        30.0, "wall-clock safety cap per GPT (0: none): a GPT stopped by it is marked not converged", ge=0
+        30.0,
+        "wall-clock cap per GPT (0: none); the cosine follows it, and a GPT it stops is marked not converged",
+        ge=0,
     )
     lr: float = option(2e-3, gt=0)
     eval_interval: int = option(50, ge=1)

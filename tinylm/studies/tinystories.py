@@ -37,7 +37,7 @@ import time
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Literal
 
 import numpy as np
 import torch
@@ -68,8 +68,16 @@ from tinylm.models.checkpoint import load_checkpoint
 from tinylm.pipeline import result_checkpoint, run_pipeline
 from tinylm.studies import tinystories_figures as figures
 from tinylm.studies.stages import Stage, stage_key
+from tinylm.studies.tinystories_protocols import part_protocols
 from tinylm.studies.tinystories_report import QUALITY_PARTS, write_experiments_report
-from tinylm.studies.tradeoffs import Tradeoffs, Variant, accumulation_variants, alternated_runs, first_stories
+from tinylm.studies.tradeoffs import (
+    Tradeoffs,
+    Variant,
+    accumulation_variants,
+    alternated_runs,
+    first_stories,
+    start_val_loss,
+)
 from tinylm.tokenizers.io import train_from_config
 
 log = logging.getLogger(__name__)
@@ -118,6 +126,17 @@ class ExperimentsConfig:
     )
     tradeoff_micro_batches: int = option(64, "micro-batches of each checkpointing run", ge=1)
     tradeoff_repeats: int = option(2, "each checkpointing run, in alternated rounds (median)", ge=0)
+    tradeoff_start: Literal["trained", "scratch"] = option(
+        "trained",
+        "trained: the accumulation and checkpointing runs continue from the judged model's result "
+        "checkpoint, where the reports' losses are; scratch: each from a fresh model",
+    )
+    tradeoff_lr_scale: float = option(
+        0.3, "the continued runs' learning rates (peak and final) as a share of the judged run's", gt=0, le=1
+    )
+    tradeoff_eval_batches: int | None = option(
+        0, "validation batches of each trade-off run (0: the whole validation split; None: train.eval_batches)", ge=0
+    )
     attention_texts: list[str] = option(["Once upon a time there was a little girl named Lily."])
     sample_temperatures: list[float] = option(list(SAMPLING_TEMPERATURES), ge=0)
     seed: int = 0
@@ -207,6 +226,11 @@ class Study:
     def judged_dir(self) -> Path:
         """The run whose model the quality parts judge: the tinylm-settings column when there is one."""
         return self.column_dir if self.exp.tinylm_settings else self.run_dir
+
+    @property
+    def judged_cfg(self) -> RunConfig:
+        """The judged run's config: the tinylm-settings column's when there is one."""
+        return column_config(self.cfg, self.exp) if self.exp.tinylm_settings else self.cfg
 
     @cached_property
     def model(self) -> tuple:
@@ -603,35 +627,61 @@ def _tradeoffs(
     repeats: int | None = None,
     whole_split: bool = False,
     batch_size: int | None = None,
+    continued: bool = False,
+    compile: bool | None = None,
 ) -> Tradeoffs:
-    """The trade-off runs' shared settings: on the first ``tradeoff_stories`` training stories
-    unless ``whole_split``."""
+    """The trade-off runs' shared settings, in the judged run's config: on the first
+    ``tradeoff_stories`` training stories unless ``whole_split``; ``continued``: from the judged
+    model's checkpoint when experiments.tradeoff_start is trained."""
     torch.set_num_threads(study.threads)
-    cfg = study.cfg
+    cfg, exp = study.judged_cfg, study.exp
     if batch_size:
         cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, batch_size=batch_size))
     prepared = study.prepared
-    if study.exp.tradeoff_stories and not whole_split:
-        prepared = first_stories(prepared, study.exp.tradeoff_stories)
+    if exp.tradeoff_stories and not whole_split:
+        prepared = first_stories(prepared, exp.tradeoff_stories)
+    init_from = None
+    if continued and exp.tradeoff_start == "trained":
+        checkpoints = study.judged_dir / "checkpoints"
+        init_from = str(checkpoints / result_checkpoint(checkpoints))
     return Tradeoffs(
         cfg,
         prepared,
         study.run_dir / "tradeoffs",
-        micro_batches or study.exp.tradeoff_micro_batches,
-        study.exp.tradeoff_repeats if repeats is None else repeats,
+        micro_batches or exp.tradeoff_micro_batches,
+        exp.tradeoff_repeats if repeats is None else repeats,
         study.threads,
+        init_from=init_from,
+        lr_scale=exp.tradeoff_lr_scale if init_from else 1.0,
+        compile=compile,
+        eval_batches=exp.tradeoff_eval_batches,
     )
+
+
+def _start(study: Study, tradeoffs: Tradeoffs) -> dict:
+    """Where the runs start: the judged run's checkpoint and its validation loss, or a fresh model."""
+    if not tradeoffs.init_from:
+        return {"from": "scratch"}
+    return {
+        "from": str(Path(tradeoffs.init_from).relative_to(study.run_dir)),
+        "val_loss": start_val_loss(tradeoffs),
+        "lr_scale": tradeoffs.lr_scale,
+    }
 
 
 def part_accumulation(study: Study) -> dict:
     """Accumulation k = 1, 2, 4, 8 compared at equal tokens and at equal optimizer updates, whole
     epochs of the trade-off split each, one run per setting; time per epoch measured."""
     exp = study.exp
-    tradeoffs = _tradeoffs(study, repeats=1, batch_size=exp.accum_micro_batch)
+    tradeoffs = _tradeoffs(study, repeats=1, batch_size=exp.accum_micro_batch, continued=True)
+    start = _start(study, tradeoffs)
     rows = alternated_runs(tradeoffs, accumulation_variants(exp.accum_steps, exp.accum_epochs))
-    png = figures.accumulation_curves(rows, tradeoffs.out_dir, study.run_dir / "accumulation.png")
+    png = figures.accumulation_curves(rows, tradeoffs.out_dir, study.run_dir / "accumulation.png", start)
     return {
         "threads": study.threads,
+        "start": start,
+        "compile": tradeoffs.cfg.train.compile,
+        "context_length": tradeoffs.cfg.model.context_length,
         "repeats": 1,
         "rows": rows,
         "png": png.name,
@@ -642,8 +692,12 @@ def part_accumulation(study: Study) -> dict:
 
 
 def part_checkpointing(study: Study) -> dict:
+    """Plain training against tinylm's and torch's checkpointing, eager (as the reports ran it: the
+    compiler makes its own recomputation choices), alternated rounds of each."""
+    tradeoffs = _tradeoffs(study, continued=True, compile=False)
+    start = _start(study, tradeoffs)
     rows = alternated_runs(
-        _tradeoffs(study),
+        tradeoffs,
         [
             Variant("plain"),
             Variant("ckpt_tinylm", "tinylm checkpointing", checkpointing="tinylm"),
@@ -656,13 +710,34 @@ def part_checkpointing(study: Study) -> dict:
         if row["peak_activation_bytes"] and plain["peak_activation_bytes"]:
             row["memory_ratio"] = row["peak_activation_bytes"] / plain["peak_activation_bytes"]
     png = figures.checkpointing_bars(rows, study.run_dir / "checkpointing.png")
-    return {"threads": study.threads, "repeats": study.exp.tradeoff_repeats, "rows": rows, "png": png.name}
+    return {
+        "threads": study.threads,
+        "start": start,
+        "repeats": study.exp.tradeoff_repeats,
+        "rows": rows,
+        "png": png.name,
+        "spread": _time_spread(rows),
+    }
+
+
+def _time_spread(rows: list[dict]) -> dict:
+    """Each variant's time against plain's, and whether it lies outside the runs' own spread: its
+    fastest run slower than plain's slowest (or its slowest faster than plain's fastest)."""
+    plain = rows[0]["seconds_each"]
+    spread = {"plain_range_s": [min(plain), max(plain)]}
+    for row in rows[1:]:
+        each = row["seconds_each"]
+        spread[row["name"]] = {
+            "range_s": [min(each), max(each)],
+            "outside_noise": min(each) > max(plain) or max(each) < min(plain),
+        }
+    return spread
 
 
 def part_embedding_init(study: Study) -> dict:
     """Pretrained (or corpus-trained) FastText rows, frozen or fine-tuned, against a random
     initialisation, at an equal number of steps."""
-    emb = study.cfg.embeddings
+    emb = study.judged_cfg.embeddings
     kind = emb.kind if emb.kind != "none" else "train"
     source = {"kind": kind, "path": emb.path}
     variants = [
@@ -670,7 +745,7 @@ def part_embedding_init(study: Study) -> dict:
         Variant("random_init", "random init", embeddings={"kind": "none", "freeze": False}),
     ]
     notes = []
-    if study.cfg.model.tie_weights:
+    if study.judged_cfg.model.tie_weights:
         notes.append(
             "frozen FastText is left out: model.tie_weights=true would freeze the output layer too "
             "(set model.tie_weights=false to compare it)"
@@ -686,6 +761,8 @@ def part_embedding_init(study: Study) -> dict:
     png = figures.embedding_curves(rows, tradeoffs.out_dir, study.run_dir / "embedding_init.png")
     return {
         "threads": study.threads,
+        "model": f"{tradeoffs.cfg.model.n_layers} x {tradeoffs.cfg.model.d_model}",
+        "tokens_per_step": tradeoffs.cfg.train.batch_size * tradeoffs.cfg.model.context_length,
         "rows": rows,
         "notes": notes,
         "png": png.name,
@@ -703,6 +780,7 @@ PARTS: dict[str, Callable[[Study], dict]] = {
     "accumulation": part_accumulation,
     "checkpointing": part_checkpointing,
     "embedding_init": part_embedding_init,
+    "protocols": part_protocols,
     "tokenizers": part_tokenizers,
     "attention": part_attention,
     "curves": part_curves,
@@ -713,11 +791,36 @@ PARTS: dict[str, Callable[[Study], dict]] = {
 TRAINING_PARTS = ("baseline", "tinylm_settings")
 
 
+CONTINUED_PARTS = ("accumulation", "checkpointing")  # continue from the judged model (tradeoff_start: trained)
+MODEL_FREE_PARTS = ("tokenizers", "machine")  # read no trained model
+
+# experiments options that only some parts read: every other part's key leaves them out, so a
+# change to the trade-off runs does not send the quality parts back to work (options not named
+# here are in every part's key)
+OPTION_READERS = {
+    "accum_steps": ("accumulation",),
+    "accum_epochs": ("accumulation",),
+    "accum_micro_batch": ("accumulation",),
+    "tradeoff_stories": ("accumulation", "checkpointing"),
+    "tradeoff_micro_batches": ("checkpointing",),
+    "tradeoff_repeats": ("checkpointing",),
+    "tradeoff_start": ("accumulation", "checkpointing"),
+    "tradeoff_lr_scale": ("accumulation", "checkpointing"),
+    "tradeoff_eval_batches": ("accumulation", "checkpointing", "embedding_init"),
+    "embedding_micro_batches": ("embedding_init",),
+}
+
+
 def trained_by(study: Study, name: str) -> str | None:
-    """The training part whose model part ``name`` reads (None for a training part itself)."""
-    if name in TRAINING_PARTS:
+    """The training part whose model part ``name`` reads (None for a training part itself, and for
+    the embedding comparison in the column's settings, which trains its own models from scratch)."""
+    column = bool(study.exp.tinylm_settings)
+    if name in TRAINING_PARTS or name in MODEL_FREE_PARTS or (name == "embedding_init" and column):
         return None
-    return "tinylm_settings" if name in QUALITY_PARTS and study.exp.tinylm_settings else "baseline"
+    if name in CONTINUED_PARTS and study.exp.tradeoff_start == "scratch":
+        return None if column else "baseline"
+    judged = name in QUALITY_PARTS or name in CONTINUED_PARTS
+    return "tinylm_settings" if judged and column else "baseline"
 
 
 def part_key(study: Study, name: str, stamps: dict[str, str], finished: dict | None = None) -> str:
@@ -725,7 +828,8 @@ def part_key(study: Study, name: str, stamps: dict[str, str], finished: dict | N
     if name == "tinylm_settings":
         payload["column"] = study.exp.tinylm_settings
     elif name != "baseline":
-        payload["experiments"] = dataclasses.asdict(study.exp)
+        options = dataclasses.asdict(study.exp).items()
+        payload["experiments"] = {k: v for k, v in options if name in OPTION_READERS.get(k, (name,))}
         payload["trained"] = stamps.get(trained_by(study, name))
     if name == "machine":
         payload["finished"] = finished  # re-described whenever any other part ran again

@@ -143,8 +143,12 @@ def _ours(parts: dict, ev: dict | None, judged: bool = True) -> dict[str, str]:
     )
     acc = parts.get("accumulation") or {}
     acc_cell = _join(
-        f"k={r['accum_steps']}: loss {r['final_train_loss']:.3f}, {r['seconds']:.0f} s" for r in acc.get("rows", [])
+        f"k={r['accum_steps']} ({r.get('comparison') or 'equal micro-batches'}): valid loss "
+        f"{r['final_val_loss']:.3f}, {r['seconds']:.0f} s"
+        for r in acc.get("rows", [])
     )
+    if (acc.get("start") or {}).get("val_loss") is not None:
+        acc_cell += f" (continued from valid loss {acc['start']['val_loss']:.3f})"
     ck = parts.get("checkpointing") or {}
     ck_cell = _join(
         f"{r.get('label') or r['name']}: memory x{r['memory_ratio']:.2f}, time x{r['time_ratio']:.2f}"
@@ -166,9 +170,12 @@ def comparison_table(parts: dict) -> tuple[list[str], list[tuple]]:
     column = parts.get("tinylm_settings_eval")
     ours = [_ours(parts, parts.get("eval"), judged=not column)]
     headers = ["", "tinylm, report settings" if column else "tinylm (this run)"]
-    if column:  # its own training, the quality parts and the same trade-off runs
+    if column:  # its own training, the quality parts and the trade-off runs continued from its model
         tradeoffs = {q for q in QUANTITIES if q.startswith("gradient")}
-        ours.append({q: "-" if q in tradeoffs else c for q, c in _ours(parts, column).items()})
+        continued = (parts.get("accumulation") or {}).get("start", {}).get("val_loss") is not None
+        own, judged = ours[0], _ours(parts, column)
+        ours = [{q: "-" if continued and q in tradeoffs else c for q, c in own.items()}]
+        ours.append({q: "-" if not continued and q in tradeoffs else c for q, c in judged.items()})
         headers.append("tinylm settings")
     columns = ours + [_report_column(r) for r in reports]
     headers += [f'"{r["title"]}"' for r in reports]

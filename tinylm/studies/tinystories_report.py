@@ -12,9 +12,10 @@ from pathlib import Path
 from tinylm.evaluation import report
 from tinylm.evaluation.report import Doc, safely
 from tinylm.studies.tinystories_compare import comparison_table
+from tinylm.studies.tinystories_protocols import section_protocols
 
 # the parts that judge a trained model's output (tinylm.studies.tinystories chooses which model)
-QUALITY_PARTS = ("bleu", "decoding", "generations", "kv_cache", "attention")
+QUALITY_PARTS = ("bleu", "decoding", "generations", "kv_cache", "attention", "protocols")
 
 
 def _mib(n) -> str:
@@ -232,6 +233,20 @@ def _each(row) -> str:
     return ", ".join(f"{x:.1f}" for x in row.get("seconds_each", [row["seconds"]]))
 
 
+def _tradeoff_start(part: dict) -> str:
+    """Where a part's trade-off runs start, in a sentence."""
+    start = part.get("start") or {}
+    if start.get("val_loss") is None:
+        return "Each run trains a fresh model."
+    windows = f" in {part['context_length']}-token windows" if part.get("context_length") else ""
+    return (
+        f"Each run continues from the judged model's checkpoint (`{start['from']}`, validation loss "
+        f"{start['val_loss']:.3f} nats, perplexity {math.exp(start['val_loss']):.2f}, on the whole validation "
+        f"split{windows}), where the reports measured, at "
+        f"{start['lr_scale']:g} of its learning rates on a cosine of its own, without the weight average."
+    )
+
+
 def _section_accum(doc: Doc, run: Path, acc):
     if not _start_section(doc, "Gradient accumulation", acc, "accumulation", "the accumulation runs"):
         return
@@ -250,16 +265,15 @@ def _section_accum(doc: Doc, run: Path, acc):
             else f"all {acc['train_stories']:,} training stories"
         )
         doc.p(
-            f"Each run trains a fresh model on {split} (FastText vectors, when the run uses trained ones, are "
-            f"trained on that split), in micro-batches of {r0.get('micro_batch')} stories, whole "
-            f"epochs in the trainer's seeded order (torch threads: {acc['threads']}; one run per setting). Two "
+            f"{_tradeoff_start(acc)} Each run trains on {split}, in micro-batches of {r0.get('micro_batch')} rows, "
+            f"in the trainer's seeded order (torch threads: {acc['threads']}; one run per setting). Two "
             f"comparisons: **equal tokens**, every k trains {acc['epochs']} epoch(s), so k makes k times fewer "
-            "updates of a k times larger batch; **equal updates**, k trains k times the epochs, so every k makes "
-            "the updates of the smallest k. The smallest k's run belongs to both. Seconds per epoch are measured: "
-            "the median over the run's epochs of the trainer's time between epoch ends (each includes the short "
-            "validation that ended the epoch before). Activation memory is per micro-batch (bytes autograd saves), "
-            "so accumulation does not change it. The reports compared at equal tokens: each trained every k on "
-            "the same data and printed the time per epoch and the loss reached."
+            "updates of a k times larger batch; **equal updates**, every k makes the updates the largest k makes "
+            "in those epochs, so k sees k / largest of their tokens. The largest k's run belongs to both. Seconds "
+            "per epoch are measured: the median over the run's epochs of the trainer's time between epoch ends. "
+            "Activation memory is per micro-batch (bytes autograd saves), so accumulation does not change it. "
+            "The reports compared at equal tokens: each trained every k on the same data and printed the time "
+            "per epoch and the loss reached."
         )
     headers = [
         "comparison",
@@ -268,6 +282,7 @@ def _section_accum(doc: Doc, run: Path, acc):
         "epochs",
         "updates",
         "final train loss",
+        "epoch's mean train loss",
         "final valid loss",
         "seconds",
         "s / epoch (measured)",
@@ -286,9 +301,10 @@ def _section_accum(doc: Doc, run: Path, acc):
                 r.get("comparison") or "equal micro-batches",
                 r["accum_steps"],
                 r["effective_batch"],
-                r.get("epochs") or "-",
+                f"{r['epochs']:g}" if r.get("epochs") else "-",
                 r["optimizer_steps"],
                 r["final_train_loss"],
+                " / ".join(f"{x:.4f}" for x in r.get("epoch_train_losses") or []) or "-",
                 r["final_val_loss"],
                 f"{r['seconds']:.1f}",
                 per_epoch,
@@ -313,6 +329,7 @@ def _section_ckpt(doc: Doc, run: Path, ck):
         return
     cuda = any(r.get("cuda_peak_bytes") for r in ck["rows"])
     doc.p(
+        f"{_tradeoff_start(ck)} "
         f"Plain training vs tinylm's checkpointing (our autograd.Function) vs `torch.utils.checkpoint`, every block "
         f"recomputed in backward, the same micro-batches, torch threads: {ck['threads']}, median of "
         f"{ck.get('repeats', 1)} runs each in alternated rounds. Memory: peak bytes autograd holds for backward in "
@@ -350,6 +367,16 @@ def _section_ckpt(doc: Doc, run: Path, ck):
             for r in ck["rows"]
         ],
     )
+    spread = ck.get("spread") or {}
+    if spread:
+        lo, hi = spread["plain_range_s"]
+        said = []
+        for r in ck["rows"][1:]:
+            if r["name"] in spread:
+                (a, b), outside = spread[r["name"]]["range_s"], spread[r["name"]]["outside_noise"]
+                where = "outside" if outside else "inside"
+                said.append(f"{r.get('label') or r['name']}: {a:.1f}-{b:.1f} s, {where} plain's range")
+        doc.p(f"Spread of the runs: plain {lo:.1f}-{hi:.1f} s; " + "; ".join(said) + ".")
     _figure(doc, run, ck, "memory and time with and without gradient checkpointing")
 
 
@@ -358,10 +385,11 @@ def _section_embeddings(doc: Doc, run: Path, emb):
         doc, "Token embeddings: FastText vs random initialisation", emb, "embedding_init", "the embedding comparison"
     ):
         return
+    model = f" ({emb['model']}, {emb['tokens_per_step']:,} tokens a step)" if emb.get("model") else ""
     doc.p(
-        f"Each run trains a fresh model for {emb['steps']} steps on the same batches; only the token embedding "
-        "rows differ (FastText vectors kept frozen, FastText vectors fine-tuned, or the model's own random "
-        f"initialisation). torch threads: {emb['threads']}."
+        f"Each run trains a fresh model{model} for {emb['steps']} steps on the same batches; only the token "
+        "embedding rows differ (FastText vectors kept frozen, FastText vectors fine-tuned, or the model's own "
+        f"random initialisation). torch threads: {emb['threads']}."
     )
     for note in emb.get("notes", []):
         doc.p(f"**note:** {note}")
@@ -556,6 +584,7 @@ def build_report(run_dir: str | Path) -> Doc:
     safely(doc, _section_bleu, run, read("bleu.json"), ev)
     safely(doc, _section_generations, read("generations.json"), read("samples.json"))
     safely(doc, _section_decoding, run, read("decoding.json"))
+    safely(doc, section_protocols, run, read("protocols.json"))
     safely(doc, _section_kv, read("kv_cache.json"))
     safely(doc, _section_accum, run, read("accumulation.json"))
     safely(doc, _section_ckpt, run, read("checkpointing.json"))

@@ -9,6 +9,12 @@ with ``epochs`` trains whole epochs of the split in the trainer's epoch order, a
 epoch is measured (the trainer's epochs.csv), not projected from a few micro-batches. Activation
 memory is measured with the training engine's meter (bytes autograd saves for backward in one
 micro-batch step); on CUDA the peak of ``torch.cuda.max_memory_allocated`` over the run too.
+
+A trade-off measured in a model's first steps says little about the regime the reports measured
+(validation losses of 2.2-2.6 nats): with ``init_from`` every run continues from a trained
+checkpoint instead, at ``lr_scale`` of the run's learning rates (a second, smaller cosine: a trained
+model at full rate first climbs out of its annealed minimum), with no weight average and the
+step clock, so every variant follows the same schedule of its own length.
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ from tinylm.errors import TinyLMError
 from tinylm.training.grad_checkpoint import checkpoint_function
 from tinylm.training.memory import cuda_peak_bytes, cuda_peak_scope, measure_step_activation_bytes
 from tinylm.training.metrics import read_metrics
-from tinylm.training.trainer import build_model, train
+from tinylm.training.trainer import build_model, start_from_weights, train, validation_loss
 
 log = logging.getLogger(__name__)
 trainer_log = logging.getLogger(train.__module__)
@@ -57,6 +63,10 @@ class Tradeoffs:
     micro_batches: int  # micro-batches every variant trains on
     repeats: int  # alternated rounds per variant (medians are reported)
     threads: int
+    init_from: str | None = None  # a trained checkpoint every run continues from (None: a fresh model)
+    lr_scale: float = 1.0  # the continued runs' learning rates, as a share of the run config's
+    compile: bool | None = None  # None: the run config's train.compile
+    eval_batches: int | None = None  # None: the run config's; 0: the whole validation split
 
 
 @dataclass(frozen=True)
@@ -70,6 +80,9 @@ class Variant:
     embeddings: dict = field(default_factory=dict)  # EmbeddingsConfig fields for this run
     epochs: int | None = None  # whole epochs of the split (every story once each); None: the shared micro-batches
     comparison: str = ""  # which comparison the run belongs to (tables and figures group by it)
+    # with epochs: make as many updates as accumulation ``updates_of`` makes in them (so k / updates_of
+    # of the epochs' tokens), not whole epochs
+    updates_of: int | None = None
 
 
 def epoch_units(prepared: PreparedData, cfg: RunConfig) -> int:
@@ -92,51 +105,81 @@ def first_stories(prepared: PreparedData, n: int) -> PreparedData:
 
 
 def accumulation_variants(accum_steps: list[int], epochs: int) -> list[Variant]:
-    """Equal tokens: every k trains ``epochs`` epochs (k times fewer updates); equal updates: k
-    trains k / smallest times as many epochs, so every run makes the smallest k's number of updates.
-    The smallest k's run belongs to both comparisons."""
-    k0 = min(accum_steps)
+    """Equal tokens: every k trains ``epochs`` epochs (k times fewer updates of a k times larger
+    batch); equal updates: every k makes the updates the largest k makes in those epochs, so k sees
+    k / largest of their tokens. The largest k's run belongs to both comparisons."""
+    k_max = max(accum_steps)
     variants = [
-        Variant(f"tokens_k{k}", f"k={k}", accum=k, epochs=epochs, comparison="both" if k == k0 else "equal tokens")
+        Variant(f"tokens_k{k}", f"k={k}", accum=k, epochs=epochs, comparison="both" if k == k_max else "equal tokens")
         for k in accum_steps
     ]
     variants += [
-        Variant(f"updates_k{k}", f"k={k}", accum=k, epochs=epochs * k // k0, comparison="equal updates")
+        Variant(f"updates_k{k}", f"k={k}", accum=k, epochs=epochs, comparison="equal updates", updates_of=k_max)
         for k in accum_steps
-        if k != k0
+        if k != k_max
     ]
     return variants
 
 
+def _tradeoff_steps(tradeoffs: Tradeoffs, cfg: RunConfig, v: Variant) -> int:
+    """Updates of variant ``v``: its epochs' (the trainer derives the same count from train.epochs,
+    dropping a last partial step), the epochs' of accumulation ``updates_of``, or the shared micro-batches'."""
+    if not v.epochs:
+        return tradeoffs.micro_batches // v.accum
+    units = epoch_units(tradeoffs.prepared, cfg)
+    steps = v.epochs * (units // (cfg.train.batch_size * (v.updates_of or v.accum)))
+    if steps < 1:
+        raise TinyLMError(
+            f"an epoch of the trade-off runs' {units} training rows is less than one update of "
+            f"{cfg.train.batch_size} x {v.updates_of or v.accum} rows; give more "
+            "experiments.tradeoff_stories or fewer accumulation steps"
+        )
+    return steps
+
+
 def _tradeoff_config(tradeoffs: Tradeoffs, v: Variant) -> RunConfig:
     cfg = copy.deepcopy(tradeoffs.cfg)
-    if v.epochs:  # the trainer derives the same step count from train.epochs (a last partial step is dropped)
-        steps = v.epochs * (epoch_units(tradeoffs.prepared, cfg) // (cfg.train.batch_size * v.accum))
-        if steps < 1:
-            raise TinyLMError(
-                f"an epoch of the trade-off runs' {epoch_units(tradeoffs.prepared, cfg)} training rows "
-                f"is less than one update of {cfg.train.batch_size} x {v.accum} rows; give more "
-                "experiments.tradeoff_stories or fewer accumulation steps"
-            )
+    tc = cfg.train
+    steps = _tradeoff_steps(tradeoffs, cfg, v)
+    tc.grad_accum_steps = v.accum
+    tc.max_steps = steps
+    tc.epochs = v.epochs if v.updates_of is None else None
+    tc.max_tokens = None
+    tc.max_minutes = None
+    tc.schedule_clock = "steps"  # every variant's schedule follows its own steps, whatever the machine's speed
+    tc.ema_decay = 0.0  # the runs compare what the optimizer reached, not an average over their last steps
+    if tradeoffs.init_from:
+        tc.init_from = tradeoffs.init_from
+        tc.lr, tc.min_lr, tc.muon_lr = (rate * tradeoffs.lr_scale for rate in (tc.lr, tc.min_lr, tc.muon_lr))
+        tc.warmup_steps = max(1, steps // 10)  # the same share of every variant's updates
     else:
-        steps = tradeoffs.micro_batches // v.accum
-    cfg.train.grad_accum_steps = v.accum
-    cfg.train.max_steps = steps
-    cfg.train.epochs = v.epochs
-    cfg.train.max_tokens = None
-    cfg.train.max_minutes = None
-    # the run's own warmup, at most half of these short runs: warmed up over only a few steps to
-    # lr 1e-3, the random-init model's loss can jump back to the untrained level for an update
-    cfg.train.warmup_steps = max(1, min(cfg.train.warmup_steps, steps // 2))
-    cfg.train.eval_interval = steps  # one validation, at the end
-    cfg.train.log_interval = 1  # every step's loss: the curves compare the variants step by step
-    cfg.train.grad_checkpointing = v.checkpointing is not None
-    cfg.train.checkpoint_impl = v.checkpointing or cfg.train.checkpoint_impl
-    cfg.train.early_stopping_patience = 0
-    cfg.train.progress = False
-    cfg.train.threads = tradeoffs.threads
+        # the run's own warmup, at most half of these short runs: warmed up over only a few steps to
+        # lr 1e-3, the random-init model's loss can jump back to the untrained level for an update
+        tc.warmup_steps = max(1, min(tc.warmup_steps, steps // 2))
+    if tradeoffs.compile is not None:
+        tc.compile = tradeoffs.compile
+    if tradeoffs.eval_batches is not None:
+        tc.eval_batches = tradeoffs.eval_batches
+    tc.eval_interval = steps  # one validation, at the end
+    tc.log_interval = 1  # every step's loss: the curves compare the variants step by step
+    tc.grad_checkpointing = v.checkpointing is not None
+    tc.checkpoint_impl = v.checkpointing or tc.checkpoint_impl
+    tc.early_stopping_patience = 0
+    tc.progress = False
+    tc.threads = tradeoffs.threads
     apply_updates(cfg.embeddings, v.embeddings, prefix="embeddings.")
     return cfg
+
+
+def start_val_loss(tradeoffs: Tradeoffs) -> float:
+    """The validation loss every continued run starts from, measured as the runs measure theirs."""
+    cfg = _tradeoff_config(tradeoffs, Variant("start"))
+    prepared = tradeoffs.prepared
+    model = build_model(cfg, prepared.tokenizer.vocab_size)
+    start_from_weights(model, tradeoffs.init_from, prepared.tokenizer)
+    valid = Batches(prepared.splits["valid"], cfg.model.context_length, cfg.data.batching, seed=cfg.train.seed + 1)
+    document_start = prepared.tokenizer.sos_id if cfg.train.document_attention else None
+    return validation_loss(model, valid, cfg, torch.device("cpu"), document_start=document_start)
 
 
 def _activation_bytes(tradeoffs: Tradeoffs, cfg: RunConfig) -> int:
@@ -184,10 +227,10 @@ def _tradeoff_run(tradeoffs: Tradeoffs, v: Variant, name: str) -> dict:
         "seconds_with_eval_and_saves": result.seconds,
         "projected_epoch_seconds": seconds / M * per_epoch,
         "micro_batches_per_epoch": per_epoch,
-        "epochs": v.epochs,
+        "epochs": v.epochs if v.updates_of is None else round(M / per_epoch, 3),
         "train_stories": prepared.splits["train"].n_docs,
     }
-    if v.epochs:
+    if v.epochs and v.updates_of is None:
         row.update(_epoch_times(out / "epochs.csv"))
     log.info(
         f"{name}: {result.steps} steps x {v.accum}, final train loss {result.final_train_loss:.4f}, "
@@ -239,7 +282,7 @@ def alternated_runs(tradeoffs: Tradeoffs, variants: list[Variant]) -> list[dict]
         if any(r["cuda_peak_bytes"] is not None for r in rs):
             row["cuda_peak_bytes"] = max(r["cuda_peak_bytes"] or 0 for r in rs)
         row["projected_epoch_seconds"] = row["seconds"] / row["micro_batches"] * row["micro_batches_per_epoch"]
-        if v.epochs:
+        if v.epochs and v.updates_of is None:
             row["epoch_seconds"] = statistics.median(t for r in rs for t in r["epoch_seconds_each"])
         row["peak_activation_bytes"] = _activation_bytes(tradeoffs, _tradeoff_config(tradeoffs, v))
         rows.append(row)

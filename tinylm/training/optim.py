@@ -204,17 +204,16 @@ def scheduled_lr(
 ) -> float:
     """Linear warmup over ``warmup_steps``, then cosine (or linear) decay to ``min_lr`` at ``max_steps``.
 
-    ``wall_fraction`` (elapsed / wall budget, for ``schedule_clock="wall"``) replaces the step-based
-    progress of the decay: the run reaches ``min_lr`` when its time is up, however fast it steps.
-    Warmup stays in steps."""
+    ``wall_fraction`` (elapsed / wall budget, for ``schedule_clock="wall"``): the decay follows
+    whichever budget is further spent, time or steps, so the run reaches ``min_lr`` when its time is
+    up on a slow machine and at ``max_steps`` on a fast one. Warmup stays in steps."""
     if warmup_steps > 0 and step < warmup_steps:
         return lr * (step + 1) / warmup_steps
     if schedule == "constant":
         return lr
+    progress = min(1.0, (step - warmup_steps) / max(1, max_steps - warmup_steps))
     if wall_fraction is not None:
-        progress = min(1.0, max(0.0, wall_fraction))
-    else:
-        progress = min(1.0, (step - warmup_steps) / max(1, max_steps - warmup_steps))
+        progress = min(1.0, max(progress, wall_fraction))
     if schedule == "linear":
         return lr + (min_lr - lr) * progress
     return min_lr + 0.5 * (lr - min_lr) * (1.0 + math.cos(math.pi * progress))
