@@ -253,7 +253,8 @@ def test_experiment_tables_show_the_files_numbers(tmp_path):
     assert "greedy, batch 20 x 32: 4.00x" in md  # beside the reports' speed-ups
     # a file from before the two comparisons: its epoch time is marked as projected
     assert (
-        "| equal micro-batches | 4 | 128 | - | 16 | 4.5678 | - | 4.6789 | 33.3 | 123 (projected) | 999 | 3.00 MiB |" in md
+        "| equal micro-batches | 4 | 128 | - | 16 | 4.5678 | - | 4.6789 | 33.3 | 123 (projected) | 999 | 3.00 MiB |"
+        in md
     )
     assert "decoding.json has no example continuations" in md
     assert "decoding beam5: beam search is not available" in md  # listed in the INCOMPLETE banner

@@ -375,7 +375,13 @@ def _section_ckpt(doc: Doc, run: Path, ck):
             if r["name"] in spread:
                 (a, b), outside = spread[r["name"]]["range_s"], spread[r["name"]]["outside_noise"]
                 where = "outside" if outside else "inside"
-                said.append(f"{r.get('label') or r['name']}: {a:.1f}-{b:.1f} s, {where} plain's range")
+                # runs of one round ran back to back: their ratio cancels what drifts between rounds
+                rounds = zip(r.get("seconds_each") or [], ck["rows"][0].get("seconds_each") or [])
+                ratios = ", ".join(f"{x / y:.2f}" for x, y in rounds)
+                said.append(
+                    f"{r.get('label') or r['name']}: {a:.1f}-{b:.1f} s, {where} plain's range "
+                    f"(round by round against plain: {ratios})"
+                )
         doc.p(f"Spread of the runs: plain {lo:.1f}-{hi:.1f} s; " + "; ".join(said) + ".")
     _figure(doc, run, ck, "memory and time with and without gradient checkpointing")
 
