@@ -716,22 +716,7 @@ def part_checkpointing(study: Study) -> dict:
         "repeats": study.exp.tradeoff_repeats,
         "rows": rows,
         "png": png.name,
-        "spread": _time_spread(rows),
     }
-
-
-def _time_spread(rows: list[dict]) -> dict:
-    """Each variant's time against plain's, and whether it lies outside the runs' own spread: its
-    fastest run slower than plain's slowest (or its slowest faster than plain's fastest)."""
-    plain = rows[0]["seconds_each"]
-    spread = {"plain_range_s": [min(plain), max(plain)]}
-    for row in rows[1:]:
-        each = row["seconds_each"]
-        spread[row["name"]] = {
-            "range_s": [min(each), max(each)],
-            "outside_noise": min(each) > max(plain) or max(each) < min(plain),
-        }
-    return spread
 
 
 def part_embedding_init(study: Study) -> dict:

@@ -318,6 +318,23 @@ def _section_accum(doc: Doc, run: Path, acc):
         doc.lack(acc["missing"])
 
 
+def _spread_sentence(rows: list[dict]) -> str:
+    """Each variant's range of run times against plain's (the first row's), and its ratio to plain
+    round by round: the runs of one round ran back to back, so their ratio cancels what drifts
+    between rounds."""
+    plain = rows[0]["seconds_each"]
+    said = []
+    for r in rows[1:]:
+        each = r.get("seconds_each") or []
+        outside = min(each) > max(plain) or max(each) < min(plain)
+        ratios = ", ".join(f"{x / y:.2f}" for x, y in zip(each, plain))
+        said.append(
+            f"{r.get('label') or r['name']}: {min(each):.1f}-{max(each):.1f} s, "
+            f"{'outside' if outside else 'inside'} plain's range (round by round against plain: {ratios})"
+        )
+    return f"Spread of the runs: plain {min(plain):.1f}-{max(plain):.1f} s; " + "; ".join(said) + "."
+
+
 def _section_ckpt(doc: Doc, run: Path, ck):
     if not _start_section(doc, "Gradient checkpointing", ck, "checkpointing", "the checkpointing runs"):
         return
@@ -367,22 +384,8 @@ def _section_ckpt(doc: Doc, run: Path, ck):
             for r in ck["rows"]
         ],
     )
-    spread = ck.get("spread") or {}
-    if spread:
-        lo, hi = spread["plain_range_s"]
-        said = []
-        for r in ck["rows"][1:]:
-            if r["name"] in spread:
-                (a, b), outside = spread[r["name"]]["range_s"], spread[r["name"]]["outside_noise"]
-                where = "outside" if outside else "inside"
-                # runs of one round ran back to back: their ratio cancels what drifts between rounds
-                rounds = zip(r.get("seconds_each") or [], ck["rows"][0].get("seconds_each") or [])
-                ratios = ", ".join(f"{x / y:.2f}" for x, y in rounds)
-                said.append(
-                    f"{r.get('label') or r['name']}: {a:.1f}-{b:.1f} s, {where} plain's range "
-                    f"(round by round against plain: {ratios})"
-                )
-        doc.p(f"Spread of the runs: plain {lo:.1f}-{hi:.1f} s; " + "; ".join(said) + ".")
+    if len(ck["rows"][0].get("seconds_each") or []) > 1:
+        doc.p(_spread_sentence(ck["rows"]))
     _figure(doc, run, ck, "memory and time with and without gradient checkpointing")
 
 
