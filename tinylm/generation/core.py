@@ -51,7 +51,7 @@ SLOT_BUCKET = 64  # a bucketed cache has 64, 128, 256, ... slots (at most the co
 def cache_slots(needed: int, context_length: int, bucketed: bool) -> int:
     """KV-cache slots for rows that need ``needed``: exactly that (at most the context), or, for a
     compiled step (one compilation per shape), 64 times a power of two, so that few shapes serve
-    every length. The step reads every slot, so the buckets double rather than grow faster."""
+    every length. The compiled step reads every slot, so the buckets double rather than grow faster."""
     needed = min(needed, context_length)
     if not bucketed:
         return needed

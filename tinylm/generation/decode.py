@@ -1,11 +1,12 @@
 """One decoding step: the model's own forward with ``cache_slot``, eager or under ``torch.compile``.
 
 ``decode_step(model, cache, tokens, positions)`` feeds one token per row into the next slot of a
-preallocated ``KVCache`` and returns the next-token logits. The model attends over *every* slot
-of the cache under a mask, so all shapes are fixed by (batch, cache slots): the same step
-compiles once per shape (``compile=True``: paid once per process and shape) and runs with no
-per-step branching on the length. Prompts are filled by the model's forward without a slot
-(``generation.core.prefill``). Call ``model.prepare_for_decoding()`` once per generation first.
+preallocated ``KVCache`` and returns the next-token logits. Compiled (``compile=True``), the model
+attends over *every* slot of the cache under a mask, so all shapes are fixed by (batch, cache
+slots): the same step compiles once per shape (paid once per process and shape) and runs with no
+per-step branching on the length; eager, it attends over the slots filled so far. Prompts are
+filled by the model's forward without a slot (``generation.core.prefill``). Call
+``model.prepare_for_decoding()`` once per generation first.
 """
 
 from __future__ import annotations

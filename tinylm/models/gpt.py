@@ -9,10 +9,11 @@ weights). Options cover the checkpoints people bring: RMSNorm, rotary positions,
 grouped-query attention, no biases (llama2.c / Llama shape).
 
 This file is the one forward pass: training, evaluation, filling a KV cache with a prompt and
-the one-token decoding step (``GPT.forward(..., cache_slot=)``: static shapes, every cache slot
-attended under a mask, so one compiled step serves every length). ``GPT.prepare_for_decoding``
-switches the projections to a layout measured faster for one-token rows; tests check every path
-against the uncached forward and against Hugging Face to 1e-5.
+the one-token decoding step (``GPT.forward(..., cache_slot=)``; compiled: static shapes, every
+cache slot attended under a mask, so one compiled step serves every length; eager: the filled
+slots). ``GPT.prepare_for_decoding`` switches the projections to a layout measured faster for
+one-token rows; tests check every path against the uncached forward and against Hugging Face to
+1e-5.
 
 Inside a block, submodules are run through ``.forward`` rather than called: at batch 1 on a
 2-core CPU a module call's hook machinery costs about as much as a one-token product, and the
@@ -272,7 +273,7 @@ class CausalSelfAttention(nn.Module):
     def forward(self, x, rope=None, mask=None, kv_cache=None, layer=0, attention_out=None, idx=None, slot=None):
         """x (B, T, C) -> (B, T, C); or, with ``slot`` (the decoding step), x (B, C) -> (B, C): the
         new keys and values go into cache slot ``slot`` and ``mask`` is the additive mask over
-        every slot, (B Hkv, 1, S) (``GPT._step_mask``)."""
+        the slots attended, (B Hkv, 1, S) (``GPT._step_mask``)."""
         B, T = x.shape[0], 1 if slot is not None else x.shape[1]
         H, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
         # one matrix product for q, k and v, then views of its heads: (B, H + 2 Hkv, T, D)
@@ -324,13 +325,15 @@ class CausalSelfAttention(nn.Module):
 
     def _attend_every_slot(self, q, k, v, kv_cache, layer, slot, mask_bias) -> torch.Tensor:
         """The decoding step's attention: q (B, H, 1, D), k and v (B, Hkv, 1, D) written at
-        ``slot``, attending over all S slots of the cache (shapes never change from step to step);
-        returns (B, H D)."""
+        ``slot``, attending over the first S slots of the cache, S the mask's width
+        (``GPT._step_mask``); returns (B, H D)."""
         B, H, Hkv, D = q.shape[0], self.n_heads, self.n_kv_heads, self.head_dim
         k_cache, v_cache = kv_cache.k[layer], kv_cache.v[layer]
-        S = k_cache.shape[2]
         k_cache.index_copy_(2, slot, k if k.dtype == k_cache.dtype else k.to(k_cache.dtype))
         v_cache.index_copy_(2, slot, v if v.dtype == v_cache.dtype else v.to(v_cache.dtype))
+        S = mask_bias.shape[-1]
+        if S < k_cache.shape[2]:  # the first S slots of every row: still a view (rows and heads merge)
+            k_cache, v_cache = k_cache[:, :, :S], v_cache[:, :, :S]
         # the query heads sharing a kv head are rows of one product: no copy of the cached keys
         q = q.reshape(B * Hkv, H // Hkv, D)
         scores = torch.baddbmm(mask_bias, q, k_cache.view(B * Hkv, S, D).transpose(1, 2), alpha=D**-0.5)
@@ -488,10 +491,13 @@ class GPT(nn.Module):
         targets: (B, T) next-token ids, IGNORE_INDEX where nothing is predicted (padding).
         kv_cache: append this call's keys/values and attend over everything cached so far.
         position_ids: (B, T) per-row positions (left-padded batches); default start..start+T-1.
-        cache_slot: the one-token decoding step (idx (B, 1)): a (1,) tensor, the cache slot its
-            keys and values go to; position_ids is then (B,). Every slot of the cache is attended
-            under its key mask, so shapes stay fixed and a compiled step serves every length; the
-            cache's ``length`` is the caller's to advance (``generation.decode.decode_step``).
+        cache_slot: the one-token decoding step (idx (B, 1)): a (1,) tensor holding
+            ``kv_cache.length``, the cache slot its keys and values go to; position_ids is then
+            (B,). Under ``torch.compile`` every slot of the cache is attended under its key mask,
+            so shapes stay fixed and one compiled step serves every length; eager, only the
+            filled slots are (the rest are masked anyway, and reading them costs as much as the
+            keys themselves). The cache's ``length`` is the caller's to advance
+            (``generation.decode.decode_step``).
         last_logits_only: compute logits for the last position only, (B, 1, V) (generation:
             the output head is a large share of a prompt's compute).
         attention_out: a list to receive each layer's attention weights (B, H, T, S) (forces the
@@ -589,10 +595,12 @@ class GPT(nn.Module):
     def _step_mask(self, kv_cache: KVCache, slot: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Additive mask (B Hkv, 1, S): 0 where a key may be seen (filled by now and not padding),
         -inf elsewhere (slots after ``slot`` are not written yet)."""
-        B, S, Hkv = kv_cache.batch_size, kv_cache.max_len, self.config.n_kv_heads
+        B, Hkv = kv_cache.batch_size, self.config.n_kv_heads
+        # compiled: every slot (one shape for every length); eager: the slots filled so far and this one
+        S = kv_cache.max_len if torch.compiler.is_compiling() else kv_cache.length + 1
         visible = torch.arange(S, device=slot.device) <= slot  # (S,)
         if kv_cache.key_mask is not None:
-            visible = visible & kv_cache.key_mask  # (B, S)
+            visible = visible & kv_cache.key_mask[:, :S]  # (B, S)
         bias = torch.zeros(visible.shape, dtype=dtype, device=slot.device).masked_fill_(~visible, float("-inf"))
         return bias.view(-1, 1, 1, S).expand(B, Hkv, 1, S).reshape(B * Hkv, 1, S)
 
