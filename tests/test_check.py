@@ -76,7 +76,7 @@ def test_the_template_names_every_weight_the_checker_passes():
 
 
 def test_parts_have_distinct_names_and_justified_tolerances():
-    assert len(PARTS_BY_NAME) == len(PARTS) == 18
+    assert len(PARTS_BY_NAME) == len(PARTS) == 31
     for part in PARTS:
         assert part.tolerance.why and part.tolerance.atol <= 1e-4
         assert len({m.key for m in part.mistakes}) == len(part.mistakes)
@@ -96,8 +96,8 @@ def test_mismatch_reads_nan_and_inf_and_names_the_worst_place():
 # --------------------------------------------------------------------------------- the references
 def test_a_student_adapter_from_primitives_passes_every_part():
     module = student()
-    failed = [verdict(module, part.name).line() for part in PARTS]
-    assert [line for line in failed if not line.endswith(" ok")] == []
+    failed = [verdict(module, part.name) for part in PARTS]
+    assert [r.line() for r in failed if r.status != "ok"] == []
 
 
 CORRECT_BY_HAND = {  # each mistake's function with every switch at its default: tinylm's result
@@ -115,6 +115,17 @@ CORRECT_BY_HAND = {  # each mistake's function with every switch at its default:
     "cross_entropy": wrong.cross_entropy,
     "adamw_step": wrong.adamw,
     "top_p_filter": wrong.top_p,
+    "transformer_lm": wrong.lm_logits,
+    "grouped_query_attention": wrong.grouped_query_attention,
+    "gradient_accumulation": wrong.accumulated_gradients,
+    "kv_cache": wrong.kv_cached_logits,
+    "greedy_decode": wrong.greedy_decode,
+    "beam_search": wrong.beam_search,
+    "bpe_train": wrong.train_bpe,
+    "bpe_encode": wrong.bpe_encode,
+    "word_vocab": wrong.word_encode,
+    "ngram_add_k": wrong.ngram_probs,
+    "ngram_kneser_ney": wrong.ngram_probs,
 }
 
 
@@ -404,18 +415,187 @@ def run_top_p_filter(logits, p):
     kept = values.masked_fill(nucleus_drop(torch.softmax(values, dim=-1), p), float("-inf"))
     return torch.full_like(logits, float("-inf")).scatter(-1, order, kept)
 """,
+    ("transformer_lm", "no_positions"): """
+def embed(tokens, weights, start=0):
+    return weights["tok_emb.weight"][tokens]
+""",
+    ("transformer_lm", "no_final_norm"): """
+def final_logits(x, weights):
+    return x @ weights["lm_head.weight"].T
+""",
+    ("transformer_lm", "post_norm"): """
+def run_transformer_lm(tokens, weights, config):
+    x = embed(tokens, weights)
+    for i in range(config["n_layers"]):
+        w = weights_under(weights, f"blocks.{i}.")
+        h = block_norm(w, "norm1", x + run_multihead_attention(x, weights_under(w, "attn."), config["n_heads"], False))
+        x = block_norm(w, "norm2", h + run_feed_forward(h, weights_under(w, "ffn."), "gelu"))
+    return final_logits(x, weights)
+""",
+    ("transformer_lm", "tied_head"): """
+def final_logits(x, weights):
+    return run_layernorm(x, weights["norm_f.weight"], weights["norm_f.bias"], 1e-5) @ weights["tok_emb.weight"].T
+""",
+    ("grouped_query_attention", "kv_heads_tiled"): """
+def expand_kv(t, group):
+    return t.repeat(1, group, 1, 1)
+""",
+    ("gradient_accumulation", "not_divided_by_k"): """
+def micro_batch_loss(x, targets, weight, bias, ignore_index, n_targets, k):
+    losses, counted = token_losses(run_linear(x, weight, bias), targets, ignore_index)
+    return losses.sum() / counted.sum()
+""",
+    ("gradient_accumulation", "mean_of_micro_means"): """
+def micro_batch_loss(x, targets, weight, bias, ignore_index, n_targets, k):
+    losses, counted = token_losses(run_linear(x, weight, bias), targets, ignore_index)
+    return losses.sum() / counted.sum() / k
+""",
+    ("gradient_accumulation", "gradients_zeroed_each_micro_batch"): """
+def run_accumulated_gradients(x, targets, weight, bias, micro_batches, ignore_index):
+    weight, bias = weight.clone().requires_grad_(), bias.clone().requires_grad_()
+    rows = x.shape[0] // micro_batches
+    for i in range(micro_batches):
+        weight.grad = bias.grad = None
+        part = slice(i * rows, (i + 1) * rows)
+        losses, counted = token_losses(run_linear(x[part], weight, bias), targets[part], ignore_index)
+        (losses.sum() / counted.sum()).backward()
+    return {"weight": weight.grad, "bias": bias.grad}
+""",
+    ("gradient_checkpointing", "input_detached"): """
+def input_gradient(g):
+    return None
+""",
+    ("gradient_checkpointing", "not_checkpointed"): """
+def run_checkpointed_blocks(x, weights, n_heads, n_layers):
+    for i in range(n_layers):
+        x = run_block(x, weights_under(weights, f"blocks.{i}."), n_heads)
+    return x
+""",
+    ("kv_cache", "position_off_by_one"): """
+def cache_position(cache_length):
+    return cache_length + 1
+""",
+    ("kv_cache", "position_always_zero"): """
+def cache_position(cache_length):
+    return 0
+""",
+    ("kv_cache", "key_cached_after_attending"): """
+def attend_cached(q, k, v, cache, i):
+    old = cache[i]
+    cache[i] = extend_cache(old, k, v)
+    return torch.zeros_like(q) if old is None else cached_attention(q, *old)
+""",
+    ("greedy_decode", "first_position_logits"): """
+def next_token_logits(seq, weights, config):
+    return run_transformer_lm(torch.tensor([seq]), weights, config)[0, 0]
+""",
+    ("greedy_decode", "token_not_fed_back"): """
+def run_greedy_decode(prompt, weights, config, max_new_tokens):
+    seq = prompt.tolist()
+    return [int(next_token_logits(seq, weights, config).argmax()) for _ in range(max_new_tokens)]
+""",
+    ("beam_search", "not_length_normalised"): """
+def hypothesis_score(total, length, length_penalty):
+    return total
+""",
+    ("beam_search", "beams_start_equal"): """
+def start_scores(k):
+    return [0.0] * k
+""",
+    ("bpe_train", "ties_first_seen"): """
+def best_pair(counts, vocab):
+    return max(counts, key=counts.get)
+""",
+    ("bpe_train", "ties_greatest_bytes"): """
+def best_pair(counts, vocab):
+    top = max(counts.values())
+    return max((p for p, c in counts.items() if c == top), key=lambda p: (vocab[p[0]], vocab[p[1]]))
+""",
+    ("bpe_train", "no_pretokenization"): """
+def pretokens(text, pattern):
+    return [text]
+""",
+    ("bpe_encode", "leftmost_merge_first"): """
+def pick_merge(candidates):
+    return min(candidates, key=lambda c: c[1])
+""",
+    ("bpe_decode", "tokens_decoded_one_by_one"): """
+def run_bpe_decode(ids, merges):
+    vocab = [bytes([b]) for b in range(256)] + [a + b for a, b in merges]
+    return "".join(vocab[int(i)].decode("utf-8", errors="replace") for i in ids)
+""",
+    ("word_vocab", "ties_first_seen"): """
+def ranked_words(counts):
+    return sorted(counts, key=lambda w: -counts[w])
+""",
+    ("word_vocab", "unknown_dropped"): """
+def run_word_encode(train_text, text, vocab_size):
+    counts = {}
+    for w in regex.findall(WORD, train_text):
+        counts[w] = counts.get(w, 0) + 1
+    ids = {w: 4 + i for i, w in enumerate(ranked_words(counts)[: vocab_size - 4])}
+    return [ids[w] for w in regex.findall(WORD, text) if w in ids]
+""",
+    ("word_vocab", "specials_not_counted"): """
+def run_word_encode(train_text, text, vocab_size):
+    counts = {}
+    for w in regex.findall(WORD, train_text):
+        counts[w] = counts.get(w, 0) + 1
+    ids = {w: 4 + i for i, w in enumerate(ranked_words(counts)[:vocab_size])}
+    return [ids.get(w, 1) for w in regex.findall(WORD, text)]
+""",
+    ("ngram_add_k", "no_kv_in_denominator"): """
+def add_k(c, contexts, k):
+    rows = c[contexts]
+    return (rows + k) / rows.sum(1, keepdim=True)
+""",
+    ("ngram_add_k", "laplace"): """
+def add_k(c, contexts, k):
+    rows = c[contexts]
+    return (rows + 1) / (rows.sum(1, keepdim=True) + c.shape[0])
+""",
+    ("ngram_add_k", "seen_vocabulary"): """
+def add_k(c, contexts, k):
+    rows = c[contexts]
+    return (rows + k) / (rows.sum(1, keepdim=True) + k * (c.sum(0) > 0).sum())
+""",
+    ("ngram_kneser_ney", "no_discount"): """
+def run_ngram_probs(train, vocab_size, contexts, smoothing, k, discount):
+    return kneser_ney(bigram_counts(train, vocab_size), contexts, 0.0)
+""",
+    ("ngram_kneser_ney", "raw_lower_order"): """
+def continuation_probs(c, d):
+    n = c.sum(0)
+    total = n.sum()
+    return (n - d).clamp(min=0) / total + d * (n > 0).sum() / total / c.shape[0]
+""",
+    ("ngram_kneser_ney", "no_interpolation"): """
+def kneser_ney(c, contexts, d):
+    rows = c[contexts]
+    totals = rows.sum(1, keepdim=True)
+    return torch.where(totals > 0, (rows - d).clamp(min=0) / totals.clamp(min=1), continuation_probs(c, d))
+""",
+    ("ngram_kneser_ney", "unigram_not_discounted"): """
+def continuation_probs(c, d):
+    n = (c > 0).sum(0).double()
+    n[2] = 0
+    return n / n.sum()
+""",
 }
 
 AS_WRITTEN["multihead_attention_rope", "heads_by_view"] = AS_WRITTEN["multihead_attention", "heads_by_view"]
 
 
+LARGER_PARTS = ("multihead_attention", "multihead_attention_rope", "block", "transformer_lm", "gradient_checkpointing")
+
+
 def test_every_mistake_has_a_student_version():
-    """Except the attention mistakes inside the multi-head parts: a student writes those once, in
-    scaled_dot_product_attention, and test_an_attention_mistake_is_named_in_multihead_attention_too
-    checks them there."""
+    """Except the attention mistakes inside larger parts (multi-head, block, LM, checkpointed
+    blocks): a student writes those once, in scaled_dot_product_attention, and
+    test_an_attention_mistake_is_named_in_larger_parts_too checks them there."""
     assert {(part.name, m.key) for part in PARTS for m in part.mistakes} - set(AS_WRITTEN) == {
         (name, key)
-        for name in ("multihead_attention", "multihead_attention_rope")
+        for name in LARGER_PARTS
         for key in ("no_scale", "scale_by_d", "sees_next", "no_mask", "softmax_over_queries")
     }
 
@@ -430,10 +610,10 @@ ATTENTION_AS_WRITTEN = [key for name, key in AS_WRITTEN if name == "scaled_dot_p
 
 
 @pytest.mark.parametrize("key", ATTENTION_AS_WRITTEN)
-def test_an_attention_mistake_is_named_in_multihead_attention_too(key):
+def test_an_attention_mistake_is_named_in_larger_parts_too(key):
     module = student(AS_WRITTEN["scaled_dot_product_attention", key])
-    for name in ("multihead_attention", "multihead_attention_rope"):
-        assert verdict(module, name).mistake == key
+    for name in LARGER_PARTS:
+        assert verdict(module, name).mistake == key, name
 
 
 def test_an_unnamed_difference_says_where_and_a_wrong_gradient_is_named():
@@ -490,7 +670,8 @@ def test_the_reference_adapter_passes_every_part_through_the_command(tmp_path, c
     out = tmp_path / "check.json"
     assert main(["check", reference_adapter.__file__, "--json", str(out)]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert len(lines) == len(PARTS) + 1 and all(line.endswith(" ok") for line in lines[:-1])
+    assert len(lines) == len(PARTS) + 1
+    assert all(line.split(maxsplit=1)[1].split(" (")[0] == "ok" for line in lines[:-1]), lines
     assert lines[-1] == f"{len(PARTS)} ok"
     data = json.loads(out.read_text())
     assert data["passed"] and [p["part"] for p in data["parts"]] == [part.name for part in PARTS]

@@ -198,3 +198,202 @@ def run_top_p_filter(logits, p):
     logits: (B, V); p: float in (0, 1). Returns (B, V).
     """
     raise NotImplementedError
+
+
+# ------------------------------------------------------------------------- the whole model
+def run_transformer_lm(tokens, weights, config):
+    """The whole decoder-only LM's logits: x = tok_emb[tokens] + pos_emb[0 .. T-1], then
+    ``n_layers`` pre-norm blocks as ``run_block`` (block i's weights under ``blocks.{i}.``),
+    LayerNorm ``norm_f`` (eps 1e-5), and the head: logits = x @ lm_head.weight.T (no bias; the
+    head is its own matrix, not tied to the embedding).
+
+    tokens: (B, T) int64 in [0, V). config: a dict with ``vocab_size`` (V), ``context_length``,
+    ``d_model`` (C), ``n_layers``, ``n_heads``, ``d_ff`` (F). weights: ``tok_emb.weight`` (V, C),
+    ``pos_emb.weight`` (context_length, C), for each block i the names of ``run_block`` under
+    ``blocks.{i}.`` (``blocks.0.norm1.weight``, ``blocks.0.attn.q_proj.weight``, ...,
+    ``blocks.0.ffn.down.bias``), ``norm_f.weight``, ``norm_f.bias`` (C,), ``lm_head.weight`` (V, C).
+
+    Returns (B, T, V).
+    """
+    raise NotImplementedError
+
+
+def run_grouped_query_attention(x, weights, n_heads, n_kv_heads):
+    """Causal grouped-query attention: ``n_heads`` query heads and ``n_kv_heads`` key/value heads
+    of width D = C / n_heads; kv head j serves the consecutive query heads j * G .. (j + 1) * G - 1,
+    G = n_heads / n_kv_heads (``repeat_interleave``, as Llama). No RoPE.
+
+    x: (B, T, C). weights: ``q_proj.weight`` (C, C), ``k_proj.weight`` and ``v_proj.weight``
+    (n_kv_heads * D, C), ``out_proj.weight`` (C, C), and the biases ``q_proj.bias`` (C,),
+    ``k_proj.bias``, ``v_proj.bias`` (n_kv_heads * D,), ``out_proj.bias`` (C,).
+
+    Returns (B, T, C).
+    """
+    raise NotImplementedError
+
+
+# ---------------------------------------------------------------------- training, continued
+def run_accumulated_gradients(x, targets, weight, bias, micro_batches, ignore_index):
+    """Gradient accumulation: the gradients of one batch's loss computed over ``micro_batches``
+    micro-batches (rows i * B/k .. (i + 1) * B/k - 1, forward and backward each), equal to the
+    gradients of the whole batch at once.
+
+    The model is a linear map to logits, logits = x @ weight.T + bias, and the loss the mean
+    cross-entropy over every target of the batch that is not ``ignore_index`` (the micro-batches
+    may hold different numbers of them). Start from zero gradients.
+
+    x: (B, T, C); targets: (B, T) int64; weight: (V, C); bias: (V,); micro_batches: k, dividing B;
+    ignore_index: int. Returns {"weight": gradient (V, C), "bias": gradient (V,)}.
+    """
+    raise NotImplementedError
+
+
+def run_checkpointed_blocks(x, weights, n_heads, n_layers):
+    """``n_layers`` blocks as ``run_block`` one after the other (block i's weights under
+    ``blocks.{i}.``), with gradient checkpointing written by hand: keep each block's input only and
+    recompute the block inside backward (a ``torch.autograd.Function``, or
+    ``torch.utils.checkpoint``). The check compares the output and the gradients with tinylm's,
+    and measures what autograd keeps for backward after the forward: it must be at most half of
+    what the same blocks keep without checkpointing.
+
+    x: (B, T, C). Returns (B, T, C).
+    """
+    raise NotImplementedError
+
+
+# -------------------------------------------------------------------- generation, continued
+def run_kv_cached_logits(tokens, weights, config):
+    """The LM of ``run_transformer_lm`` run one token at a time with a cache of each layer's keys
+    and values: step t feeds tokens[:, t] alone, at position t, its key and value added to the
+    cache before it attends (it sees itself and every earlier token). Returns the logits of every
+    step stacked, (B, T, V), which must equal ``run_transformer_lm`` on the whole sequence.
+    """
+    raise NotImplementedError
+
+
+def run_greedy_decode(prompt, weights, config, max_new_tokens):
+    """Greedy decoding with the LM of ``run_transformer_lm`` (these weights): append the most
+    likely next token (argmax of the last position's logits), ``max_new_tokens`` times; no stop
+    token.
+
+    prompt: (P,) int64. Returns the new tokens: a list of ints (or a 1-d tensor).
+    """
+    raise NotImplementedError
+
+
+def run_beam_search(prompt, weights, config, beam_width, max_new_tokens, eos_id, length_penalty):
+    """Beam search with the LM of ``run_transformer_lm``, by Hugging Face's rules (as tinylm):
+
+    - k = ``beam_width`` running beams; beam 0 starts at score 0, the others at -1e9;
+    - each step adds each beam's next-token log-probabilities (log_softmax of the last position's
+      logits) to its score and takes the best 2k (beam, token) candidates of all k * V;
+    - a candidate whose token is ``eos_id``, or any candidate at the last step (step
+      ``max_new_tokens`` - 1), ends: among the first k candidates it becomes a finished hypothesis
+      scored sum log p / L ** length_penalty, L the number of generated tokens (the eos counted);
+      its tokens leave the eos out; the best k finished are kept;
+    - the best k candidates that do not end are the next beams;
+    - stop early when k hypotheses are finished and the best running score / L ** length_penalty
+      is no better than the worst of them.
+
+    prompt: (P,) int64. Returns the k finished hypotheses, best first: a list of (tokens, score),
+    tokens a list of ints, score a float. With beam_width 1 it is greedy decoding up to the eos.
+    """
+    raise NotImplementedError
+
+
+# ------------------------------------------------------------------- tokenizers and n-grams
+def run_train_bpe(text, n_merges, pattern):
+    """Byte-level BPE training. Split ``text`` into pre-tokens with the regular expression
+    ``pattern`` (GPT-2's; use the ``regex`` package, ``regex.findall(pattern, text)``: ``re``
+    lacks \\p{L}), write each pre-token as its UTF-8 bytes, then ``n_merges`` times merge the most
+    frequent adjacent pair inside pre-tokens (counted at every position, weighted by how often the
+    pre-token occurs; a merge replaces occurrences left to right). Ties: the pair with the smallest
+    (left id, right id), where byte b has id b and the i-th merge makes id 256 + i.
+
+    Returns the merges in order: a list of (left bytes, right bytes).
+    """
+    raise NotImplementedError
+
+
+def run_bpe_encode(text, merges, pattern):
+    """Encode ``text`` with byte-level BPE: split it into pre-tokens with ``pattern``, and in each,
+    starting from its UTF-8 bytes, merge the adjacent pair of lowest merge rank (the first in
+    ``merges``) until no pair is a merge. Ids: byte b is b, merge i is 256 + i.
+
+    merges: a list of (left bytes, right bytes) as ``run_train_bpe`` returns. Returns a list of
+    ints (or a 1-d tensor).
+    """
+    raise NotImplementedError
+
+
+def run_bpe_decode(ids, merges):
+    """The text of BPE ids (byte b is b, merge i is 256 + i): the bytes of every token joined,
+    then decoded as UTF-8 once (a character may be split over tokens). decode(encode(text)) is
+    ``text``.
+
+    ids: (N,) int64. Returns a str.
+    """
+    raise NotImplementedError
+
+
+def run_word_encode(train_text, text, vocab_size):
+    """A word vocabulary with ``<unk>``: split ``train_text`` into words and punctuation with
+    ``regex.findall(r"\\w+(?:'\\w+)*|[^\\w\\s]", text)`` (case kept), rank them by count (ties
+    alphabetical), keep the first vocab_size - 4 (ids 0-3 are ``<pad>``, ``<unk>``, ``<sos>``,
+    ``<eos>``; the i-th word kept is id 4 + i), and encode ``text`` the same way, each word not
+    in the vocabulary becoming ``<unk>`` (id 1).
+
+    Returns a list of ints (or a 1-d tensor).
+    """
+    raise NotImplementedError
+
+
+def run_ngram_probs(train, vocab_size, contexts, smoothing, k, discount):
+    """Bigram probabilities P(w | v) for each context v in ``contexts`` and every w in
+    0 .. vocab_size - 1, counted on ``train``: one document, ``<sos>`` (id 2) first and ``<eos>``
+    (id 3) last. c(v w) counts the adjacent pairs of train; c(v) = sum over w of c(v w).
+
+    - ``smoothing == "add_k"``: (c(v w) + k) / (c(v) + k V), V = vocab_size (a context never seen:
+      1 / V).
+    - ``"kneser_ney"``, interpolated, one discount d = ``discount``:
+      P(w | v) = max(c(v w) - d, 0) / c(v) + d N1+(v .) / c(v) P1(w), with N1+(v .) the number of
+      distinct w after v; a context never seen: P1(w). The lower order uses continuation counts
+      N(w) = the number of distinct v with c(v w) > 0 (``<sos>`` counts as a v; N(<sos>) = 0),
+      discounted as well and interpolated with the uniform 1 / V:
+      P1(w) = max(N(w) - d, 0) / S + d n / S / V, S = sum of N(w), n = the number of w with N(w) > 0.
+
+    train: (N,) int64; contexts: (M,) int64; k, discount: floats. Returns (M, vocab_size).
+    """
+    raise NotImplementedError
+
+
+# ------------------------------------------------- your whole model: `tinylm evaluate --adapter`
+# ``tinylm evaluate --adapter ADAPTER.py --data valid.txt`` scores your own trained model on tinylm's
+# protocol (bits per byte, token and word perplexity, the KV cache's speed-up). Load your model and
+# tokenizer once, at the top of this file or on the first call, and fill these:
+
+
+def model_info():
+    """{"context_length": the longest input ``model_logits`` takes, "bos_id": the id that starts
+    every scored document (your <sos>), or None when none is prepended}."""
+    raise NotImplementedError
+
+
+def model_encode(text):
+    """Your tokenizer: the ids of ``text`` (no start id added). Returns a list of ints."""
+    raise NotImplementedError
+
+
+def model_logits(tokens):
+    """Your model's next-token logits at every position of ``tokens`` (B, T) int64, T at most the
+    context length, rows right-padded with 0 where shorter (padding comes after every scored
+    position, so a causal model is not affected). Returns (B, T, V)."""
+    raise NotImplementedError
+
+
+def model_generate(prompt, max_new_tokens, use_cache):
+    """Greedy decoding with your model from ``prompt`` (a list of ints): ``max_new_tokens`` new
+    tokens (no stop token), with your KV cache when ``use_cache`` is True and recomputing the whole
+    sequence every step when False. Returns the new tokens, a list of ints. tinylm times both on
+    the same prompt: the speed-up it reports is the same measurement for every student."""
+    raise NotImplementedError

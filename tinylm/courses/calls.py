@@ -20,6 +20,8 @@ from typing import Any, Callable
 
 import torch
 
+from tinylm.training.memory import ActivationMeter
+
 Calls = list[dict[str, Any]]
 
 
@@ -40,6 +42,8 @@ def to_plain(value: Any) -> Any:
     TypeError saying what came back instead."""
     if isinstance(value, torch.Tensor):
         return value.detach().clone()
+    if isinstance(value, (str, bytes)):  # text and a tokenizer's byte strings
+        return value
     if isinstance(value, numbers.Real):
         return torch.tensor(float(value), dtype=torch.float64)
     if isinstance(value, dict):
@@ -51,7 +55,8 @@ def to_plain(value: Any) -> Any:
     if value is None:
         raise TypeError("returned None (a missing return statement?)")
     raise TypeError(
-        f"returned a {type(value).__name__}; a part returns tensors, numbers, or lists, tuples, dicts of them"
+        f"returned a {type(value).__name__}; a part returns tensors, numbers, str, bytes, or lists, tuples, "
+        "dicts of them"
     )
 
 
@@ -83,20 +88,33 @@ def gradients(output: Any, projection: torch.Tensor, leaves: dict[str, torch.Ten
     return {name: None if g is None else g.detach() for name, g in zip(leaves, found)}
 
 
-def run_call(fn: Callable, calls: Calls, grad: list[str] = (), projection: torch.Tensor | None = None) -> dict:
+def run_call(
+    fn: Callable,
+    calls: Calls,
+    grad: list[str] = (),
+    projection: torch.Tensor | None = None,
+    measure: bool = False,
+) -> dict:
     """``fn`` on each call's arguments: {"output": the output (a list of outputs for several
-    calls), "grads": {argument: gradient}} (gradients only with ``grad``, for a single call)."""
+    calls), "grads": {argument: gradient}} (gradients only with ``grad``, for a single call).
+    With ``measure``, also "saved_bytes": what autograd keeps for backward once the forward is
+    done, the inputs and weights not counted (gradient checkpointing keeps less)."""
     calls = clone_tree(calls)
     if not grad:
-        with torch.no_grad():
+        with torch.enable_grad():  # a part may differentiate inside (gradient accumulation)
             outputs = [to_plain(fn(**kwargs)) for kwargs in calls]
         return {"output": outputs if len(outputs) > 1 else outputs[0], "grads": {}}
     (kwargs,) = calls
     leaves = mark_leaves(kwargs, list(grad))
     with torch.enable_grad():
-        output = fn(**kwargs)
+        if measure:
+            with ActivationMeter(exclude=leaves.values()) as meter:
+                output = fn(**kwargs)
+            saved = {"saved_bytes": torch.tensor(float(meter.live_bytes), dtype=torch.float64)}
+        else:
+            output, saved = fn(**kwargs), {}
         grads = gradients(output, projection, leaves)
-    return {"output": to_plain(output), "grads": grads}
+    return {"output": to_plain(output), "grads": grads, **saved}
 
 
 def describe_exception(exc: BaseException, adapter: str | Path) -> str:

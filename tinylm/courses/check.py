@@ -16,7 +16,7 @@ from typing import Any, Iterator
 import torch
 
 from tinylm.courses.calls import Calls, run_call
-from tinylm.courses.parts import PARTS, PARTS_BY_NAME, Mistake, Part, Tolerance
+from tinylm.courses.parts import MEMORY_RATIO, NOT_CHECKPOINTED, PARTS, PARTS_BY_NAME, Mistake, Part, Tolerance
 from tinylm.courses.sandbox import DEFAULT_MEMORY_BYTES, STARTUP_SECONDS, Sandbox
 from tinylm.errors import TinyLMError
 
@@ -32,7 +32,9 @@ class PartResult:
     max_error: float | None = None
 
     def line(self, width: int = 30) -> str:
-        if self.status in ("ok", "not implemented"):
+        if self.status == "ok" and self.detail:
+            verdict = f"ok ({self.detail})"
+        elif self.status in ("ok", "not implemented"):
             verdict = self.status
         elif self.status == "timed out":
             verdict = f"timed out {self.detail}"
@@ -54,6 +56,17 @@ class Case:
     calls: Calls
     request: dict
     expected: dict
+    baseline_bytes: float | None = None  # activations the same computation keeps without checkpointing
+
+
+def canonical_output(part: Part, calls: Calls, output: Any) -> Any:
+    """Each call's output in the form the part compares (``Part.canonical``); TypeError when the
+    output cannot be read so."""
+    if len(calls) < 2:
+        return part.canonical(output)
+    if not isinstance(output, list) or len(output) != len(calls):
+        raise TypeError(f"expected one output per call ({len(calls)})")
+    return [part.canonical(o) for o in output]
 
 
 def make_case(part: Part) -> Case:
@@ -64,8 +77,19 @@ def make_case(part: Part) -> Case:
         shape = run_call(part.reference, calls)["output"].shape
         projection = torch.randn(shape, generator=gen)
     expected = run_call(part.reference, calls, list(part.grad), projection)
-    request = {"function": part.function, "calls": calls, "grad": list(part.grad), "projection": projection}
-    return Case(calls, request, expected)
+    expected["output"] = canonical_output(part, calls, expected["output"])
+    measure = part.memory_baseline is not None
+    request = {
+        "function": part.function,
+        "calls": calls,
+        "grad": list(part.grad),
+        "projection": projection,
+        "measure": measure,
+    }
+    baseline = None
+    if measure:
+        baseline = float(run_call(part.memory_baseline, calls, list(part.grad), projection, True)["saved_bytes"])
+    return Case(calls, request, expected, baseline)
 
 
 # ------------------------------------------------------------------------------ comparing
@@ -94,6 +118,10 @@ def mismatch(actual: Any, expected: Any, tolerance: Tolerance, what: str = "outp
         return Mismatch(f"{what} is not shaped as expected (missing {missing}, unexpected {extra})", math.inf)
     for label, e in want.items():
         a = got[label]
+        if not isinstance(e, torch.Tensor) or not isinstance(a, torch.Tensor):  # text, bytes
+            if type(a) is not type(e) or a != e:
+                return Mismatch(f"{what}{label} is {short(a)}, tinylm's is {short(e)}", math.inf, label)
+            continue
         if tuple(a.shape) != tuple(e.shape):
             return Mismatch(f"{what}{label} has shape {tuple(a.shape)}, expected {tuple(e.shape)}", math.inf, label)
         a64, e64 = a.double(), e.double()
@@ -112,6 +140,11 @@ def mismatch(actual: Any, expected: Any, tolerance: Tolerance, what: str = "outp
             label,
         )
     return None
+
+
+def short(value: Any, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def gradient_mismatch(got: dict, want: dict, tolerance: Tolerance) -> Mismatch | None:
@@ -139,9 +172,52 @@ def call_note(calls: Calls, label: str) -> str:
 def named_mistake(part: Part, case: Case, output: Any) -> Mistake | None:
     """The first of the part's usual mistakes whose output, on the same inputs, is the student's."""
     for candidate in part.mistakes:
-        if mismatch(output, run_call(candidate.fn, case.calls)["output"], part.tolerance) is None:
+        theirs = canonical_output(part, case.calls, run_call(candidate.fn, case.calls)["output"])
+        if mismatch(output, theirs, part.tolerance) is None:
             return candidate
     return None
+
+
+def same_gradients(got: dict, want: dict, tolerance: Tolerance) -> bool:
+    """The same gradients for the same arguments, a gradient that does not reach an argument
+    (None) counting as zeros: autograd gives either, depending on how the graph was cut."""
+    if set(got) != set(want):
+        return False
+    for name, expected in want.items():
+        actual = got[name]
+        if actual is None and expected is None:
+            continue
+        actual = torch.zeros_like(expected) if actual is None else actual
+        expected = torch.zeros_like(actual) if expected is None else expected
+        if mismatch(actual, expected, tolerance) is not None:
+            return False
+    return True
+
+
+def named_gradient_mistake(part: Part, case: Case, grads: dict) -> Mistake | None:
+    """The first usual mistake whose gradients, on the same inputs, are the student's."""
+    for candidate in part.mistakes:
+        theirs = run_call(candidate.fn, case.calls, list(part.grad), case.request["projection"])
+        if same_gradients(grads, theirs["grads"], part.tolerance):
+            return candidate
+    return None
+
+
+def memory_verdict(part: Part, case: Case, reply: dict) -> PartResult:
+    """ok, or for a part that must recompute (``Part.memory_baseline``), ok only when it keeps at
+    most MEMORY_RATIO of the activations the plain computation keeps for backward."""
+    if case.baseline_bytes is None:
+        return PartResult(part.name, "ok")
+    kept, baseline = float(reply.get("saved_bytes", math.inf)), case.baseline_bytes
+    ratio = kept / baseline if baseline else math.inf
+    measured = (
+        f"activations kept for backward: {kept:,.0f} bytes, {ratio:.2f}x the {baseline:,.0f} of the same "
+        f"computation without checkpointing"
+    )
+    if ratio <= MEMORY_RATIO:
+        return PartResult(part.name, "ok", measured)
+    key, says = NOT_CHECKPOINTED
+    return PartResult(part.name, "differs", f"yours equals {says} ({measured})", key, ratio)
 
 
 def judge(part: Part, case: Case, reply: dict) -> PartResult:
@@ -149,15 +225,22 @@ def judge(part: Part, case: Case, reply: dict) -> PartResult:
     status = reply["status"]
     if status != "ok":
         return PartResult(part.name, status, reply.get("error", ""))
-    wrong = mismatch(reply["output"], case.expected["output"], part.tolerance)
+    try:
+        output = canonical_output(part, case.calls, reply["output"])
+    except TypeError as exc:
+        return PartResult(part.name, "differs", f"the output cannot be read: {exc}", None, math.inf)
+    wrong = mismatch(output, case.expected["output"], part.tolerance)
     if wrong is None:
         wrong_grad = gradient_mismatch(reply["grads"], case.expected["grads"], part.tolerance)
         if wrong_grad is None:
-            return PartResult(part.name, "ok")
+            return memory_verdict(part, case, reply)
+        found = named_gradient_mistake(part, case, reply["grads"])
+        if found is not None:
+            return PartResult(part.name, "differs", f"yours equals {found.says}", found.key, wrong_grad.max_error)
         return PartResult(
             part.name, "differs", f"the output is right; {wrong_grad.message}", None, wrong_grad.max_error
         )
-    found = named_mistake(part, case, reply["output"])
+    found = named_mistake(part, case, output)
     if found is not None:
         return PartResult(part.name, "differs", f"yours equals {found.says}", found.key, wrong.max_error)
     return PartResult(part.name, "differs", wrong.message + call_note(case.calls, wrong.label), None, wrong.max_error)

@@ -67,7 +67,8 @@ def answer(module, request: dict, adapter: str) -> dict:
     if not callable(fn):
         return {"status": "not implemented"}
     try:
-        return {"status": "ok", **run_call(fn, request["calls"], request["grad"], request["projection"])}
+        reply = run_call(fn, request["calls"], request["grad"], request["projection"], request.get("measure", False))
+        return {"status": "ok", **reply}
     except NotImplementedError:
         return {"status": "not implemented"}
     except (Exception, SystemExit) as exc:  # the student's code, whatever it raises

@@ -19,12 +19,16 @@ from typing import Callable
 import torch
 from torch import nn
 
-from tinylm.constants import IGNORE_INDEX
+from tinylm.constants import EOS_ID, IGNORE_INDEX, SOS_ID
 from tinylm.courses import mistakes as wrong
 from tinylm.courses import reference_adapter as ref
 from tinylm.models.gpt import state_dict_by_parts
+from tinylm.tokenizers.bpe import GPT2_SPLIT
 
 B, T, C, HEADS, D_FF = 2, 5, 16, 4, 32
+KV_HEADS = 2
+LM_CONFIG = {"vocab_size": 12, "context_length": 16, "d_model": C, "n_layers": 2, "n_heads": HEADS, "d_ff": D_FF}
+MEMORY_RATIO = 0.5
 
 
 @dataclass(frozen=True)
@@ -41,6 +45,10 @@ class Mistake:
     fn: Callable  # the adapter function's signature
 
 
+def same(output):
+    return output
+
+
 @dataclass(frozen=True)
 class Part:
     name: str
@@ -50,6 +58,12 @@ class Part:
     tolerance: Tolerance
     grad: tuple[str, ...] = ()  # arguments whose gradients are compared (one call only)
     mistakes: tuple[Mistake, ...] = ()
+    # one call's output in the form compared (token ids as int64, hypotheses as dicts); raises
+    # TypeError for an output that cannot be read so
+    canonical: Callable = same
+    # a part that must keep fewer activations for backward than this function (same arguments)
+    # keeps: at most MEMORY_RATIO of its bytes
+    memory_baseline: Callable | None = None
 
     @property
     def seed(self) -> int:
@@ -165,6 +179,104 @@ def top_p_inputs(gen):
     return [{"logits": logits, "p": 0.8}, {"logits": logits, "p": 0.05}]
 
 
+def lm_weights(gen):
+    return random_weights(ref.gpt_module(LM_CONFIG), gen)
+
+
+def lm_inputs(gen):
+    weights = lm_weights(gen)
+    return [
+        {
+            "tokens": torch.randint(0, LM_CONFIG["vocab_size"], (B, 6), generator=gen),
+            "weights": weights,
+            "config": LM_CONFIG,
+        }
+    ]
+
+
+def gqa_inputs(gen):
+    weights = random_weights(ref.attention_module(C, HEADS, n_kv_heads=KV_HEADS), gen)
+    return [{"x": randn(gen, B, T, C), "weights": weights, "n_heads": HEADS, "n_kv_heads": KV_HEADS}]
+
+
+def accumulation_inputs(gen):
+    # micro-batches padded unequally: averaging each one's mean is then not the batch's mean
+    x, weight, bias = randn(gen, 4, 6, 8), randn(gen, 10, 8, scale=8**-0.5), randn(gen, 10, scale=0.1)
+    targets = torch.randint(0, 10, (4, 6), generator=gen)
+    targets[2, 2:] = targets[3, 4:] = IGNORE_INDEX
+    call = {"x": x, "targets": targets, "weight": weight, "bias": bias, "ignore_index": IGNORE_INDEX}
+    return [{**call, "micro_batches": 2}, {**call, "micro_batches": 4}]
+
+
+def checkpoint_inputs(gen):
+    block = ref.block_module(C, HEADS, D_FF)
+    weights = {f"blocks.{i}.{name}": w for i in range(2) for name, w in random_weights(block, gen).items()}
+    return [{"x": randn(gen, B, T, C), "weights": weights, "n_heads": HEADS, "n_layers": 2}]
+
+
+def kv_inputs(gen):
+    tokens = torch.randint(0, LM_CONFIG["vocab_size"], (B, 7), generator=gen)
+    return [{"tokens": tokens, "weights": lm_weights(gen), "config": LM_CONFIG}]
+
+
+def decoding_weights(gen):
+    """An LM whose <eos> (id 3) is likely enough that beams end at different lengths."""
+    weights = lm_weights(gen)
+    weights["lm_head.weight"][EOS_ID] *= 3.0
+    return weights
+
+
+def greedy_inputs(gen):
+    prompt = torch.randint(4, LM_CONFIG["vocab_size"], (4,), generator=gen)
+    return [{"prompt": prompt, "weights": decoding_weights(gen), "config": LM_CONFIG, "max_new_tokens": 8}]
+
+
+def beam_inputs(gen):
+    prompt = torch.randint(4, LM_CONFIG["vocab_size"], (4,), generator=gen)
+    call = {"prompt": prompt, "weights": decoding_weights(gen), "config": LM_CONFIG, "max_new_tokens": 6}
+    return [{**call, "beam_width": k, "eos_id": EOS_ID, "length_penalty": 1.0} for k in (1, 3)]
+
+
+BPE_TEXT = (
+    "The cat sat on the mat. The dog sat on the log. That hat, this hat: thin things think. "
+    "A theme, then another theme; the three thin thieves thought the thing through. "
+    "Café, naïve, 日本語. Then they sat there, and that was that."
+)
+ENCODE_TEXT = "The thin cat hath thought: that theme there! Naïve thieves sat on 日本."
+
+
+def bpe_train_inputs(gen):
+    return [{"text": BPE_TEXT, "n_merges": 30, "pattern": GPT2_SPLIT}]
+
+
+def bpe_encode_inputs(gen):
+    return [{"text": ENCODE_TEXT, "merges": ref.run_train_bpe(BPE_TEXT, 30, GPT2_SPLIT), "pattern": GPT2_SPLIT}]
+
+
+def bpe_decode_inputs(gen):
+    merges = ref.run_train_bpe(BPE_TEXT, 30, GPT2_SPLIT)
+    return [{"ids": torch.tensor(ref.run_bpe_encode(ENCODE_TEXT, merges, GPT2_SPLIT)), "merges": merges}]
+
+
+WORD_TRAIN = (
+    "the cat saw the dog . the dog saw a bird , and the bird saw the cat . a cat and a dog ran . "
+    "one bird sang ; one dog slept . Tom saw Lily and Lily saw Tom ."
+)
+WORD_TEXT = "the bird and the fox saw Tom , Lily and a zebra ."
+
+
+def word_inputs(gen):
+    return [{"train_text": WORD_TRAIN, "text": WORD_TEXT, "vocab_size": 12}]
+
+
+def ngram_inputs(gen, smoothing: str):
+    V = LM_CONFIG["vocab_size"]
+    body = torch.randint(4, V - 2, (40,), generator=gen)  # ids V-2 and V-1 never occur
+    train = torch.cat([torch.tensor([SOS_ID]), body, torch.tensor([EOS_ID])])
+    contexts = torch.tensor([SOS_ID, *range(4, V)])  # <eos> is never a context; V-1 is one never seen
+    return [{"train": train, "vocab_size": V, "contexts": contexts, "smoothing": smoothing, "k": 0.5, "discount": 0.75}]
+
+
 # ------------------------------------------------------------------------------ tolerances
 ELEMENTWISE = Tolerance(1e-6, 1e-6, "a few float32 operations per value: rounding only (~1e-7)")
 PRODUCT = Tolerance(1e-5, 1e-5, "float32 sums of 8 to 32 products, in whatever order the kernel adds them (~1e-6)")
@@ -176,6 +288,20 @@ LOSS = Tolerance(1e-5, 1e-5, "a log-sum-exp over 10 logits and a mean over 8 tar
 UPDATE = Tolerance(1e-6, 1e-5, "a few float32 operations per weight, a square root and a division (~1e-7)")
 SCHEDULE = Tolerance(1e-10, 1e-5, "one number per step; a float32 computation of it is within 1e-7 relative")
 COPY = Tolerance(0.0, 0.0, "kept logits are copied, the others are -inf: exact")
+LM = Tolerance(
+    1e-4,
+    1e-4,
+    "two blocks, the final norm and the head: a dozen chained float32 products, softmaxes and their "
+    "gradients (~1e-5); the same for the cached step, whose products are added in another order",
+)
+ACCUMULATED = Tolerance(
+    1e-6, 1e-5, "float32 gradients of the same losses summed in another order (~1e-7; tinylm's own test: 1e-6)"
+)
+DECODED = Tolerance(
+    1e-4, 1e-4, "token ids are exact (they differ by 1 at least); a beam's score sums float32 log-probabilities (~1e-6)"
+)
+EXACT = Tolerance(0.0, 0.0, "merges, token ids and text: exact")
+PROBABILITY = Tolerance(1e-6, 1e-5, "ratios of counts: float32 arithmetic gives ~1e-7 relative")
 
 
 def mistake(key: str, says: str, fn: Callable, **switches) -> Mistake:
@@ -225,6 +351,12 @@ ATTENTION_MISTAKES = (
 def in_multihead(m: Mistake) -> Mistake:
     """An attention mistake inside multi-head attention."""
     return Mistake(m.key, m.says.replace("attention", "multi-head attention", 1), partial(wrong.multihead, attend=m.fn))
+
+
+def inside(m: Mistake, what: str, fn: Callable) -> Mistake:
+    """An attention mistake inside a larger part (a block, the LM): ``fn`` takes ``scaled``."""
+    attention = m.says.removeprefix("tinylm's ")
+    return Mistake(m.key, f"tinylm's {what} with {attention}", partial(fn, scaled=m.fn))
 
 
 MULTIHEAD_MISTAKES = (
@@ -352,6 +484,7 @@ BLOCK_MISTAKES = (
         wrong.block,
         layout="one_norm",
     ),
+    *(inside(m, "block", wrong.block) for m in ATTENTION_MISTAKES),
 )
 CROSS_ENTROPY_MISTAKES = (
     mistake(
@@ -460,9 +593,269 @@ TOP_P_MISTAKES = (
 )
 
 
+LM_MISTAKES = (
+    mistake("no_positions", "tinylm's LM without the position embeddings added", wrong.lm_logits, positions=False),
+    mistake(
+        "no_final_norm",
+        "tinylm's LM without the final norm (norm_f) before the head",
+        wrong.lm_logits,
+        final_norm=False,
+    ),
+    mistake("post_norm", "tinylm's LM with post-norm blocks; its blocks are pre-norm", wrong.lm_logits, layout="post"),
+    mistake(
+        "tied_head",
+        "tinylm's LM reading the logits out with tok_emb.weight; this LM's head is its own lm_head.weight",
+        wrong.lm_logits,
+        head="tok_emb.weight",
+    ),
+    *(inside(m, "LM", wrong.lm_logits) for m in ATTENTION_MISTAKES),
+)
+GQA_MISTAKES = (
+    mistake(
+        "kv_heads_tiled",
+        "grouped-query attention with query head h reading kv head h % n_kv_heads (k.repeat); tinylm gives "
+        "each kv head a run of consecutive query heads, h // (n_heads / n_kv_heads) (repeat_interleave)",
+        wrong.grouped_query_attention,
+        tiled=True,
+    ),
+)
+ACCUMULATION_MISTAKES = (
+    mistake(
+        "not_divided_by_k",
+        "each micro-batch's mean loss backpropagated as it is: the gradients are the sum of k means, about k "
+        "times the batch's",
+        wrong.accumulated_gradients,
+        divide="none",
+    ),
+    mistake(
+        "mean_of_micro_means",
+        "each micro-batch's mean loss divided by k: with padding the micro-batches hold different numbers of "
+        "targets, so the mean of their means is not the batch's mean (tinylm divides each summed loss by the "
+        "batch's count of targets)",
+        wrong.accumulated_gradients,
+        divide="k",
+    ),
+    mistake(
+        "gradients_zeroed_each_micro_batch",
+        "the last micro-batch's gradients only: they were zeroed before each micro-batch",
+        wrong.accumulated_gradients,
+        divide="last",
+    ),
+)
+CHECKPOINT_MISTAKES = (
+    mistake(
+        "input_detached",
+        "blocks whose recomputation starts from a detached input whose gradient is not returned: no gradient "
+        "reaches x or the blocks before the last",
+        wrong.checkpointed_blocks,
+        detach_inputs=True,
+    ),
+    *(inside(m, "blocks", wrong.checkpointed_blocks) for m in ATTENTION_MISTAKES),
+)
+NOT_CHECKPOINTED = (
+    "not_checkpointed",
+    "a forward that keeps every activation for backward: the gradients are right, but nothing is recomputed",
+)
+KV_MISTAKES = (
+    mistake(
+        "position_off_by_one",
+        "the cached LM with each new token at position t + 1: the cache position is off by one "
+        "(the token at index t has position t, so the first is 0)",
+        wrong.kv_cached_logits,
+        position_offset=1,
+    ),
+    mistake(
+        "position_always_zero",
+        "the cached LM with every new token at position 0: the position must follow the cache's length",
+        wrong.kv_cached_logits,
+        fixed_position=True,
+    ),
+    mistake(
+        "key_cached_after_attending",
+        "the cached LM whose new key and value join the cache after the token attended: each token must see itself",
+        wrong.kv_cached_logits,
+        key_after=True,
+    ),
+)
+GREEDY_MISTAKES = (
+    mistake(
+        "first_position_logits",
+        "greedy decoding from the logits of the first position (logits[:, 0]); the next token is read at the last",
+        wrong.greedy_decode,
+        position=0,
+    ),
+    mistake(
+        "token_not_fed_back",
+        "greedy decoding that never appends the chosen token: every step predicts from the prompt",
+        wrong.greedy_decode,
+        feed_back=False,
+    ),
+)
+BEAM_MISTAKES = (
+    mistake(
+        "not_length_normalised",
+        "beam search whose finished hypotheses score the plain sum of log-probabilities; tinylm divides by "
+        "the generated length (the stop token counted) ** length_penalty",
+        wrong.beam_search,
+        normalise=False,
+    ),
+    mistake(
+        "beams_start_equal",
+        "beam search whose k beams all start at score 0: the first step extends the same prompt k times with "
+        "one token; beam 0 starts at 0 and the others at -1e9",
+        wrong.beam_search,
+        one_start=False,
+    ),
+)
+BPE_TRAIN_MISTAKES = (
+    mistake(
+        "ties_first_seen",
+        "BPE whose ties go to the pair seen first (max(counts, key=counts.get)); tinylm merges the pair with the "
+        "smallest (left id, right id)",
+        wrong.train_bpe,
+        ties="first_seen",
+    ),
+    mistake(
+        "ties_greatest_bytes",
+        "BPE whose ties go to the lexicographically greatest pair of bytes (CS336's rule); tinylm merges the "
+        "pair with the smallest (left id, right id)",
+        wrong.train_bpe,
+        ties="greatest_bytes",
+    ),
+    mistake(
+        "no_pretokenization",
+        "BPE trained on the text as one sequence: merges cross word boundaries; tinylm first splits the text "
+        "with the pattern and counts pairs inside pre-tokens",
+        wrong.train_bpe,
+        pretokenize=False,
+    ),
+)
+BPE_ENCODE_MISTAKES = (
+    mistake(
+        "leftmost_merge_first",
+        "encoding that merges the leftmost mergeable pair first; merges are applied by rank (the lowest-ranked "
+        "pair present, wherever it is)",
+        wrong.bpe_encode,
+        leftmost=True,
+    ),
+)
+BPE_DECODE_MISTAKES = (
+    mistake(
+        "tokens_decoded_one_by_one",
+        "each token's bytes decoded to text on its own: a character split over tokens becomes U+FFFD; join "
+        "the bytes of every token, then decode once",
+        wrong.bpe_decode_per_token,
+    ),
+)
+WORD_MISTAKES = (
+    mistake(
+        "ties_first_seen",
+        "a vocabulary whose equally frequent words are ranked by first appearance (Counter.most_common); "
+        "tinylm ranks them alphabetically",
+        wrong.word_encode,
+        ties="first_seen",
+    ),
+    mistake(
+        "unknown_dropped",
+        "encoding that leaves unknown words out; each becomes <unk> (id 1)",
+        wrong.word_encode,
+        unknown="drop",
+    ),
+    mistake(
+        "specials_not_counted",
+        "a vocabulary of vocab_size words; the four special tokens count in vocab_size, so it holds "
+        "vocab_size - 4 words",
+        wrong.word_encode,
+        specials=False,
+    ),
+)
+ADD_K_MISTAKES = (
+    mistake(
+        "no_kv_in_denominator",
+        "add-k without k V in the denominator, (c(v w) + k) / c(v): the rows do not sum to 1",
+        wrong.ngram_probs,
+        variant="no_kv",
+    ),
+    mistake("laplace", "add-one (Laplace) smoothing whatever k is", wrong.ngram_probs, variant="laplace"),
+    mistake(
+        "seen_vocabulary",
+        "add-k with V the number of ids seen in training; V is the whole vocabulary (vocab_size)",
+        wrong.ngram_probs,
+        variant="seen_vocab",
+    ),
+)
+KN_MISTAKES = (
+    mistake(
+        "no_discount",
+        "Kneser-Ney without the discount: maximum-likelihood bigrams, the lower order never used",
+        wrong.ngram_probs,
+        variant="no_discount",
+    ),
+    mistake(
+        "raw_lower_order",
+        "Kneser-Ney whose lower order uses raw unigram counts; Kneser-Ney's uses continuation counts, "
+        "N1+(. w): how many distinct tokens precede w",
+        wrong.ngram_probs,
+        variant="raw_unigram",
+    ),
+    mistake(
+        "no_interpolation",
+        "Kneser-Ney without the interpolation weight d N1+(v .) / c(v) on the lower order: the rows do not sum to 1",
+        wrong.ngram_probs,
+        variant="no_interpolation",
+    ),
+    mistake(
+        "unigram_not_discounted",
+        "Kneser-Ney whose lower order is N1+(. w) / N1+(. .) as it is; tinylm (KenLM) discounts it too and "
+        "gives the freed mass to the uniform 1 / V",
+        wrong.ngram_probs,
+        variant="unigram_not_discounted",
+    ),
+)
+
+
+# ---------------------------------------------------------------------------- canonical forms
+def as_ids(output) -> torch.Tensor:
+    """Token ids (a list of ints or a 1-d tensor) as an int64 tensor."""
+    if isinstance(output, torch.Tensor):
+        values = output.flatten()
+    elif isinstance(output, list) and all(isinstance(v, torch.Tensor) and v.numel() == 1 for v in output):
+        values = torch.stack([v.reshape(()) for v in output]) if output else torch.zeros(0)
+    else:
+        raise TypeError("expected token ids: a list of ints or a 1-d tensor")
+    return values.double().round().long()
+
+
+def as_hypotheses(output) -> list[dict]:
+    if not isinstance(output, list) or not all(isinstance(h, list) and len(h) == 2 for h in output):
+        raise TypeError("expected a list of (tokens, score) pairs, best first")
+    return [
+        {"tokens": as_ids(tokens), "score": torch.as_tensor(score).double().reshape(())} for tokens, score in output
+    ]
+
+
+def as_merges(output) -> list[list[bytes]]:
+    if not isinstance(output, list) or not all(
+        isinstance(m, list) and len(m) == 2 and all(isinstance(t, bytes) for t in m) for m in output
+    ):
+        raise TypeError("expected a list of (bytes, bytes) merges")
+    return output
+
+
+def as_text(output) -> str:
+    if not isinstance(output, str):
+        raise TypeError("expected a str")
+    return output
+
+
+def uncached_logits(tokens, weights, config):
+    """What the cached step must equal: tinylm's forward over the whole sequence at once."""
+    return ref.run_transformer_lm(tokens, weights, config)
+
+
 # ------------------------------------------------------------------------------ the parts
-def _part(name, inputs, reference, tolerance, grad=(), mistakes=(), function=None) -> Part:
-    return Part(name, function or f"run_{name}", inputs, reference, tolerance, tuple(grad), tuple(mistakes))
+def _part(name, inputs, reference, tolerance, grad=(), mistakes=(), function=None, **more) -> Part:
+    return Part(name, function or f"run_{name}", inputs, reference, tolerance, tuple(grad), tuple(mistakes), **more)
 
 
 PARTS: tuple[Part, ...] = (
@@ -530,5 +923,76 @@ PARTS: tuple[Part, ...] = (
     _part("clip_grad_norm", clip_inputs, ref.run_clip_grad_norm, UPDATE, (), CLIP_MISTAKES),
     _part("top_k_filter", top_k_inputs, ref.run_top_k_filter, COPY, (), TOP_K_MISTAKES),
     _part("top_p_filter", top_p_inputs, ref.run_top_p_filter, COPY, (), TOP_P_MISTAKES),
+    _part("transformer_lm", lm_inputs, ref.run_transformer_lm, LM, ("weights",), LM_MISTAKES),
+    _part(
+        "grouped_query_attention",
+        gqa_inputs,
+        ref.run_grouped_query_attention,
+        ATTENTION,
+        ("x", "weights"),
+        GQA_MISTAKES,
+    ),
+    _part(
+        "gradient_accumulation",
+        accumulation_inputs,
+        ref.run_accumulated_gradients,
+        ACCUMULATED,
+        (),
+        ACCUMULATION_MISTAKES,
+        function="run_accumulated_gradients",
+    ),
+    _part(
+        "gradient_checkpointing",
+        checkpoint_inputs,
+        ref.run_checkpointed_blocks,
+        ATTENTION,
+        ("x", "weights"),
+        CHECKPOINT_MISTAKES,
+        function="run_checkpointed_blocks",
+        memory_baseline=wrong.checkpointed_blocks,
+    ),
+    _part("kv_cache", kv_inputs, uncached_logits, LM, (), KV_MISTAKES, function="run_kv_cached_logits"),
+    _part("greedy_decode", greedy_inputs, ref.run_greedy_decode, EXACT, (), GREEDY_MISTAKES, canonical=as_ids),
+    _part("beam_search", beam_inputs, ref.run_beam_search, DECODED, (), BEAM_MISTAKES, canonical=as_hypotheses),
+    _part(
+        "bpe_train",
+        bpe_train_inputs,
+        ref.run_train_bpe,
+        EXACT,
+        (),
+        BPE_TRAIN_MISTAKES,
+        function="run_train_bpe",
+        canonical=as_merges,
+    ),
+    _part("bpe_encode", bpe_encode_inputs, ref.run_bpe_encode, EXACT, (), BPE_ENCODE_MISTAKES, canonical=as_ids),
+    _part("bpe_decode", bpe_decode_inputs, ref.run_bpe_decode, EXACT, (), BPE_DECODE_MISTAKES, canonical=as_text),
+    _part(
+        "word_vocab",
+        word_inputs,
+        ref.run_word_encode,
+        EXACT,
+        (),
+        WORD_MISTAKES,
+        function="run_word_encode",
+        canonical=as_ids,
+    ),
+    _part(
+        "ngram_add_k",
+        partial(ngram_inputs, smoothing="add_k"),
+        ref.run_ngram_probs,
+        PROBABILITY,
+        (),
+        ADD_K_MISTAKES,
+        function="run_ngram_probs",
+    ),
+    _part(
+        "ngram_kneser_ney",
+        partial(ngram_inputs, smoothing="kneser_ney"),
+        ref.run_ngram_probs,
+        PROBABILITY,
+        (),
+        KN_MISTAKES,
+        function="run_ngram_probs",
+    ),
 )
 PARTS_BY_NAME = {part.name: part for part in PARTS}

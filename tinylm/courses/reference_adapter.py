@@ -9,13 +9,22 @@ apart, as ``state_dict_by_parts`` writes them; ``join_parts`` fuses them the way
 
 from __future__ import annotations
 
+import functools
+import os
+
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tinylm.config import ModelConfig
+from tinylm.config import GenerationConfig, ModelConfig
+from tinylm.generation.beam import beam_search
+from tinylm.generation.decode import decode_step
+from tinylm.generation.generate import generate_many
 from tinylm.generation.processors import top_k_filter, top_p_filter
+from tinylm.interop.loading import load_any_checkpoint
 from tinylm.models.gpt import (
+    GPT,
     Block,
     CausalSelfAttention,
     FeedForward,
@@ -26,7 +35,12 @@ from tinylm.models.gpt import (
     rope_factors,
     rope_tables,
 )
+from tinylm.models.ngram import NGramLM
+from tinylm.tokenizers.bpe import BYTE_BASE, FIRST_MERGE_ID, BPETokenizer
+from tinylm.tokenizers.word import WordTokenizer
+from tinylm.training.distributed import DistContext
 from tinylm.training.optim import scheduled_lr
+from tinylm.training.trainer import accumulate_gradients
 
 ROPE_THETA = 10000.0  # tinylm's default (ModelConfig.rope_theta)
 BLOCK_NORM_EPS = 1e-5  # tinylm's default (ModelConfig.norm_eps)
@@ -38,8 +52,8 @@ def model_config(d_model: int, n_heads: int = 1, d_ff: int | None = None, **opti
     return ModelConfig(vocab_size=1, d_model=d_model, n_heads=n_heads, d_ff=d_ff, **options).resolved()
 
 
-def attention_module(d_model: int, n_heads: int, bias: bool = True) -> CausalSelfAttention:
-    return CausalSelfAttention(model_config(d_model, n_heads, bias=bias)).eval()
+def attention_module(d_model: int, n_heads: int, bias: bool = True, n_kv_heads: int | None = None):
+    return CausalSelfAttention(model_config(d_model, n_heads, bias=bias, n_kv_heads=n_kv_heads)).eval()
 
 
 def feed_forward_module(d_model: int, d_ff: int, kind: str, bias: bool = True) -> FeedForward:
@@ -49,6 +63,24 @@ def feed_forward_module(d_model: int, d_ff: int, kind: str, bias: bool = True) -
 def block_module(d_model: int, n_heads: int, d_ff: int) -> Block:
     """tinylm's default block: pre-norm, LayerNorm, GELU (tanh), biases."""
     return Block(model_config(d_model, n_heads, d_ff)).eval()
+
+
+def gpt_module(config: dict) -> GPT:
+    """The whole LM the adapter's ``config`` describes: tinylm's defaults (learned positions,
+    pre-norm LayerNorm blocks, GELU, biases) with an output head of its own (``lm_head.weight``)."""
+    return GPT(ModelConfig(**config, tie_weights=False)).eval()
+
+
+def gpt_with_weights(weights: dict[str, torch.Tensor], config: dict) -> GPT:
+    """The LM with ``weights`` loaded (q, k, v stored apart are fused as loading fuses them)."""
+    model = gpt_module(config)
+    model.load_state_dict({name: w.detach() for name, w in weights.items()})
+    return model
+
+
+def weights_under(weights: dict, prefix: str) -> dict:
+    """The entries of ``weights`` under ``prefix`` (``attn.``, ``blocks.0.``), without it."""
+    return {name[len(prefix) :]: w for name, w in weights.items() if name.startswith(prefix)}
 
 
 def call_with_weights(module: nn.Module, weights: dict[str, torch.Tensor], *args) -> torch.Tensor:
@@ -159,3 +191,132 @@ def run_top_k_filter(logits, k):
 
 def run_top_p_filter(logits, p):
     return top_p_filter(logits, p)
+
+
+# ------------------------------------------------------------------------- the whole model
+def run_transformer_lm(tokens, weights, config):
+    return call_with_weights(gpt_module(config), weights, tokens)[0]
+
+
+def run_grouped_query_attention(x, weights, n_heads, n_kv_heads):
+    attention = attention_module(x.shape[-1], n_heads, bias="q_proj.bias" in weights, n_kv_heads=n_kv_heads)
+    return call_with_weights(attention, weights, x, None)
+
+
+def run_accumulated_gradients(x, targets, weight, bias, micro_batches, ignore_index):
+    # the trainer's own accumulation: each micro-batch's summed loss over the batch's target count
+    w, b = nn.Parameter(weight.detach().clone()), nn.Parameter(bias.detach().clone())
+
+    def run_model(xm, ym, loss_reduction):
+        logits = F.linear(xm, w, b)
+        flat = logits.reshape(-1, logits.shape[-1])
+        return logits, F.cross_entropy(flat, ym.reshape(-1), ignore_index=ignore_index, reduction=loss_reduction)
+
+    rows = x.shape[0] // micro_batches
+    micro = [(x[i * rows : (i + 1) * rows], targets[i * rows : (i + 1) * rows]) for i in range(micro_batches)]
+    accumulate_gradients(run_model, micro, torch.device("cpu"), dist=DistContext())
+    return {"weight": w.grad, "bias": b.grad}
+
+
+def run_checkpointed_blocks(x, weights, n_heads, n_layers):
+    # torch.utils.checkpoint, tinylm's reference for its own CheckpointedBlock (training.grad_checkpoint);
+    # that Function takes a module's own parameters, and these weights are plain tensors
+    block = block_module(x.shape[-1], n_heads, weights["blocks.0.ffn.up.weight"].shape[0])
+    h = x
+    for i in range(n_layers):
+        h = torch.utils.checkpoint.checkpoint(
+            call_with_weights, block, weights_under(weights, f"blocks.{i}."), h, use_reentrant=False
+        )
+    return h
+
+
+# -------------------------------------------------------------------------------- decoding
+def run_kv_cached_logits(tokens, weights, config):
+    # the first token fills the cache as a prompt does; each next one is tinylm's decoding step
+    model = gpt_with_weights(weights, config)
+    model.prepare_for_decoding()
+    with torch.inference_mode():
+        cache = model.new_kv_cache(tokens.shape[0], tokens.shape[1])
+        first, _ = model(tokens[:, :1], kv_cache=cache)
+        steps = [first[:, 0]] + [decode_step(model, cache, tokens[:, t]) for t in range(1, tokens.shape[1])]
+    return torch.stack(steps, dim=1)
+
+
+def run_greedy_decode(prompt, weights, config, max_new_tokens):
+    generation = GenerationConfig(max_new_tokens=max_new_tokens, temperature=0.0)
+    return generate_many(gpt_with_weights(weights, config), [prompt.tolist()], generation)[0].tokens
+
+
+def run_beam_search(prompt, weights, config, beam_width, max_new_tokens, eos_id, length_penalty):
+    generation = GenerationConfig(
+        max_new_tokens=max_new_tokens,
+        beam_width=beam_width,
+        num_return_sequences=beam_width,
+        stop_ids=(eos_id,),
+        length_penalty=length_penalty,
+    )
+    hypotheses = beam_search(gpt_with_weights(weights, config), [prompt.tolist()], generation)[0]
+    return [(h.tokens, h.score) for h in hypotheses]
+
+
+# ------------------------------------------------------------------- tokenizers and n-grams
+def bpe_tokenizer(merges, pattern) -> BPETokenizer:
+    """tinylm's byte-level BPE from merges given as byte strings (the contract's form)."""
+    ids = {bytes([b]): BYTE_BASE + b for b in range(256)}
+    pairs = []
+    for i, (a, b) in enumerate(merges):
+        pairs.append((ids[bytes(a)], ids[bytes(b)]))
+        ids[bytes(a) + bytes(b)] = FIRST_MERGE_ID + i
+    return BPETokenizer(pairs, pattern)
+
+
+def run_train_bpe(text, n_merges, pattern):
+    tokenizer = BPETokenizer(pattern=pattern).train([text], FIRST_MERGE_ID + n_merges)
+    return [(tokenizer.token_bytes[a], tokenizer.token_bytes[b]) for a, b in tokenizer.merges]
+
+
+def run_bpe_encode(text, merges, pattern):
+    # tinylm's ids start after its special tokens; the contract's bytes are 0..255
+    return [i - BYTE_BASE for i in bpe_tokenizer(merges, pattern).encode(text)]
+
+
+def run_bpe_decode(ids, merges):
+    return bpe_tokenizer(merges, "gpt2").decode([BYTE_BASE + int(i) for i in ids])
+
+
+def run_word_encode(train_text, text, vocab_size):
+    return WordTokenizer().train([train_text], vocab_size).encode(text)
+
+
+def run_ngram_probs(train, vocab_size, contexts, smoothing, k, discount):
+    model = NGramLM(2, vocab_size, smoothing, k=k, discounts=[discount]).fit(train.tolist())
+    return torch.from_numpy(np.stack([model.distribution([int(c)]) for c in contexts]))
+
+
+# ------------------------------------------------- a whole model: `tinylm evaluate --adapter`
+# A tinylm checkpoint behind the whole-model functions: the run directory in the environment
+# variable TINYLM_CHECKPOINT, else runs/demo (what `make demo` trains). `tinylm evaluate --adapter`
+# on this file gives the numbers `tinylm evaluate --checkpoint` gives on that checkpoint.
+@functools.cache
+def checkpoint_model():
+    model, tokenizer, _ = load_any_checkpoint(os.environ.get("TINYLM_CHECKPOINT", "runs/demo"))
+    return model, tokenizer
+
+
+def model_info():
+    model, tokenizer = checkpoint_model()
+    return {"context_length": model.config.context_length, "bos_id": tokenizer.bos_id}
+
+
+def model_encode(text):
+    return checkpoint_model()[1].encode(text)
+
+
+def model_logits(tokens):
+    with torch.inference_mode():
+        return checkpoint_model()[0](tokens)[0]
+
+
+def model_generate(prompt, max_new_tokens, use_cache):
+    generation = GenerationConfig(max_new_tokens=max_new_tokens, temperature=0.0, use_cache=use_cache)
+    return generate_many(checkpoint_model()[0], [list(prompt)], generation)[0].tokens

@@ -1,0 +1,7 @@
+"""Alice: the shared answer from torch primitives, every part right."""
+
+# ruff: noqa: F821  (the helpers come from the shared answer this file executes first)
+from pathlib import Path
+
+_SHARED = Path(__file__).resolve().parents[2] / "student_adapter.py"
+exec(compile(_SHARED.read_text(encoding="utf-8"), str(_SHARED), "exec"))

@@ -1,0 +1,169 @@
+"""`tinylm check --class`, `--init` and `tinylm evaluate --adapter`: a class's adapters in one table,
+the kit for students, and a student's whole model scored on tinylm's protocol.
+
+The class is tests/fixtures_check/class/: each student's adapter.py runs the shared answer
+(tests/fixtures_check/student_adapter.py, torch primitives) and overrides a few definitions: one
+is right everywhere, the others hold usual mistakes, a part that hangs, one that raises and one
+that allocates without bound.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import make_stories
+
+from tinylm.cli import main
+from tinylm.config import ModelConfig
+from tinylm.courses import adapter_template, reference_adapter
+from tinylm.models.checkpoint import save_checkpoint
+from tinylm.models.gpt import GPT
+from tinylm.tokenizers.bpe import BPETokenizer
+
+FIXTURES = Path(__file__).parent / "fixtures_check"
+
+
+def test_init_writes_the_template_and_a_readme_and_never_overwrites(tmp_path, capsys):
+    kit = tmp_path / "kit"
+    assert main(["check", "--init", str(kit)]) == 0
+    assert (kit / "adapter.py").read_text() == Path(adapter_template.__file__).read_text()
+    readme = (kit / "README.md").read_text()
+    assert "tinylm check adapter.py" in readme and "tinylm evaluate --adapter adapter.py" in readme
+    capsys.readouterr()
+    assert main(["check", "--init", str(kit)]) == 2
+    assert "already exist" in capsys.readouterr().err
+
+
+def test_check_takes_one_of_an_adapter_a_class_or_init(tmp_path, capsys):
+    assert main(["check"]) == 2
+    assert "give one of ADAPTER, --class DIR or --init DIR" in capsys.readouterr().err
+    assert main(["check", "--class", str(tmp_path), "--init", str(tmp_path)]) == 2
+    assert main(["check", "--class", str(tmp_path)]) == 2
+    assert "no DIR/*/adapter.py" in capsys.readouterr().err
+
+
+def class_copy(tmp_path: Path) -> Path:
+    """The fixture class where its report may be written (the adapters find the shared answer two
+    folders up, as in tests/fixtures_check)."""
+    shutil.copy(FIXTURES / "student_adapter.py", tmp_path / "student_adapter.py")
+    shutil.copytree(FIXTURES / "class", tmp_path / "class")
+    return tmp_path / "class"
+
+
+PARTS = [
+    "embedding",
+    "scaled_dot_product_attention",
+    "cross_entropy",
+    "gradient_accumulation",
+    "gradient_checkpointing",
+    "kv_cache",
+    "top_k_filter",
+    "beam_search",
+    "bpe_train",
+    "ngram_kneser_ney",
+]
+EXPECTED = {  # student -> part -> (status, mistake); every other cell is ok
+    "bob": {
+        "scaled_dot_product_attention": ("differs", "no_scale"),
+        "gradient_checkpointing": ("differs", "no_scale"),  # its blocks hold the same attention
+        "kv_cache": ("differs", None),  # ... and so does its cached step, where no mistake is named
+        "gradient_accumulation": ("differs", "not_divided_by_k"),
+        "ngram_kneser_ney": ("differs", "no_discount"),
+        "beam_search": ("not implemented", None),
+    },
+    "carol": {"top_k_filter": ("timed out", None), "kv_cache": ("differs", "position_off_by_one")},
+    "dave": {"cross_entropy": ("error", None), "bpe_train": ("differs", "ties_greatest_bytes")},
+    "erin": {"embedding": ("error", None), "gradient_checkpointing": ("differs", "not_checkpointed")},
+}
+
+
+@pytest.mark.slow
+def test_class_writes_one_table_with_each_students_mistakes_named(tmp_path, capsys):
+    directory = class_copy(tmp_path)
+    argv = ["check", "--class", str(directory), "--parts", ",".join(PARTS), "--timeout", "3", "--memory-gb", "0.5"]
+    assert main(argv) == 1
+    data = json.loads((directory / "check.json").read_text())
+    assert data["parts"] == PARTS
+    students = {s["name"]: s for s in data["students"]}
+    assert list(students) == ["alice", "bob", "carol", "dave", "erin"]
+    for name, student in students.items():
+        got = {p["part"]: (p["status"], p["mistake"]) for p in student["parts"]}
+        assert got == {part: EXPECTED.get(name, {}).get(part, ("ok", None)) for part in PARTS}, name
+    erin = {p["part"]: p for p in students["erin"]["parts"]}
+    assert "allocate" in erin["embedding"]["detail"].lower() or "memory" in erin["embedding"]["detail"].lower()
+    dave = {p["part"]: p for p in students["dave"]["parts"]}
+    assert dave["cross_entropy"]["detail"].startswith("ValueError: targets and logits disagree (adapter.py line ")
+    table = (directory / "check.md").read_text()
+    assert (
+        "| bob | 4/10 | ok | x no_scale | ok | x not_divided_by_k | x no_scale | x | ok | - | ok | x no_discount |"
+        in table
+    )
+    assert "| carol | 8/10 |" in table and "timeout" in table
+    assert table in capsys.readouterr().out
+    page = (directory / "check.html").read_text()
+    assert page.count("<tr>") == 6 and "x not_checkpointed" in page
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A small random GPT with a BPE tokenizer, saved as tinylm saves a run's checkpoint."""
+    root = tmp_path_factory.mktemp("ckpt")
+    stories = make_stories(40)
+    tokenizer = BPETokenizer().train(stories, 300)
+    torch.manual_seed(0)
+    model = GPT(ModelConfig(vocab_size=300, context_length=32, d_model=32, n_layers=2, n_heads=4))
+    save_checkpoint(root / "model", model, tokenizer)
+    data = root / "valid.txt"
+    data.write_text("".join(f"{s}\n<|endoftext|>\n" for s in stories[:12]), encoding="utf-8")
+    return root / "model", data
+
+
+@pytest.mark.slow
+def test_evaluate_adapter_on_a_wrapped_checkpoint_gives_that_checkpoints_numbers(checkpoint, monkeypatch, capsys):
+    model, data = checkpoint
+    assert main(["evaluate", "--checkpoint", str(model), "--data", str(data), "--json"]) == 0
+    direct = json.loads(capsys.readouterr().out)
+    monkeypatch.setenv("TINYLM_CHECKPOINT", str(model))  # the reference adapter's whole model
+    argv = ["evaluate", "--adapter", reference_adapter.__file__, "--data", str(data), "--json"]
+    assert main(argv) == 0
+    wrapped = json.loads(capsys.readouterr().out)
+    assert wrapped["tokens"] == direct["tokens"] and wrapped["bytes"] == direct["bytes"]
+    assert wrapped["words"] == direct["words"]
+    for key in ("bpb", "token_ppl", "word_ppl"):
+        assert wrapped[key] == pytest.approx(direct[key], rel=1e-6), key
+    assert wrapped["kv_speedup"] > 0 and wrapped["same_tokens"] is True
+    assert main(["evaluate", "--adapter", reference_adapter.__file__, "--data", str(data)]) == 0
+    report = capsys.readouterr().out
+    assert "bits per byte    " in report and "how each number is defined:" in report and "kv_speedup:" in report
+
+
+def test_evaluate_takes_a_checkpoint_or_an_adapter(tmp_path, capsys):
+    data = tmp_path / "valid.txt"
+    data.write_text("one story\n", encoding="utf-8")
+    assert main(["evaluate", "--data", str(data)]) == 2
+    assert "give one of --checkpoint or --adapter" in capsys.readouterr().err
+    assert main(["evaluate", "--adapter", str(tmp_path / "missing.py"), "--data", str(data)]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_class_with_data_adds_each_students_protocol_numbers(checkpoint, tmp_path, monkeypatch, capsys):
+    model, data = checkpoint
+    monkeypatch.setenv("TINYLM_CHECKPOINT", str(model))
+    directory = class_copy(tmp_path)
+    shutil.copy(reference_adapter.__file__, directory / "alice" / "adapter.py")  # alice hands in a whole model
+    for name in ("carol", "dave", "erin"):
+        shutil.rmtree(directory / name)
+    assert main(["check", "--class", str(directory), "--parts", "linear", "--data", str(data)]) == 0
+    assert main(["evaluate", "--checkpoint", str(model), "--data", str(data), "--json"]) == 0
+    direct = json.loads(capsys.readouterr().out.splitlines()[-1])
+    students = {s["name"]: s for s in json.loads((directory / "check.json").read_text())["students"]}
+    assert students["alice"]["protocol"]["bpb"] == pytest.approx(direct["bpb"], rel=1e-6)
+    assert "model_info not implemented" in students["bob"]["protocol_error"]
+    table = (directory / "check.md").read_text()
+    assert "| student | parts ok | linear | bits/byte | token ppl | word ppl | KV speed-up |" in table
+    assert f"| alice | 1/1 | ok | {direct['bpb']:.4f} |" in table
