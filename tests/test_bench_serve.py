@@ -11,7 +11,7 @@ from serving_util import make_run
 REPO = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.slow  # starts a server and runs three load levels and a malformed burst (~15 s)
+@pytest.mark.slow  # starts a server on each engine, runs two load levels on each and a malformed burst (~30 s)
 def test_bench_serve_quick_writes_the_table(tmp_path):
     run = make_run(tmp_path, context_length=64)
     out = tmp_path / "bench.json"
@@ -23,6 +23,8 @@ def test_bench_serve_quick_writes_the_table(tmp_path):
         str(run),
         "--clients",
         "1,4",
+        "--engines",
+        "process,thread",
         "--json",
         str(out),
     ]
@@ -31,14 +33,17 @@ def test_bench_serve_quick_writes_the_table(tmp_path):
     assert proc.returncode in (0, 1), proc.stdout[-2000:] + proc.stderr[-2000:]
     report = json.loads(out.read_text())
     rows = report["rows"]
-    assert [r["clients"] for r in rows] == [1, 4]
+    assert [(r["engine"], r["clients"]) for r in rows] == [("process", 1), ("process", 4), ("thread", 1), ("thread", 4)]
     for r in rows:
         assert {"clients", "requests", "errors", "ttft_p50_ms", "ttft_p95_ms", "tokens_per_s"} <= set(r)
         assert r["requests"] == 2 * r["clients"] and r["errors"] == 0, r
         assert 0 < r["ttft_p50_ms"] <= r["ttft_p95_ms"] and r["tokens_per_s"] > 0
+        assert r["runs"] == [r["tokens_per_s"]]  # one round: the median is the run
     assert rows[1]["vs_1_client"] == pytest.approx(rows[1]["tokens_per_s"] / rows[0]["tokens_per_s"], abs=0.01)
+    assert rows[1]["vs_thread"] == pytest.approx(rows[1]["tokens_per_s"] / rows[3]["tokens_per_s"], abs=0.01)
+    assert rows[3]["vs_thread"] is None
     burst = report["burst"]
     assert burst["requests"] == 100 and burst["unexpected"] == 0, burst["examples"]
     assert burst["healthy_after"] and burst["completion_after"]
     assert report["targets"]["no errors"]["ok"] and report["targets"]["healthy after the malformed burst"]["ok"]
-    assert "| clients | requests | errors |" in proc.stdout
+    assert "| mode | engine | clients | runs | requests | errors |" in proc.stdout

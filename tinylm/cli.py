@@ -38,6 +38,8 @@ from tinylm.config import (
     preset_names,
 )
 from tinylm.courses.check import PASSING, check_adapter, summary, write_json
+from tinylm.courses.classroom import check_class, markdown, write_kit, write_reports
+from tinylm.courses.evaluate import evaluate_adapter, finite, format_report
 from tinylm.data.corpora import load_text_file
 from tinylm.data.prepare import prepare as prepare_data
 from tinylm.errors import TinyLMError
@@ -421,7 +423,15 @@ def generate(opts: GenerateOptions) -> int:
 # ---------------------------------------------------------------------------------- evaluate
 @dataclass
 class EvaluateOptions(ModelOptions):
+    checkpoint: str | None = opt(
+        "tinylm checkpoint or run directory, llama2.c .bin, or Hugging Face model directory (or --adapter)"
+    )
     data: str = opt("text file (TinyStories format: each story scored alone), or .jsonl", required=True)
+    adapter: str | None = opt(
+        "a student's adapter file instead of --checkpoint: its model_* functions (tinylm check --init's template), "
+        "run in their own process",
+        metavar="ADAPTER.py",
+    )
     batch_size: int = opt("documents scored together", 32, ge=1)
     max_docs: int | None = opt("score only the first N documents", ge=1)
     json: bool = opt("print one JSON object")
@@ -484,10 +494,14 @@ def _finite_or_reason(m: dict) -> tuple[dict, dict]:
 @command("evaluate")
 def evaluate(opts: EvaluateOptions) -> int:
     """Token perplexity, bits per byte and word perplexity on a file (and the BLEU protocol)."""
-    model, tokenizer, _ = load_any_checkpoint(opts.checkpoint, opts.tokenizer)
+    if (opts.checkpoint is None) == (opts.adapter is None):
+        raise TinyLMError("give one of --checkpoint or --adapter")
     docs = load_text_file(opts.data)[: opts.max_docs]
     if not docs:
         raise TinyLMError(f"{opts.data} holds no document to score")
+    if opts.adapter:
+        return _evaluate_adapter(opts, docs)
+    model, tokenizer, _ = load_any_checkpoint(opts.checkpoint, opts.tokenizer)
     m = evaluate_texts(model, tokenizer, docs, batch_size=opts.batch_size)
     bleu = None
     if opts.bleu:
@@ -514,6 +528,17 @@ def evaluate(opts: EvaluateOptions) -> int:
     if bleu:
         print()
         print(format_bleu(bleu))
+    return 0
+
+
+def _evaluate_adapter(opts: EvaluateOptions, docs: list[str]) -> int:
+    """A student's model on the same protocol (its code in its own process)."""
+    if opts.bleu or opts.tokenizer:
+        raise TinyLMError(
+            "--adapter scores perplexity, bits per byte and the KV cache's speed-up; drop --bleu and --tokenizer"
+        )
+    result = evaluate_adapter(opts.adapter, docs, batch_size=opts.batch_size)
+    print(json.dumps(finite(result)) if opts.json else format_report(result, len(docs)))
     return 0
 
 
@@ -681,10 +706,15 @@ class ServeOptions:
         "torch.compile the decoding step of the --checkpoint models, its shapes in a few buckets "
         "(a context up to 256 compiles them all at start-up, ~10 s each on 2 cores; docs/serving.md)"
     )
+    engine: Literal["process", "thread"] = opt(
+        "where the models decode: 'process', an engine process apart from the HTTP server (no GIL "
+        "shared with streaming); 'thread', a thread of the server process (to compare with)",
+        "process",
+    )
 
 
 def serve_models(models, host: str, port: int, limits, api_key: str | None, runs) -> None:
-    """Serve until interrupted (tinylm.serving.app.serve)."""
+    """Serve ``models`` (a ModelSpecs) until interrupted (tinylm.serving.app.serve)."""
     from tinylm.serving.app import serve as serve_app  # deferred: it imports FastAPI (see serve)
 
     serve_app(models, host, port, limits, api_key, runs)
@@ -706,15 +736,17 @@ def serve(opts: ServeOptions) -> int:
     # deferred, here and in serve_models: the server's modules import FastAPI and pydantic, which
     # no other command needs (`tinylm --version` and `tinylm train` start without them)
     from tinylm.serving.completions import Limits
-    from tinylm.serving.models import load_models
+    from tinylm.serving.engine import ModelSpecs
+    from tinylm.serving.models import model_specs
     from tinylm.serving.state import RunsRoot
 
     # with --runs alone, models come from the Runs view's load buttons
-    models = (
-        load_models(opts.checkpoint, opts.tokenizer, opts.max_batch, opts.name, opts.dtype, opts.compile)
+    specs = (
+        model_specs(opts.checkpoint, opts.tokenizer, opts.max_batch, opts.name, opts.dtype, opts.compile)
         if opts.checkpoint or not opts.runs
         else {}
     )
+    models = ModelSpecs(specs, opts.engine, opts.threads)
     limits = Limits(opts.max_tokens, opts.max_choices, opts.max_body_bytes)
     runs = RunsRoot(Path(opts.runs), opts.max_batch) if opts.runs else None
     serve_models(models, opts.host, opts.port, limits, opts.api_key, runs)
@@ -830,21 +862,53 @@ def tokenizer_stats(opts: TokenizerStatsOptions) -> int:
 
 @dataclass
 class CheckOptions:
-    adapter: str = opt(
-        "the student's adapter file: a filled copy of tinylm/courses/adapter_template.py", positional=True
+    adapter: str | None = opt(
+        "the student's adapter file: a filled copy of tinylm/courses/adapter_template.py",
+        positional=True,
+        nargs="?",
     )
     parts: str | None = opt("comma-separated parts to check (default: every part)", metavar="A,B")
     json: str | None = opt("also write the verdicts to this JSON file", metavar="PATH")
     timeout: float = opt("seconds each part may run before it counts as timed out", 30.0, gt=0)
     memory_gb: float = opt("memory the adapter's process may take beyond what torch maps, in GiB", 4.0, gt=0)
+    class_dir: str | None = opt(
+        "check every DIR/*/adapter.py and write one table: DIR/check.md, check.html, check.json",
+        flag="--class",
+        metavar="DIR",
+    )
+    data: str | None = opt(
+        "with --class: also score each student's model (its model_* functions) on this text file", metavar="FILE"
+    )
+    init: str | None = opt("write the adapter template and a README for students into DIR", metavar="DIR")
 
 
 @command("check")
 def check(opts: CheckOptions) -> int:
     """Check a student's own model, training and generation parts against tinylm's, naming the mistake."""
+    chosen = [
+        name for name, value in (("ADAPTER", opts.adapter), ("--class", opts.class_dir), ("--init", opts.init)) if value
+    ]
+    if len(chosen) != 1:
+        raise TinyLMError(
+            "give one of ADAPTER, --class DIR or --init DIR" + (f" (got {', '.join(chosen)})" if chosen else "")
+        )
+    if opts.data and not opts.class_dir:
+        raise TinyLMError("--data goes with --class (one student's model: tinylm evaluate --adapter)")
     parts = [name.strip() for name in opts.parts.split(",") if name.strip()] if opts.parts else None
+    memory = int(opts.memory_gb * 2**30)
+    if opts.init:
+        for path in write_kit(opts.init):
+            print(f"wrote {path}")
+        return 0
+    if opts.class_dir:
+        texts = load_text_file(opts.data) if opts.data else None
+        students = check_class(opts.class_dir, parts, opts.timeout, memory, texts)
+        paths = write_reports(opts.class_dir, students, bool(texts))
+        print(markdown(students, bool(texts)))
+        print(f"wrote {', '.join(str(p) for p in paths)}")
+        return 0 if all(r.status in PASSING for s in students for r in s.results) else 1
     results = []
-    for result in check_adapter(opts.adapter, parts, opts.timeout, int(opts.memory_gb * 2**30)):
+    for result in check_adapter(opts.adapter, parts, opts.timeout, memory):
         print(result.line(), flush=True)  # one line per part as it is judged: a slow part shows where it is
         results.append(result)
     print(summary(results))

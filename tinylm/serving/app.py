@@ -27,6 +27,7 @@ from starlette.exceptions import HTTPException
 
 from tinylm.serving.compare import router as compare_router
 from tinylm.serving.completions import APIError, Limits, bad, complete, plan_completion, sse_stream
+from tinylm.serving.engine import LocalEngine, ModelSpecs, ProcessEngine, start_engine
 from tinylm.serving.lens import router as lens_router
 from tinylm.serving.models import ServedModel
 from tinylm.serving.runs import router as runs_router
@@ -149,12 +150,15 @@ async def favicon():
 @router.get("/health")
 async def health(state: StateDep):
     dead = [name for name, s in state.models.items() if not s.scheduler.alive]
+    down = state.engine.down
     body = {
-        "status": "ok" if not dead else "unhealthy",
+        "status": "ok" if not dead and down is None else "unhealthy",
         "models": list(state.models),
         "active_rows": {name: s.scheduler.active for name, s in state.models.items()},
     }
-    return JSONResponse(body, status_code=503 if dead else 200)
+    if down is not None:
+        body["error"] = down
+    return JSONResponse(body, status_code=503 if dead or down is not None else 200)
 
 
 @router.get("/v1/models")
@@ -226,7 +230,7 @@ async def on_text(state: ServerState, body: TextRequest, method: str) -> dict:
     served = state.model(body.model)
     if not body.text:
         raise bad("text", "must not be empty", "empty_text")
-    return {"model": served.name, **await served.on_model_thread(lambda: getattr(served, method)(body.text))}
+    return {"model": served.name, **await served.on_model_thread(method, body.text)}
 
 
 @router.post("/v1/attention")
@@ -244,8 +248,10 @@ def create_app(
     limits: Limits | None = None,
     api_key: str | None = None,
     runs: RunsRoot | None = None,
+    engine: ProcessEngine | LocalEngine | None = None,
 ) -> FastAPI:
-    """The FastAPI application serving ``models`` (name -> ServedModel) and, with ``runs``, the runs under it."""
+    """The FastAPI application serving ``models`` (name -> ServedModel) and, with ``runs``, the runs
+    under it; ``engine``: where the models run (default: in this process, as handed over)."""
     limits = limits or Limits()
     app = FastAPI(
         title="tinylm",
@@ -267,22 +273,23 @@ def create_app(
     app.include_router(compare_router)
     app.include_router(lens_router)
     app.include_router(runs_router)
-    app.state.server = ServerState(models, limits, runs)
+    app.state.server = ServerState(models, limits, runs, engine)
     return app
 
 
 def serve(
-    models: dict[str, ServedModel],
+    specs: ModelSpecs,
     host: str,
     port: int,
     limits: Limits,
     api_key: str | None,
     runs: RunsRoot | None = None,
 ) -> None:
-    """Run the app with uvicorn until interrupted."""
+    """Load the models in their engine, run the app with uvicorn until interrupted, stop the engine."""
     import uvicorn  # deferred: only `tinylm serve` needs it
 
-    app = create_app(models, limits, api_key, runs)
+    engine, models = start_engine(specs)
+    app = create_app(models, limits, api_key, runs, engine)
     log.info(
         "serving %s on http://%s:%d  (open it in a browser for the playground)",
         ", ".join(models) + (f" and the runs under {runs.root}" if runs else ""),
@@ -292,5 +299,6 @@ def serve(
     try:
         uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=2)
     finally:
-        for served in models.values():
+        for served in app.state.server.models.values():
             served.scheduler.close()
+        engine.close()

@@ -92,7 +92,7 @@ async def compare_scores(body: CompareRequest, state: StateDep):
     if not 0 <= body.top <= MAX_TOP:
         raise bad("top", f"must be between 0 and {MAX_TOP} (got {body.top})")
     results = await asyncio.gather(
-        *(s.on_model_thread(lambda s=s: model_scores(s, body.text, body.top)) for s in _served(state, body.models))
+        *(s.on_model_thread(model_scores, body.text, body.top) for s in _served(state, body.models))
     )
     offsets = char_offsets(body.text)
     return {

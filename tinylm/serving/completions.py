@@ -69,12 +69,25 @@ class APIError(Exception):
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
 
+    def __reduce__(self):  # raised in the engine process, it travels back pickled
+        return APIError, (self.status, self.message, self.param, self.code, self.kind)
+
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
 
 
 def bad(param: str, message: str, code: str = "invalid_value") -> APIError:
     return APIError(400, f"{param}: {message}", param, code)
+
+
+def unavailable(message: str) -> APIError:
+    """503: the model engine is down (it crashed, and is restarting or gave up)."""
+    return APIError(503, message, None, "engine_unavailable", "server_error")
+
+
+@dataclass
+class EngineGone(ErrorEvent):
+    """The engine process decoding a row went away: its request is answered 503, not 500."""
 
 
 @dataclass
@@ -385,30 +398,33 @@ async def echo_logprobs(served, plan: Plan) -> dict | None:
     none), the distinct prompts of the request scored together."""
     if not (plan.request.echo and plan.request.logprobs is not None):
         return None
-    rows = list(dict.fromkeys(tuple(c.echo_ids) for c in plan.choices))
-    scored = await served.on_model_thread(
-        lambda: served.rows_logprobs([list(r) for r in rows], plan.request.logprobs), "prompt"
-    )
-    parts = {r: (list(r), [None] + [lp for lp, _ in s], [None] + [a for _, a in s]) for r, s in zip(rows, scored)}
+    rows = [list(r) for r in dict.fromkeys(tuple(c.echo_ids) for c in plan.choices)]
+    scored = await served.on_model_thread("rows_logprobs", rows, plan.request.logprobs, param="prompt")
+    parts = {tuple(r): (r, [None] + [lp for lp, _ in s], [None] + [a for _, a in s]) for r, s in zip(rows, scored)}
     return {c.index: parts[tuple(c.echo_ids)] for c in plan.choices}
+
+
+def beam_choices(served, choices: list[Choice], logprobs: int | None) -> list[Choice]:
+    """Beam search for one prompt's ``n`` choices, on the model's thread: the choices filled in (an
+    engine process sends back copies)."""
+    t0 = time.perf_counter()
+    results = generate_many(served.model, [choices[0].prompt_ids], choices[0].cfg, served.tokenizer.decode)
+    seconds = time.perf_counter() - t0
+    for c, g in zip(choices, results):
+        c.tokens, c.finish_reason, c.seconds = g.tokens, g.finish_reason, seconds
+        if logprobs is not None and g.tokens:
+            scored = served.sequence_logprobs(c.prompt_ids + g.tokens, logprobs)[len(c.prompt_ids) - 1 :]
+            c.logprobs, c.top = [lp for lp, _ in scored], [a for _, a in scored]
+    return choices
 
 
 async def beam(served, plan: Plan) -> None:
     """Beam search on the model's thread, one prompt at a time (as `tinylm generate` does)."""
-    top, n = plan.request.logprobs or 0, plan.request.n
-
-    def run(choices):
-        t0 = time.perf_counter()
-        results = generate_many(served.model, [choices[0].prompt_ids], choices[0].cfg, served.tokenizer.decode)
-        seconds = time.perf_counter() - t0
-        for c, g in zip(choices, results):
-            c.tokens, c.finish_reason, c.seconds = g.tokens, g.finish_reason, seconds
-            if plan.request.logprobs is not None and g.tokens:
-                scored = served.sequence_logprobs(c.prompt_ids + g.tokens, top)[len(c.prompt_ids) - 1 :]
-                c.logprobs, c.top = [lp for lp, _ in scored], [a for _, a in scored]
-
+    n = plan.request.n
     for first in range(0, len(plan.choices), n):  # prompt i's n beams are choices i * n .. i * n + n - 1
-        await served.on_model_thread(lambda choices=plan.choices[first : first + n]: run(choices), "prompt")
+        plan.choices[first : first + n] = await served.on_model_thread(
+            beam_choices, plan.choices[first : first + n], plan.request.logprobs, param="prompt"
+        )
 
 
 @contextlib.contextmanager
@@ -425,13 +441,13 @@ def start_rows(served, plan: Plan, outbox: Outbox):
         )
         for c in plan.choices
     ]
-    for row in rows:
-        served.scheduler.add(row)
     try:
-        yield events
-    finally:
         for row in rows:
-            row.cancel()
+            served.scheduler.add(row)
+        yield events
+    finally:  # rows added before one failed to be added are cancelled too
+        for row in rows:
+            served.scheduler.cancel(row)
 
 
 def record(plan: Plan, index: int, event) -> None:
@@ -442,6 +458,8 @@ def record(plan: Plan, index: int, event) -> None:
         c.top.append(event.top or [])
     elif isinstance(event, DoneEvent):
         c.finish_reason, c.seconds, c.stop_id = event.finish_reason, event.seconds, event.stop_token
+    elif isinstance(event, EngineGone):
+        raise unavailable(event.message)
     elif isinstance(event, ErrorEvent):  # with a param: a knob the model could not honour; without: the server's fault
         raise (
             bad(event.param, event.message)
@@ -515,7 +533,9 @@ async def complete(served, plan: Plan, outbox: Outbox, is_disconnected: Callable
         await (beam(served, plan) if plan.beam else decode(served, plan, outbox, is_disconnected))
         ended = [c for c in plan.choices if c.finish_reason == "stop_token"]
         if prompt_parts is not None and ended:  # scoring: the stop token that ended a choice is listed too
-            await served.on_model_thread(lambda: served.list_stop_tokens(ended, plan.request.logprobs), "prompt")
+            stops = await served.on_model_thread("stop_tokens", ended, plan.request.logprobs, param="prompt")
+            for c, stop in zip(ended, stops):
+                c.stop = stop
     return completion_json(plan, served.tokenizer, served.name, prompt_parts)
 
 

@@ -24,7 +24,12 @@ class LensRequest(Strict):
 
 
 def lens_json(served, text: str, top: int) -> dict:
-    """The lens of ``served`` over its start token and ``text`` (``ServedModel.fit_text``)."""
+    """The lens of ``served`` over its start token and ``text`` (``ServedModel.fit_text``), on the
+    model's thread; a model without layers is refused by name."""
+    try:
+        check_layered(served.model)
+    except TinyLMError as exc:
+        raise bad("model", f"{served.name}: {exc}", "model_has_no_layers") from exc
     ids, notes = served.fit_text(text)
     grid = logit_lens(served.model, ids, top)
     shown = sorted({i for row in grid.top_ids for cell in row for i in cell})
@@ -49,8 +54,4 @@ async def lens(body: LensRequest, state: StateDep):
     served = state.model(body.model)
     if not body.text:
         raise bad("text", "must not be empty", "empty_text")
-    try:
-        check_layered(served.model)
-    except TinyLMError as exc:
-        raise bad("model", f"{served.name}: {exc}", "model_has_no_layers") from exc
-    return {"model": served.name, **await served.on_model_thread(lambda: lens_json(served, body.text, body.top))}
+    return {"model": served.name, **await served.on_model_thread(lens_json, body.text, body.top)}

@@ -60,6 +60,19 @@ def find_run_dir(path: Path) -> Path | None:
 
 
 @dataclass
+class ModelSpec:
+    """A model to serve, before it is loaded: what ``ServedModel.load`` reads, in this process or in
+    the engine process (it travels there pickled)."""
+
+    path: str
+    tokenizer: str | None = None  # None: the checkpoint brings its own
+    max_batch: int = 32
+    dtype: InferenceDtype = "float32"
+    compile: bool = False
+    built: tuple | None = None  # (model, tokenizer, source) built in memory (tests): used instead of loading path
+
+
+@dataclass
 class ServedModel:
     name: str
     path: str
@@ -70,21 +83,12 @@ class ServedModel:
     created: int
 
     @classmethod
-    def load(
-        cls,
-        path: str,
-        tokenizer_path: str | None,
-        name: str,
-        max_batch: int,
-        dtype: InferenceDtype = "float32",
-        compile: bool = False,
-    ) -> "ServedModel":
-        model, tokenizer, source = load_any_checkpoint(path, tokenizer_path)
-        source = {**source, "dtype": dtype, "parameters": model.num_parameters()}  # before int8 moves them to buffers
-        model = to_inference_dtype(model, dtype).eval()
-        return cls(
-            name, str(path), model, tokenizer, source, Scheduler(model, max_batch, name, compile), int(time.time())
-        )
+    def load(cls, spec: "ModelSpec", name: str) -> "ServedModel":
+        model, tokenizer, source = spec.built or load_any_checkpoint(spec.path, spec.tokenizer)
+        source = {**source, "dtype": spec.dtype, "parameters": model.num_parameters()}  # before int8 moves them
+        model = to_inference_dtype(model, spec.dtype).eval()
+        scheduler = Scheduler(model, spec.max_batch, name, spec.compile)
+        return cls(name, spec.path, model, tokenizer, source, scheduler, int(time.time()))
 
     @property
     def context_length(self) -> int:
@@ -164,11 +168,16 @@ class ServedModel:
             )
 
     # ------------------------------------------------------------------- on the model's thread
-    async def on_model_thread(self, fn, param: str = "text"):
-        """``fn()`` on the scheduler's thread, between decoding steps (the model is used from one
-        thread only); a TinyLMError becomes a 400 naming the request's field ``param``."""
+    async def on_model_thread(self, fn, *args, param: str = "text"):
+        """``fn(self, *args)`` on the model's decoding thread, between steps (the model is used from
+        one thread only), in whichever process holds the model. ``fn`` is a module-level function
+        or the name of a ServedModel method: with an engine process it travels there pickled, with
+        ``args``, and the engine's own ServedModel stands in for ``self``. A TinyLMError becomes a
+        400 naming the request's field ``param``."""
+        if isinstance(fn, str):  # a method by name: ServedModel's own function pickles, a bound method would not
+            fn = getattr(ServedModel, fn)
         try:
-            return await asyncio.wrap_future(self.scheduler.submit(fn))
+            return await asyncio.wrap_future(self.scheduler.call(fn, self, *args))
         except TinyLMError as exc:
             raise bad(param, str(exc)) from exc
         except ValueError as exc:  # knobs that leave no token allowed at some step name themselves
@@ -215,14 +224,15 @@ class ServedModel:
                     out[r].extend(zip(picked, [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]))
         return out
 
-    def list_stop_tokens(self, choices: list, top: int = 0) -> None:
-        """Set ``choice.stop`` = (id, log p, the ``top`` alternatives) of the stop token that ended
-        each choice: the scheduler ends a row on it without emitting it, and OpenAI's logprobs list
-        it last. The id is the one the decoder reported (``choice.stop_id``); where none was
-        reported (a beam), the likeliest of the choice's stop ids after its tokens."""
+    def stop_tokens(self, choices: list, top: int = 0) -> list[tuple[int, float, list]]:
+        """(id, log p, the ``top`` alternatives) of the stop token that ended each choice: the
+        scheduler ends a row on it without emitting it, and OpenAI's logprobs list it last. The id
+        is the one the decoder reported (``choice.stop_id``); where none was reported (a beam), the
+        likeliest of the choice's stop ids after its tokens."""
         rows = [(c.prompt_ids + c.tokens)[-self.context_length :] for c in choices]
         k = min(top, self.vocab_size)
         batch = max(1, SCORED_FLOATS // (self.context_length * self.vocab_size))
+        stops = []
         with torch.inference_mode():
             for b in range(0, len(rows), batch):
                 logits, _ = self.model(pad_rows(rows[b : b + batch], PAD_ID))
@@ -230,7 +240,8 @@ class ServedModel:
                     logp = torch.log_softmax(logits[j, len(rows[b + j]) - 1].float(), dim=-1)
                     stop = c.stop_id if c.stop_id is not None else max(c.cfg.stop_ids, key=lambda i: float(logp[i]))
                     values, ids = logp.topk(k)
-                    c.stop = (stop, float(logp[stop]), list(zip(ids.tolist(), values.tolist())))
+                    stops.append((stop, float(logp[stop]), list(zip(ids.tolist(), values.tolist()))))
+        return stops
 
     def fit_text(self, text: str) -> tuple[list[int], list[str]]:
         """The start token and ``text``'s ids, and the warnings: a text longer than the context keeps
@@ -261,15 +272,15 @@ class ServedModel:
         }
 
 
-def load_models(
+def model_specs(
     checkpoints: list[str],
     tokenizers: list[str],
     max_batch: int,
     names: list[str] | None = None,
     dtype: InferenceDtype = "float32",
     compile: bool = False,
-) -> dict[str, ServedModel]:
-    """Every ``--checkpoint``, named after its run (or the i-th ``--name``); the i-th
+) -> dict[str, ModelSpec]:
+    """Every ``--checkpoint`` as a ModelSpec, named after its run (or the i-th ``--name``); the i-th
     ``--tokenizer`` goes with the i-th checkpoint (``none`` for one that brings its own tokenizer)."""
     if not checkpoints:
         raise TinyLMError("give at least one --checkpoint")
@@ -288,9 +299,22 @@ def load_models(
             raise TinyLMError(f"--name {n!r}: a model name is not empty, without '/' or surrounding spaces")
     if len(set(names)) != len(names):
         raise TinyLMError(f"--name {' '.join(names)}: the names must be distinct")
-    models: dict[str, ServedModel] = {}
+    specs: dict[str, ModelSpec] = {}
     for i, path in enumerate(checkpoints):
         tok = tokenizers[i] if tokenizers else None
-        name = names[i] if names else model_name(path, set(models))
-        models[name] = ServedModel.load(path, None if tok in (None, "none") else tok, name, max_batch, dtype, compile)
-    return models
+        name = names[i] if names else model_name(path, set(specs))
+        specs[name] = ModelSpec(str(path), None if tok in (None, "none") else tok, max_batch, dtype, compile)
+    return specs
+
+
+def load_models(
+    checkpoints: list[str],
+    tokenizers: list[str],
+    max_batch: int,
+    names: list[str] | None = None,
+    dtype: InferenceDtype = "float32",
+    compile: bool = False,
+) -> dict[str, ServedModel]:
+    """``model_specs``'s models loaded in this process, each decoding on its own thread."""
+    specs = model_specs(checkpoints, tokenizers, max_batch, names, dtype, compile)
+    return {name: ServedModel.load(spec, name) for name, spec in specs.items()}

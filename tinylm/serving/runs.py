@@ -32,7 +32,7 @@ from tinylm.evaluation.report import read_json
 from tinylm.generation.generate import complete
 from tinylm.interop.loading import load_any_checkpoint
 from tinylm.serving.completions import APIError, bad
-from tinylm.serving.models import ServedModel, unique_name
+from tinylm.serving.models import ModelSpec, unique_name
 from tinylm.serving.schemas import Strict
 from tinylm.serving.state import RunsRoot, ServerState, StateDep
 from tinylm.training.metrics import EVAL_SAMPLES, parse_metrics_row, read_eval_samples
@@ -40,7 +40,7 @@ from tinylm.training.metrics import EVAL_SAMPLES, parse_metrics_row, read_eval_s
 router = APIRouter()
 MAX_DEPTH = 3  # runs/<study>/<stage>/metrics.csv is as deep as tinylm writes them
 LIVE_SECONDS = 600  # a run whose metrics.csv changed this recently (and that has no last checkpoint) is training
-RETRY_SECONDS = 0.5  # a checkpoint read that failed is tried again after this (see off_loop_with_retry)
+RETRY_SECONDS = 0.5  # a checkpoint read that failed is tried again after this (see with_retry)
 MAX_LOADED = 8  # checkpoints loaded from runs at most (each is a model in memory with its own thread)
 
 
@@ -199,14 +199,14 @@ def find_checkpoint(run: Path, name: str, checkpoint: str) -> Path:
     return run / "checkpoints" / checkpoint
 
 
-async def off_loop_with_retry(fn, *args):
-    """``fn(*args)`` on a worker thread, tried a second time after a moment if it fails: a training
-    run replaces a checkpoint by renaming directories, and a read can fall between the renames."""
+async def with_retry(fn, *args):
+    """``await fn(*args)``, tried a second time after a moment if it fails: a training run replaces
+    a checkpoint by renaming directories, and a read can fall between the renames."""
     try:
-        return await asyncio.to_thread(fn, *args)
+        return await fn(*args)
     except (TinyLMError, OSError):
         await asyncio.sleep(RETRY_SECONDS)
-        return await asyncio.to_thread(fn, *args)
+        return await fn(*args)
 
 
 @router.get("/v1/tinylm/runs")
@@ -250,7 +250,7 @@ async def load(body: RunCheckpoint, state: StateDep):
             )
         name = name or served_name(body.run, body.checkpoint, set(state.models))
         try:
-            served = await off_loop_with_retry(ServedModel.load, str(path), None, name, runs.max_batch)
+            served = await with_retry(state.engine.load, ModelSpec(str(path), None, runs.max_batch), name)
         except (TinyLMError, OSError) as exc:  # e.g. the trainer replaced the checkpoint while it was read
             raise bad("checkpoint", f"{body.run}/{body.checkpoint} could not be loaded ({exc}); try again") from exc
         old = state.models.get(name)
@@ -265,7 +265,7 @@ async def samples(body: SamplesRequest, state: StateDep):
     run = find_run(runs_root(state), body.run)
     find_checkpoint(run, body.run, body.checkpoint)
     try:
-        done = await off_loop_with_retry(checkpoint_samples, run, body.checkpoint, body.max_tokens)
+        done = await with_retry(state.engine.run, checkpoint_samples, run, body.checkpoint, body.max_tokens)
     except (TinyLMError, OSError) as exc:
         raise bad("checkpoint", f"{body.run}/{body.checkpoint}: {exc}") from exc
     return {"run": body.run, "checkpoint": body.checkpoint, "samples": done}

@@ -8,7 +8,10 @@ come from the batch's buckets, and for a short context (one slot bucket) every b
 compiled when the scheduler starts, so no request waits for a compile later.
 
 Other model work (beam search, scoring, attention maps) runs on the same thread between steps
-(``submit``), so one model is never used by two threads at once.
+(``submit``, ``call``), so one model is never used by two threads at once.
+
+``after_pass`` (set by the engine process, ``engine.py``) runs on the decoding thread after every
+pass of the loop: the events a step emitted leave for the server process together, in one message.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ class Scheduler:
         self._active = 0  # rows decoding, published between steps (mid-step, sliding rows are briefly out)
         self._stop = threading.Event()
         self.compile_seconds: dict[tuple[int, int], float] = {}  # (rows, slots) -> seconds, compiled at start
+        self.after_pass: Callable[[], None] | None = None
         if compile and one_shape:
             self._compile_buckets()
         self._thread = threading.Thread(target=self._loop, name=f"tinylm-decode-{name}", daemon=True)
@@ -91,11 +95,19 @@ class Scheduler:
     def add(self, row: Row) -> None:
         self.inbox.put(row)
 
+    def cancel(self, row: Row) -> None:
+        """The row leaves the batch at the next step (its client has gone, or has all it wants)."""
+        row.cancel()
+
     def submit(self, fn: Callable[[], object]) -> concurrent.futures.Future:
         """Run ``fn()`` on the decoding thread between two steps."""
         future: concurrent.futures.Future = concurrent.futures.Future()
         self.inbox.put((fn, future))
         return future
+
+    def call(self, fn: Callable, *args) -> concurrent.futures.Future:
+        """``fn(*args)`` on the decoding thread between two steps."""
+        return self.submit(lambda: fn(*args))
 
     @property
     def alive(self) -> bool:
@@ -133,6 +145,8 @@ class Scheduler:
                         r.emit(ErrorEvent(f"generation failed: {type(exc).__name__}: {exc}"))
                     batch.clear()
             self._active = len(batch.rows)
+            if self.after_pass is not None:
+                self.after_pass()
 
     def _step(self, joining: list[Row]) -> None:
         def published(rows: list[Row]) -> None:  # before the first tokens go out: a client that sees one sees its row

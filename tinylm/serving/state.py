@@ -1,8 +1,9 @@
 """What every route of the server shares, and the one dependency that hands it to them.
 
-``ServerState`` holds the served models by name, the limits, the runs directory (``--runs``) and an
-Outbox per event loop. ``create_app`` puts it on ``app.state.server``; a route asks for it with a
-``state: StateDep`` parameter. This module imports no router, so every router can import it.
+``ServerState`` holds the served models by name, the engine they run in (``engine.py``), the
+limits, the runs directory (``--runs``) and an Outbox per event loop. ``create_app`` puts it on
+``app.state.server``; a route asks for it with a ``state: StateDep`` parameter. This module
+imports no router, so every router can import it.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
-from tinylm.serving.completions import APIError, Limits, Outbox, bad
+from tinylm.serving.completions import APIError, Limits, Outbox, bad, unavailable
+from tinylm.serving.engine import LocalEngine, ProcessEngine
 from tinylm.serving.models import ServedModel
 
 
@@ -30,14 +32,25 @@ class RunsRoot:
 
 class ServerState:
     """The served models (by name; a checkpoint loaded from a run joins them while the server runs),
-    the limits, the runs directory if any, and an Outbox per event loop (by id)."""
+    their engine (default: this process), the limits, the runs directory if any, and an Outbox per
+    event loop (by id)."""
 
-    def __init__(self, models: dict[str, ServedModel], limits: Limits, runs: RunsRoot | None = None):
+    def __init__(
+        self,
+        models: dict[str, ServedModel],
+        limits: Limits,
+        runs: RunsRoot | None = None,
+        engine: ProcessEngine | LocalEngine | None = None,
+    ):
         self.models, self.limits, self.runs = models, limits, runs
+        self.engine = engine or LocalEngine()
         self.outboxes: dict[int, Outbox] = {}
 
     def model(self, name: str | None) -> ServedModel:
-        """The served model called ``name``; ``None`` names the only one. 404 for an unknown name."""
+        """The served model called ``name``; ``None`` names the only one. 404 for an unknown name,
+        503 while the engine is down."""
+        if self.engine.down is not None:
+            raise unavailable(self.engine.down)
         models = self.models
         if not models:  # `tinylm serve --runs DIR` alone, before a checkpoint was loaded
             raise APIError(

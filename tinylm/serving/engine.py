@@ -1,0 +1,461 @@
+"""Where the models run: in an engine process of their own (``ProcessEngine``, what ``tinylm serve``
+starts), or in the server process, a decoding thread each (``LocalEngine``).
+
+Why a process: in one process the decoding thread and the event loop share one GIL
+(docs/notes/issue-27.md), so streaming waits for decoding and decoding for streaming. The engine
+process holds the models, their KV caches, the schedulers (``scheduler.py`` stepping
+``generation.batch.Batch``) and sampling; the server process (FastAPI: requests, validation,
+detokenisation, server-sent events, the playground's routes) holds each model's tokenizer and
+config, and the two talk over one pipe. This is vLLM V1's engine core, without its sockets.
+
+The protocol: tuples, pickled.
+
+  server -> engine
+    ("add", row_id, model, prompt_ids, cfg, logprobs)  decode a row (``generation.batch.Row``)
+    ("cancel", row_id)                                 its client has gone: the row leaves the batch
+    ("call", call_id, model, fn, args)                 ``fn(served, *args)`` on the model's decoding
+                                                       thread (model None: ``fn(*args)`` on a thread)
+    ("load", call_id, name, spec)                      serve a checkpoint under ``name`` (the Runs view)
+    ("stop",)                                          close the schedulers and exit
+  engine -> server
+    ("ready", {name: ServedModel}) or ("failed", exc)  once, after loading: each model's outline
+                                                       (tokenizer, config, card; no weights)
+    ("events", model, active_rows, [(row_id, event)])  one decoding pass's events, in one message
+                                                       (active_rows None: unchanged)
+    ("result", call_id, ok, value or exception)
+
+Why a ``multiprocessing`` Pipe: one engine talks to one server on one machine, and a Pipe (a Unix
+socket pair) frames and pickles messages, goes to a spawned child as an argument, and reads
+end-of-file the moment the other side dies, which is how each side learns that the other has
+gone. A TCP or ZeroMQ socket (vLLM's, for many engines and front ends) would add a port or a
+dependency for nothing here. The child is spawned, not forked: the server process has threads.
+
+Stop strings are checked in the engine, on each row's tokens (``Row.decode``, the rule of
+``tinylm generate``), so a row stops at the step it stops alone; the server turns each row's
+tokens into the response's text (``completions.new_text``).
+
+A crash of the engine: the server's reader thread reads end-of-file, every request in flight is
+answered 503 (``completions.EngineGone``), and the engine is started again with the same models;
+meanwhile every route that needs a model answers 503 saying why. After ``MAX_RESTARTS`` crashes
+the server stops restarting it and says so on those routes and on /health.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import dataclasses
+import itertools
+import logging
+import multiprocessing
+import signal
+import threading
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from tinylm.errors import TinyLMError
+from tinylm.generation.batch import ErrorEvent, Row, TokenEvent
+from tinylm.serving.completions import EngineGone, unavailable
+from tinylm.serving.models import ModelSpec, ServedModel
+
+log = logging.getLogger(__name__)
+MAX_RESTARTS = 5  # crashes the server recovers from before it gives up
+STOP_SECONDS = 10  # a stopping engine gets this long to exit before it is terminated
+EngineKind = Literal["process", "thread"]
+
+
+class ModelSpecs(dict):
+    """The models to serve (name -> ModelSpec), not loaded yet, and where they will run:
+    ``engine`` "process" (one engine process holds them all) or "thread" (the server process, a
+    decoding thread each); ``threads``: the engine's torch threads (None: torch's choice)."""
+
+    def __init__(self, specs: dict[str, ModelSpec], engine: EngineKind = "process", threads: int | None = None):
+        super().__init__(specs)
+        self.engine, self.threads = engine, threads
+
+
+@dataclass
+class ModelShape:
+    """The server process's stand-in for a model the engine holds: what the routes read of it
+    (its config, whether it generates, its size). The weights stay in the engine."""
+
+    config: object
+    generates: bool
+    parameters: int
+
+    def num_parameters(self) -> int:
+        return self.parameters
+
+
+def outline(served: ServedModel) -> ServedModel:
+    """``served`` without its weights and scheduler: what the engine sends the server."""
+    shape = ModelShape(served.model.config, getattr(served.model, "generates", True), served.model.num_parameters())
+    return dataclasses.replace(served, model=shape, scheduler=None)
+
+
+# ------------------------------------------------------------------------- the engine process
+def engine_main(conn, specs: dict[str, ModelSpec], threads: int | None) -> None:
+    """The engine process: load the models, then answer the server until it says stop or is gone."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the process group: the server stops us
+    handler = logging.StreamHandler()  # stderr, shared with the server process
+    handler.setFormatter(logging.Formatter("engine: %(message)s"))
+    logging.getLogger("tinylm").addHandler(handler)
+    logging.getLogger("tinylm").setLevel(logging.INFO)
+    if threads:
+        torch.set_num_threads(threads)
+    core = EngineCore(conn)
+    try:
+        ready = {name: outline(core.host(name, spec)) for name, spec in specs.items()}
+    except Exception as exc:  # a checkpoint that does not load: the server says so and exits
+        conn.send(("failed", exc))
+        return
+    core.send(("ready", ready))
+    core.serve()
+
+
+class Hosted:
+    """A model in the engine process, and the events of its rows not sent yet. ``flush`` runs on
+    its decoding thread after each pass, so a step's events leave together."""
+
+    def __init__(self, served: ServedModel, send):
+        self.served, self.send, self.events, self.sent_active = served, send, [], 0
+        served.scheduler.after_pass = self.flush
+
+    def flush(self) -> None:
+        active = self.served.scheduler.active
+        if self.events or active != self.sent_active:
+            events, self.events, self.sent_active = self.events, [], active
+            self.send(("events", self.served.name, active, events))
+
+
+class EngineCore:
+    """The engine process's side of the pipe: its models by name and the rows in flight by id."""
+
+    def __init__(self, conn):
+        self.conn, self.lock = conn, threading.Lock()
+        self.models: dict[str, Hosted] = {}
+        self.rows: dict[int, tuple[Hosted, Row]] = {}
+
+    def send(self, message) -> None:
+        with self.lock:  # decoding threads and call threads all send
+            self.conn.send(message)
+
+    def host(self, name: str, spec: ModelSpec) -> ServedModel:
+        """Load and serve ``spec`` as ``name``; a model already of that name is replaced, and its
+        rows in flight end with an error."""
+        hosted = Hosted(ServedModel.load(spec, name), self.send)
+        old, self.models[name] = self.models.get(name), hosted
+        if old is not None:
+            old.served.scheduler.close()
+            gone = [i for i, (h, _) in list(self.rows.items()) if h is old]
+            message = f"the model '{name}' was reloaded while this request decoded; send it again"
+            for i in gone:
+                del self.rows[i]
+            self.send(("events", name, None, [(i, ErrorEvent(message)) for i in gone]))
+        return hosted.served
+
+    def serve(self) -> None:
+        handlers = {"add": self.add, "cancel": self.cancel, "call": self.call, "load": self.load}
+        while True:
+            try:
+                message = self.conn.recv()
+            except (EOFError, OSError):  # the server has gone
+                break
+            if message[0] == "stop":
+                break
+            try:
+                handlers[message[0]](*message[1:])
+            except Exception as exc:  # one bad message must not take the engine down
+                log.exception("message %r failed", message[0])
+                self.fail(message, exc)
+        for hosted in self.models.values():
+            hosted.served.scheduler.close()
+
+    def fail(self, message: tuple, exc: Exception) -> None:
+        """Whoever waits on a message that failed is told so: a call gets the exception, a row an error."""
+        if message[0] in ("call", "load"):
+            self.send(("result", message[1], False, exc))
+        elif message[0] == "add":
+            error = ErrorEvent(f"the engine could not start this row: {type(exc).__name__}: {exc}")
+            self.send(("events", message[2], None, [(message[1], error)]))
+
+    def add(self, row_id: int, model: str, prompt_ids: list[int], cfg, logprobs: int | None) -> None:
+        hosted = self.models[model]
+
+        def emit(event) -> None:  # on the decoding thread
+            hosted.events.append((row_id, event))
+            if not isinstance(event, TokenEvent):
+                self.rows.pop(row_id, None)
+
+        row = Row(prompt_ids, cfg, emit, hosted.served.tokenizer.decode, logprobs)
+        self.rows[row_id] = (hosted, row)
+        hosted.served.scheduler.add(row)
+
+    def cancel(self, row_id: int) -> None:
+        hosted, row = self.rows.pop(row_id, (None, None))
+        if row is not None:
+            hosted.served.scheduler.cancel(row)
+
+    def call(self, call_id: int, model: str | None, fn, args: tuple) -> None:
+        if model is None:
+            threading.Thread(target=lambda: self.reply(call_id, lambda: fn(*args)), daemon=True).start()
+            return
+        served = self.models[model].served
+        future = served.scheduler.call(fn, served, *args)
+        future.add_done_callback(lambda f: self.reply(call_id, f.result))
+
+    def load(self, call_id: int, name: str, spec: ModelSpec) -> None:
+        run = lambda: outline(self.host(name, spec))  # noqa: E731
+        threading.Thread(target=lambda: self.reply(call_id, run), daemon=True).start()
+
+    def reply(self, call_id: int, result) -> None:
+        """Send ``result()``, or the exception it raises, back to the server."""
+        try:
+            message = ("result", call_id, True, result())
+        except BaseException as exc:  # handed to the waiting request
+            message = ("result", call_id, False, exc)
+        try:
+            self.send(message)
+        except Exception as exc:  # a value or an exception that does not pickle
+            self.send(("result", call_id, False, RuntimeError(f"{type(exc).__name__}: {exc}")))
+
+
+# ------------------------------------------------------------------------- the server process
+class RemoteScheduler:
+    """The server process's handle on one model's scheduler in the engine process: the part of
+    ``Scheduler``'s interface that the routes use."""
+
+    def __init__(self, engine: "ProcessEngine", name: str):
+        self.engine, self.name, self.active, self.closed = engine, name, 0, False
+
+    def add(self, row: Row) -> None:
+        self.engine.add(self.name, row)
+
+    def cancel(self, row: Row) -> None:
+        self.engine.cancel(row)
+
+    def call(self, fn, served, *args) -> concurrent.futures.Future:
+        """``fn(served, *args)`` in the engine, where its own ServedModel stands in for ``served``."""
+        return self.engine.request("call", self.name, fn, args)
+
+    @property
+    def alive(self) -> bool:
+        return not self.closed and self.engine.down is None
+
+    def close(self) -> None:
+        """Stop using this handle (the engine closes the model's scheduler when it replaces it)."""
+        self.closed = True
+
+
+def settle(future: concurrent.futures.Future, ok: bool, value) -> None:
+    try:
+        if ok:
+            future.set_result(value)
+        else:
+            future.set_exception(value)
+    except concurrent.futures.InvalidStateError:  # a request that gave up waiting cancelled it
+        pass
+
+
+class ProcessEngine:
+    """The engine process, seen from the server: start it, send it rows and calls, hand their
+    events and results to the waiting requests (a reader thread), restart it after a crash."""
+
+    def __init__(self, threads: int | None = None):
+        self.specs: dict[str, ModelSpec] = {}  # what a restarted engine loads
+        self.threads = threads
+        self.lock = threading.Lock()  # one sender at a time; a crash is handled between two sends
+        self.rows: dict[int, Row] = {}  # the rows in flight by id, and their ids
+        self.row_ids: dict[Row, int] = {}
+        self.calls: dict[int, concurrent.futures.Future] = {}
+        self.schedulers: dict[str, RemoteScheduler] = {}
+        self.ids = itertools.count()
+        self.down: str | None = None  # why the engine cannot answer now (None: it can)
+        self.crashes, self.closing = 0, False
+        self.process = self.conn = None
+
+    def start(self, specs: dict[str, ModelSpec]) -> dict[str, ServedModel]:
+        """Start the engine process, wait until its models are loaded, and return them as the
+        server's routes use them (tokenizer and config here, weights and scheduler there)."""
+        self.specs = dict(specs)
+        models = {name: self.serve(name, served) for name, served in self.spawn().items()}
+        threading.Thread(target=self.read, name="tinylm-engine-reader", daemon=True).start()
+        return models
+
+    def spawn(self) -> dict[str, ServedModel]:
+        ctx = multiprocessing.get_context("spawn")
+        conn, child = ctx.Pipe()
+        process = ctx.Process(
+            target=engine_main, args=(child, self.specs, self.threads), name="tinylm-engine", daemon=True
+        )
+        process.start()
+        child.close()  # the child holds its end now: our copy would hide its exit
+        try:
+            kind, value = conn.recv()
+        except (EOFError, OSError):
+            process.join(STOP_SECONDS)
+            raise TinyLMError(f"the model engine exited while loading the models (exit code {process.exitcode})")
+        if kind == "failed":
+            process.join(STOP_SECONDS)
+            raise value
+        self.process, self.conn = process, conn
+        return value
+
+    def serve(self, name: str, served: ServedModel) -> ServedModel:
+        served.scheduler = self.schedulers[name] = RemoteScheduler(self, name)
+        return served
+
+    # ------------------------------------------------------------------------------ sending
+    def send(self, message: tuple) -> None:
+        """Send under ``self.lock`` (held by the caller); an engine that has just died is a 503."""
+        try:
+            self.conn.send(message)
+        except OSError as exc:  # the reader thread is about to see it too, and restart the engine
+            raise unavailable(f"the model engine process is not answering ({exc})") from exc
+
+    def add(self, model: str, row: Row) -> None:
+        with self.lock:
+            if self.down is not None:
+                raise unavailable(self.down)
+            row_id = next(self.ids)
+            self.rows[row_id], self.row_ids[row] = row, row_id
+            self.send(("add", row_id, model, row.prompt_ids, row.cfg, row.logprobs))
+
+    def cancel(self, row: Row) -> None:
+        row.cancel()
+        row_id = self.row_ids.pop(row, None)
+        with self.lock:
+            if self.rows.pop(row_id, None) is not None and self.down is None:  # not finished yet
+                with contextlib.suppress(OSError):  # an engine that has just died dropped the row already
+                    self.conn.send(("cancel", row_id))
+
+    def request(self, kind: str, *fields) -> concurrent.futures.Future:
+        """Send (kind, call_id, *fields); the future gets the engine's result."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self.lock:
+            if self.down is not None:
+                raise unavailable(self.down)
+            call_id = next(self.ids)
+            self.calls[call_id] = future
+            try:
+                self.send((kind, call_id, *fields))
+            except BaseException:
+                del self.calls[call_id]
+                raise
+        return future
+
+    async def load(self, spec: ModelSpec, name: str) -> ServedModel:
+        """Serve ``spec`` as ``name`` from now on (replacing a model of that name)."""
+        served = await asyncio.wrap_future(self.request("load", name, spec))
+        self.specs[name] = spec  # a restarted engine loads it too
+        return self.serve(name, served)
+
+    async def run(self, fn, *args):
+        """``fn(*args)`` in the engine process, on a thread of its own (work that loads its own model)."""
+        return await asyncio.wrap_future(self.request("call", None, fn, args))
+
+    # ------------------------------------------------------------------------------ reading
+    def read(self) -> None:
+        """The reader thread: events to their rows, results to their futures, until the engine is
+        stopped; a crash restarts it."""
+        while True:
+            try:
+                message = self.conn.recv()
+            except (EOFError, OSError):
+                if self.closing or not self.restart():
+                    return
+                continue
+            try:
+                self.dispatch(message)
+            except Exception:  # a request's bug must not stop every other request's events
+                log.exception("engine message %r failed", message[0])
+
+    def dispatch(self, message: tuple) -> None:
+        if message[0] == "events":
+            _, model, active, events = message
+            if active is not None and model in self.schedulers:
+                self.schedulers[model].active = active
+            for row_id, event in events:
+                row = self.rows.get(row_id) if isinstance(event, TokenEvent) else self.rows.pop(row_id, None)
+                if row is not None:
+                    row.emit(event)
+                    if not isinstance(event, TokenEvent):
+                        self.row_ids.pop(row, None)
+        elif message[0] == "result":
+            _, call_id, ok, value = message
+            future = self.calls.pop(call_id, None)
+            if future is not None:
+                settle(future, ok, value)
+
+    def restart(self) -> bool:
+        """After a crash: fail what was in flight, start the engine again; False when giving up."""
+        self.process.join(STOP_SECONDS)
+        if self.process.is_alive():  # the pipe broke but the process lives on: it must not decode twice
+            self.process.kill()
+            self.process.join()
+        self.crashes += 1
+        reason = f"the model engine process stopped (exit code {self.process.exitcode})"
+        with self.lock:
+            self.down = f"{reason}; restarting it"
+            rows, self.rows, self.row_ids, calls, self.calls = self.rows, {}, {}, self.calls, {}
+        log.error("%s, crash %d of at most %d", self.down, self.crashes, MAX_RESTARTS)
+        for row in rows.values():
+            row.emit(EngineGone(f"{reason} while this request decoded; send it again"))
+        for future in calls.values():
+            settle(future, False, unavailable(f"{reason} while answering this request; send it again"))
+        if self.crashes > MAX_RESTARTS:
+            self.down = f"{reason}, {self.crashes} times: no more restarts; start `tinylm serve` again"
+            log.error(self.down)
+            return False
+        try:
+            self.spawn()
+        except Exception as exc:
+            self.down = f"{reason}, and it failed to start again ({exc}); start `tinylm serve` again"
+            log.error(self.down)
+            return False
+        for scheduler in self.schedulers.values():
+            scheduler.active = 0
+        self.down = None
+        log.warning("the model engine is running again")
+        return True
+
+    def close(self) -> None:
+        """Stop the engine: it closes its schedulers and exits (terminated if it does not)."""
+        self.closing = True
+        with self.lock:
+            try:
+                self.conn.send(("stop",))
+            except OSError:  # already gone
+                pass
+        self.process.join(STOP_SECONDS)
+        if self.process.is_alive():
+            self.process.terminate()
+            self.process.join(STOP_SECONDS)
+
+
+class LocalEngine:
+    """The models in the server process, each decoding on its own thread: what ``create_app``
+    serves when handed loaded ServedModels (the tests), and ``tinylm serve --engine thread``."""
+
+    down: str | None = None  # it is never down: a dead decoding thread shows on /health by itself
+
+    def start(self, specs: dict[str, ModelSpec]) -> dict[str, ServedModel]:
+        return {name: ServedModel.load(spec, name) for name, spec in specs.items()}
+
+    async def load(self, spec: ModelSpec, name: str) -> ServedModel:
+        return await asyncio.to_thread(ServedModel.load, spec, name)
+
+    async def run(self, fn, *args):
+        return await asyncio.to_thread(fn, *args)
+
+    def close(self) -> None:
+        pass
+
+
+def start_engine(specs: ModelSpecs) -> tuple[ProcessEngine | LocalEngine, dict[str, ServedModel]]:
+    """The engine ``specs.engine`` names, started, and the models it serves."""
+    engine = ProcessEngine(specs.threads) if specs.engine == "process" else LocalEngine()
+    return engine, engine.start(specs)
