@@ -1,7 +1,7 @@
 """lm-evaluation-harness against `tinylm serve`: a story-cloze task and bits per byte of stories.
 
     python benchmarks/bench_lm_eval.py --checkpoint CKPT [--data valid.txt] [--max-docs N] [--work DIR]
-                                       [--threads T] [--json PATH]
+                                       [--threads T] [--num-concurrent 8] [--engine thread] [--json PATH]
 
 Builds two local lm-eval tasks from a TinyStories-format file (or .jsonl) in ``--work`` (a
 temporary directory, removed afterwards, unless given; the stories are written nowhere else):
@@ -158,7 +158,7 @@ def run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
     return done
 
 
-def serve(checkpoint: str, threads: int, port: int) -> tuple[subprocess.Popen, str]:
+def serve(checkpoint: str, threads: int, port: int, engine: str = "process") -> tuple[subprocess.Popen, str]:
     cmd = [
         sys.executable,
         "-m",
@@ -172,7 +172,7 @@ def serve(checkpoint: str, threads: int, port: int) -> tuple[subprocess.Popen, s
         str(port),
         "--max-choices",
         "16",
-    ]
+    ] + (["--engine", engine] if engine != "process" else [])
     print("$", shown(cmd), "&", flush=True)
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
@@ -189,10 +189,12 @@ def serve(checkpoint: str, threads: int, port: int) -> tuple[subprocess.Popen, s
     raise SystemExit("tinylm serve did not answer in 120 s")
 
 
-def harness(work: Path, name: str, port: int, tokenizer_dir: Path, max_length: int, batch: int) -> tuple[dict, float]:
+def harness(
+    work: Path, name: str, port: int, tokenizer_dir: Path, max_length: int, batch: int, concurrent: int = 1
+) -> tuple[dict, float]:
     args = (
         f"model={name},base_url=http://127.0.0.1:{port}/v1/completions,tokenizer={tokenizer_dir},"
-        f"tokenizer_backend=huggingface,max_length={max_length}"
+        f"tokenizer_backend=huggingface,max_length={max_length},num_concurrent={concurrent}"
     )
     cmd = [
         sys.executable,
@@ -246,9 +248,11 @@ def measure(args, work: Path) -> dict:
         cwd=REPO,
     )
     port = free_port()
-    proc, name = serve(args.checkpoint, args.threads, port)
+    proc, name = serve(args.checkpoint, args.threads, port, args.engine)
     try:
-        results, harness_s = harness(work, name, port, tok_dir, model.config.context_length + 1, args.batch_size)
+        results, harness_s = harness(
+            work, name, port, tok_dir, model.config.context_length + 1, args.batch_size, args.num_concurrent
+        )
     finally:
         proc.terminate()
         proc.wait(timeout=30)
@@ -294,6 +298,8 @@ def measure(args, work: Path) -> dict:
         },
         "cpu": cpuinfo.get_cpu_info().get("brand_raw"),
         "threads": args.threads,
+        "engine": args.engine,
+        "num_concurrent": args.num_concurrent,
     }
 
 
@@ -327,6 +333,8 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0, help="draws the wrong endings and their order")
     p.add_argument("--threads", type=int, default=2, help="torch threads of the server and of tinylm's scoring")
     p.add_argument("--batch-size", type=int, default=16, help="prompts per request from the harness")
+    p.add_argument("--num-concurrent", type=int, default=1, help="the harness's requests in flight at once")
+    p.add_argument("--engine", default="process", choices=("process", "thread"), help="tinylm serve --engine")
     p.add_argument("--work", default=None, help="keep the tasks, tokenizer and harness output here")
     p.add_argument("--json", default=None, help="write the numbers here")
     args = p.parse_args(argv)

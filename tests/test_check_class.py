@@ -141,6 +141,27 @@ def test_evaluate_adapter_on_a_wrapped_checkpoint_gives_that_checkpoints_numbers
     assert "bits per byte    " in report and "how each number is defined:" in report and "kv_speedup:" in report
 
 
+@pytest.mark.slow
+def test_evaluate_adapter_bleu_equals_the_checkpoints(checkpoint, tmp_path, monkeypatch, capsys):
+    model, data = checkpoint
+    bleu = ["--bleu", "--samples", "4", "--prompt-tokens", "3", "--max-continuation", "12", "--temperature", "0"]
+    bleu += ["--temperature", "1.0", "--top-k", "20", "--csv-dir", str(tmp_path), "--json"]
+    assert main(["evaluate", "--checkpoint", str(model), "--data", str(data), *bleu]) == 0
+    direct = json.loads(capsys.readouterr().out)["bleu"]
+    monkeypatch.setenv("TINYLM_CHECKPOINT", str(model))
+    assert main(["evaluate", "--adapter", reference_adapter.__file__, "--data", str(data), *bleu]) == 0
+    wrapped = json.loads(capsys.readouterr().out)["bleu"]
+    assert wrapped["samples"] == direct["samples"] == 4
+    assert wrapped["reference_ppl"] == pytest.approx(direct["reference_ppl"], rel=1e-5)
+    for ours, theirs in zip(wrapped["settings"], direct["settings"]):  # the same tokens: the same BLEU
+        assert ours["name"] == theirs["name"] and ours["new_tokens"] == theirs["new_tokens"]
+        for key in ("bleu1", "bleu2", "bleu3", "bleu4"):
+            assert ours[key] == pytest.approx(theirs[key], abs=1e-12), (ours["name"], key)
+    beam = ["evaluate", "--adapter", reference_adapter.__file__, "--data", str(data), "--bleu", "--beam-width", "3"]
+    assert main(beam) == 2
+    assert "beam search" in capsys.readouterr().err
+
+
 def test_evaluate_takes_a_checkpoint_or_an_adapter(tmp_path, capsys):
     data = tmp_path / "valid.txt"
     data.write_text("one story\n", encoding="utf-8")

@@ -506,15 +506,7 @@ def evaluate(opts: EvaluateOptions) -> int:
     bleu = None
     if opts.bleu:
         torch.set_num_threads(opts.decode_threads)
-        protocol = BleuProtocol(
-            opts.samples, opts.prompt_tokens, opts.max_continuation, opts.seed, opts.smoothing, opts.selection
-        )
-        settings = [
-            Decoding("greedy" if t == 0 else f"T{t:g}", temperature=t, top_k=opts.top_k)
-            for t in (opts.temperature or SAMPLING_TEMPERATURES)
-        ]
-        settings += [Decoding(f"beam{k}", beam_width=k) for k in opts.beam_width]
-        bleu = run_bleu(model, tokenizer, docs, protocol, settings, csv_dir=Path(opts.csv_dir))
+        bleu = run_bleu(model, tokenizer, docs, *_bleu_protocol(opts))
     if opts.json:
         values, reasons = _finite_or_reason(m)
         print(
@@ -531,14 +523,33 @@ def evaluate(opts: EvaluateOptions) -> int:
     return 0
 
 
+def _bleu_protocol(opts: EvaluateOptions) -> tuple[BleuProtocol, list[Decoding], Path]:
+    """The BLEU protocol the options ask for, its decoding settings and where the CSVs go."""
+    protocol = BleuProtocol(
+        opts.samples, opts.prompt_tokens, opts.max_continuation, opts.seed, opts.smoothing, opts.selection
+    )
+    settings = [
+        Decoding("greedy" if t == 0 else f"T{t:g}", temperature=t, top_k=opts.top_k)
+        for t in (opts.temperature or SAMPLING_TEMPERATURES)
+    ]
+    settings += [Decoding(f"beam{k}", beam_width=k) for k in opts.beam_width]
+    return protocol, settings, Path(opts.csv_dir)
+
+
 def _evaluate_adapter(opts: EvaluateOptions, docs: list[str]) -> int:
     """A student's model on the same protocol (its code in its own process)."""
-    if opts.bleu or opts.tokenizer:
-        raise TinyLMError(
-            "--adapter scores perplexity, bits per byte and the KV cache's speed-up; drop --bleu and --tokenizer"
-        )
-    result = evaluate_adapter(opts.adapter, docs, batch_size=opts.batch_size)
-    print(json.dumps(finite(result)) if opts.json else format_report(result, len(docs)))
+    if opts.tokenizer:
+        raise TinyLMError("--adapter brings its own tokenizer (model_encode, model_decode); drop --tokenizer")
+    bleu = _bleu_protocol(opts) if opts.bleu else None
+    result = evaluate_adapter(opts.adapter, docs, batch_size=opts.batch_size, bleu=bleu)
+    if opts.json:
+        values = finite({k: v for k, v in result.items() if k != "bleu"})  # BLEU's numbers are finite
+        print(json.dumps({**values, **({"bleu": result["bleu"]} if "bleu" in result else {})}))
+        return 0
+    print(format_report(result, len(docs)))
+    if result.get("bleu"):
+        print()
+        print(format_bleu(result["bleu"]))
     return 0
 
 

@@ -369,18 +369,25 @@ def run_ngram_probs(train, vocab_size, contexts, smoothing, k, discount):
 
 # ------------------------------------------------- your whole model: `tinylm evaluate --adapter`
 # ``tinylm evaluate --adapter ADAPTER.py --data valid.txt`` scores your own trained model on tinylm's
-# protocol (bits per byte, token and word perplexity, the KV cache's speed-up). Load your model and
+# protocol (bits per byte, token and word perplexity, the KV cache's speed-up; BLEU with --bleu). Load your model and
 # tokenizer once, at the top of this file or on the first call, and fill these:
 
 
 def model_info():
     """{"context_length": the longest input ``model_logits`` takes, "bos_id": the id that starts
-    every scored document (your <sos>), or None when none is prepended}."""
+    every scored document (your <sos>), or None when none is prepended, and, for BLEU (``--bleu``),
+    "stop_ids": the ids that end a continuation (your <eos>), a list, empty or left out for none}."""
     raise NotImplementedError
 
 
 def model_encode(text):
     """Your tokenizer: the ids of ``text`` (no start id added). Returns a list of ints."""
+    raise NotImplementedError
+
+
+def model_decode(ids):
+    """Your tokenizer back: the text of ``ids`` (a list of ints). Returns a str. Needed by
+    ``--bleu`` only (BLEU compares texts)."""
     raise NotImplementedError
 
 

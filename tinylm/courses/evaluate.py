@@ -1,15 +1,20 @@
 """`tinylm evaluate --adapter ADAPTER.py`: a student's whole model scored on tinylm's protocol.
 
-The adapter's ``model_info``, ``model_encode``, ``model_logits`` and ``model_generate`` run in the
-student's own process (``sandbox``), and tinylm's own scoring drives them: the student's logits
-become a module that ``evaluation.perplexity.evaluate_texts`` scores exactly as it scores a tinylm
-checkpoint (each document alone from the start id, the same windows, the same batches, the loss in
-float32), so an adapter wrapping a tinylm checkpoint gives that checkpoint's numbers. The KV
-cache's speed-up is timed here, around the student's process, the same way for every adapter.
+The adapter's ``model_info``, ``model_encode``, ``model_decode``, ``model_logits`` and
+``model_generate`` run in the student's own process (``sandbox``), and tinylm's own scoring drives
+them: the student's logits become a module that ``evaluation.perplexity.evaluate_texts`` scores
+exactly as it scores a tinylm checkpoint (each document alone from the start id, the same windows,
+the same batches, the loss in float32), so an adapter wrapping a tinylm checkpoint gives that
+checkpoint's numbers. The KV cache's speed-up is timed here, around the student's process, the same
+way for every adapter. BLEU (``--bleu``) is ``evaluation.protocol.run_bleu`` on that module: the
+same stories, prompts and references, and tinylm's own decoding loop choosing each token from the
+student's logits (greedy or sampled; no cache, so every step sends the whole sequence; beam search
+is left out), the texts from ``model_decode``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 import time
@@ -24,6 +29,7 @@ from tinylm.constants import IGNORE_INDEX
 from tinylm.courses.sandbox import DEFAULT_MEMORY_BYTES, STARTUP_SECONDS, Sandbox
 from tinylm.errors import TinyLMError
 from tinylm.evaluation.perplexity import evaluate_texts
+from tinylm.evaluation.protocol import BleuProtocol, Decoding, run_bleu
 
 CALL_SECONDS = 300.0  # one batch of logits, or one generation, on a slow student model
 CPU_SECONDS = 6 * 3600  # the whole evaluation: a guard against a runaway process, not a budget
@@ -62,19 +68,19 @@ class AdapterLM(nn.Module):
     """The student's ``model_logits`` as the module tinylm's scoring expects: ``forward(idx,
     targets, loss_reduction)`` returns (logits, loss), the loss as ``GPT.forward`` computes it."""
 
-    def __init__(self, sandbox: Sandbox, context_length: int):
+    def __init__(self, sandbox: Sandbox, context_length: int, vocab_size: int | None = None):
         super().__init__()
         self.anchor = nn.Parameter(torch.zeros(0), requires_grad=False)  # where the scoring puts its inputs
-        self.config = SimpleNamespace(context_length=context_length)
+        self.config = SimpleNamespace(context_length=context_length, vocab_size=vocab_size)
         self.sandbox = sandbox
 
-    def forward(self, idx, targets=None, loss_reduction="mean"):
+    def forward(self, idx, targets=None, loss_reduction="mean", last_logits_only=False):
         logits = call(self.sandbox, "model_logits", [{"tokens": idx}])
         if not isinstance(logits, torch.Tensor) or logits.dim() != 3 or tuple(logits.shape[:2]) != tuple(idx.shape):
             shape = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
             raise TinyLMError(f"the adapter's model_logits returned {shape} for tokens {tuple(idx.shape)}; (B, T, V)")
         if targets is None:
-            return logits, None
+            return (logits[:, -1:] if last_logits_only else logits), None
         wide = logits.float().reshape(-1, logits.shape[-1])
         return logits, F.cross_entropy(wide, targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction=loss_reduction)
 
@@ -82,8 +88,8 @@ class AdapterLM(nn.Module):
 class AdapterTokenizer:
     """The student's ``model_encode``, every document encoded up front (a request per chunk)."""
 
-    def __init__(self, sandbox: Sandbox, bos_id: int | None, texts: list[str]):
-        self.bos_id = bos_id
+    def __init__(self, sandbox: Sandbox, bos_id: int | None, texts: list[str], stop_ids: tuple[int, ...] = ()):
+        self.sandbox, self.bos_id, self.stop_ids = sandbox, bos_id, stop_ids
         self.ids: dict[str, list[int]] = {}
         for start in range(0, len(texts), ENCODE_CHUNK):
             chunk = texts[start : start + ENCODE_CHUNK]
@@ -93,6 +99,12 @@ class AdapterTokenizer:
 
     def encode(self, text: str) -> list[int]:
         return self.ids[text]
+
+    def decode(self, ids: list[int]) -> str:
+        text = call(self.sandbox, "model_decode", [{"ids": [int(i) for i in ids]}])
+        if not isinstance(text, str):
+            raise TinyLMError(f"the adapter's model_decode returned {type(text).__name__}; a str")
+        return text
 
 
 def kv_speedup(sandbox: Sandbox, prompt: list[int], context_length: int) -> dict:
@@ -119,10 +131,16 @@ def kv_speedup(sandbox: Sandbox, prompt: list[int], context_length: int) -> dict
 
 
 def evaluate_adapter(
-    adapter: str | Path, texts: list[str], batch_size: int = 32, speedup: bool = True, memory_bytes: int | None = None
+    adapter: str | Path,
+    texts: list[str],
+    batch_size: int = 32,
+    speedup: bool = True,
+    memory_bytes: int | None = None,
+    bleu: tuple[BleuProtocol, list[Decoding], Path | None] | None = None,
 ) -> dict:
     """The protocol's numbers for the adapter's model on ``texts``: tinylm's metrics (token_ppl,
-    bpb, word_ppl, ...), and the KV cache's speed-up when the adapter has ``model_generate``."""
+    bpb, word_ppl, ...), the KV cache's speed-up when the adapter has ``model_generate``, and,
+    given ``bleu`` (the protocol, its decoding settings, where the per-sample CSVs go), BLEU."""
     path = Path(adapter)
     if not path.is_file():
         raise TinyLMError(f"adapter file {path} does not exist" if not path.exists() else f"{path} is not a file")
@@ -133,11 +151,35 @@ def evaluate_adapter(
             raise TinyLMError('the adapter\'s model_info must return {"context_length": int, "bos_id": int or None}')
         context = int(info["context_length"])
         bos = info.get("bos_id")
-        tokenizer = AdapterTokenizer(sandbox, None if bos is None else int(bos), texts)
+        stops = tuple(int(i) for i in info.get("stop_ids") or ())
+        tokenizer = AdapterTokenizer(sandbox, None if bos is None else int(bos), texts, stops)
         result = evaluate_texts(AdapterLM(sandbox, context), tokenizer, texts, batch_size=batch_size)
         if speedup:
             result.update(speedup_or_reason(sandbox, tokenizer, texts, context))
+        if bleu is not None:
+            result["bleu"] = adapter_bleu(sandbox, tokenizer, texts, context, *bleu)
     return result
+
+
+def adapter_bleu(
+    sandbox: Sandbox,
+    tokenizer: AdapterTokenizer,
+    texts: list[str],
+    context: int,
+    protocol: BleuProtocol,
+    settings: list[Decoding],
+    csv_dir: Path | None,
+) -> dict:
+    """tinylm's BLEU protocol on the student's model (see the module's docstring)."""
+    beams = [s.name for s in settings if s.beam_width > 1]
+    if beams:
+        raise TinyLMError(f"--adapter decodes without a KV cache, which beam search needs: drop {', '.join(beams)}")
+    probe = call(sandbox, "model_logits", [{"tokens": torch.tensor([[tokenizer.bos_id or 0]])}])
+    if not isinstance(probe, torch.Tensor) or probe.dim() != 3:
+        raise TinyLMError("the adapter's model_logits must return (B, T, V) logits")
+    model = AdapterLM(sandbox, context, vocab_size=int(probe.shape[-1]))
+    uncached = [dataclasses.replace(s, use_cache=False) for s in settings]
+    return run_bleu(model, tokenizer, texts, protocol, uncached, csv_dir=csv_dir)
 
 
 def speedup_or_reason(sandbox: Sandbox, tokenizer: AdapterTokenizer, texts: list[str], context: int) -> dict:

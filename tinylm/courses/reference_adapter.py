@@ -305,11 +305,19 @@ def checkpoint_model():
 
 def model_info():
     model, tokenizer = checkpoint_model()
-    return {"context_length": model.config.context_length, "bos_id": tokenizer.bos_id}
+    return {
+        "context_length": model.config.context_length,
+        "bos_id": tokenizer.bos_id,
+        "stop_ids": list(tokenizer.stop_ids),
+    }
 
 
 def model_encode(text):
     return checkpoint_model()[1].encode(text)
+
+
+def model_decode(ids):
+    return checkpoint_model()[1].decode(ids)
 
 
 def model_logits(tokens):

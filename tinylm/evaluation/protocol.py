@@ -65,6 +65,7 @@ class Decoding:
     top_p: float | None = None
     beam_width: int = 1
     no_repeat_ngram_size: int = 0  # n-gram blocking (0: off), the usual remedy for beam search's loops
+    use_cache: bool = True  # False: every step runs the whole sequence (a model without a KV cache)
 
     def generation(self, max_new_tokens: int, seed: int | None, stop_ids: tuple[int, ...]) -> GenerationConfig:
         """This setting as generation knobs."""
@@ -72,7 +73,11 @@ class Decoding:
         if self.beam_width == 1:
             knobs.update(top_k=self.top_k, top_p=self.top_p, seed=seed)
         return GenerationConfig(
-            max_new_tokens=max_new_tokens, no_repeat_ngram_size=self.no_repeat_ngram_size, stop_ids=stop_ids, **knobs
+            max_new_tokens=max_new_tokens,
+            no_repeat_ngram_size=self.no_repeat_ngram_size,
+            stop_ids=stop_ids,
+            use_cache=self.use_cache,
+            **knobs,
         )
 
 
