@@ -190,9 +190,10 @@ shapes and dtypes, the weight names it receives, what it returns.
    of the usual wrong versions ("yours equals tinylm's attention without the 1/sqrt(d) scale"),
    else the largest error and where; `error` with your exception and its line; `timed out`.
 3. Once your model is trained, fill the `model_*` functions at the end and score it on the
-   course's protocol (bits per byte, perplexities, the KV cache's speed-up):
+   course's protocol (bits per byte, perplexities, the KV cache's speed-up; BLEU with `--bleu`):
 
        tinylm evaluate --adapter adapter.py --data valid.txt
+       tinylm evaluate --adapter adapter.py --data valid.txt --bleu --temperature 0
 
 Your code runs in its own process with a time limit per part and a memory limit; printing is
 fine (it goes to stderr).
