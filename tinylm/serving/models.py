@@ -307,14 +307,7 @@ def model_specs(
     return specs
 
 
-def load_models(
-    checkpoints: list[str],
-    tokenizers: list[str],
-    max_batch: int,
-    names: list[str] | None = None,
-    dtype: InferenceDtype = "float32",
-    compile: bool = False,
-) -> dict[str, ServedModel]:
-    """``model_specs``'s models loaded in this process, each decoding on its own thread."""
-    specs = model_specs(checkpoints, tokenizers, max_batch, names, dtype, compile)
+def load_models(checkpoints: list[str], tokenizers: list[str], max_batch: int, **options) -> dict[str, ServedModel]:
+    """``model_specs(..., **options)``'s models loaded in this process, each decoding on its own thread."""
+    specs = model_specs(checkpoints, tokenizers, max_batch, **options)
     return {name: ServedModel.load(spec, name) for name, spec in specs.items()}

@@ -8,7 +8,7 @@ come from the batch's buckets, and for a short context (one slot bucket) every b
 compiled when the scheduler starts, so no request waits for a compile later.
 
 Other model work (beam search, scoring, attention maps) runs on the same thread between steps
-(``submit``, ``call``), so one model is never used by two threads at once.
+(``call``), so one model is never used by two threads at once.
 
 ``after_pass`` (set by the engine process, ``engine.py``) runs on the decoding thread after every
 pass of the loop: the events a step emitted leave for the server process together, in one message.
@@ -99,15 +99,11 @@ class Scheduler:
         """The row leaves the batch at the next step (its client has gone, or has all it wants)."""
         row.cancel()
 
-    def submit(self, fn: Callable[[], object]) -> concurrent.futures.Future:
-        """Run ``fn()`` on the decoding thread between two steps."""
-        future: concurrent.futures.Future = concurrent.futures.Future()
-        self.inbox.put((fn, future))
-        return future
-
     def call(self, fn: Callable, *args) -> concurrent.futures.Future:
         """``fn(*args)`` on the decoding thread between two steps."""
-        return self.submit(lambda: fn(*args))
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self.inbox.put((lambda: fn(*args), future))
+        return future
 
     @property
     def alive(self) -> bool:
