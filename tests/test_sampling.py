@@ -7,6 +7,7 @@ from tinylm.config import ModelConfig
 from tinylm.errors import TinyLMError
 from tinylm.generation import GenerationConfig, generate, generate_many, select_next
 from tinylm.generation.processors import HistoryProcessor, min_p_filter, shape_distribution, top_k_filter, top_p_filter
+from tinylm.generation.sampling import RowKnobs, choose, seed_keys, stream_uniforms
 from tinylm.models.gpt import GPT
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.one_thread
@@ -154,17 +155,65 @@ def test_generate_seed_reproducible_and_stop_controls():
         generate_many(model, [[1]], GenerationConfig(stop_strings=("x",)))
 
 
-def test_a_generator_per_row_draws_what_multinomial_draws_row_by_row():
-    """select_next's batched per-row draw (``draw_per_row``) keeps each row's generator stream."""
-    torch.manual_seed(0)
-    for step in range(20):
-        logits = torch.randn(7, 300) * 3
-        seeds = [100 * step + r for r in range(7)]
-        first = [torch.Generator().manual_seed(s) for s in seeds]
-        second = [torch.Generator().manual_seed(s) for s in seeds]
-        cfg = GenerationConfig(temperature=1.0)
-        probs = torch.softmax(logits, dim=-1)
-        for _ in range(3):  # the generators' streams stay in step too
-            drawn = select_next(logits, cfg, second)
-            one_by_one = [int(torch.multinomial(probs[r : r + 1], 1, generator=g)) for r, g in enumerate(first)]
-            assert drawn.tolist() == one_by_one
+def test_per_row_knobs_shape_each_row_as_its_own_config_would():
+    """RowKnobs with a different temperature, top-k, top-p and min-p per row (tensors) give each
+    row what the same knobs give it alone (one number each)."""
+    torch.manual_seed(5)
+    cfgs = [
+        GenerationConfig(temperature=0.7, top_k=5),
+        GenerationConfig(temperature=1.3, top_p=0.8),
+        GenerationConfig(temperature=1.0, top_k=40, top_p=0.9, min_p=0.05),
+        GenerationConfig(temperature=0.9),
+        GenerationConfig(temperature=0.5, min_p=0.2),
+    ]
+    logits = torch.randn(len(cfgs), 300) * 2
+    logits[0, 10:20] = logits[0].max()  # ties at the k-th value: the lowest ids are kept
+    mixed = shape_distribution(logits, RowKnobs.of(cfgs))
+    assert isinstance(RowKnobs.of(cfgs).top_k, torch.Tensor)
+    for r, cfg in enumerate(cfgs):
+        alone = shape_distribution(logits[r : r + 1], cfg)
+        assert torch.equal(torch.isfinite(mixed[r]), torch.isfinite(alone[0]))
+        assert torch.allclose(mixed[r][torch.isfinite(mixed[r])], alone[0][torch.isfinite(alone[0])])
+    assert torch.isfinite(mixed[0]).sum() == 5 and torch.isfinite(mixed[0, 10:15]).all()
+    # rows that agree keep one number (the cheaper path)
+    same = RowKnobs.of([GenerationConfig(temperature=0.8, top_k=50)] * 3)
+    assert same.temperature == 0.8 and same.top_k == 50 and same.top_p is None
+
+
+def test_a_row_draws_the_same_token_alone_and_in_any_batch():
+    """A seeded row's n-th draw depends on its seed and n only: the batch around it, its place in
+    the batch and the other rows' knobs (greedy rows among them) change nothing."""
+    torch.manual_seed(6)
+    cfgs = [GenerationConfig(temperature=1.0, top_k=k) for k in (None, 7, 50)] + [GenerationConfig(temperature=0)]
+    seeds = [3, -5, 2**63 + 11, 9]
+    for step in range(30):
+        logits = torch.randn(len(cfgs), 200) * 3
+        draws = [step] * len(cfgs)
+        together = choose(logits, RowKnobs.of(cfgs, seeds), draws=draws)
+        for r in range(len(cfgs)):
+            alone = choose(logits[r : r + 1], RowKnobs.of([cfgs[r]], [seeds[r]]), draws=draws[:1])
+            assert int(alone) == int(together[r])
+        flipped = choose(logits.flip(0), RowKnobs.of(cfgs[::-1], seeds[::-1]), draws=draws)
+        assert flipped.flip(0).tolist() == together.tolist()
+        assert int(together[3]) == int(logits[3].argmax())
+
+
+def test_stream_draws_follow_the_distribution_and_never_pick_a_banned_token():
+    """20,000 draws (2,000 seeds x 10 draws each) from softmax(logits / T) after top-k: every
+    frequency within 0.012 of its probability, the banned tokens never drawn."""
+    row = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -5.0, 3.0, -0.5]])
+    cfg = GenerationConfig(temperature=0.8, top_k=6)
+    probs = torch.softmax(top_k_filter(row / 0.8, 6), -1)[0]
+    counts = torch.zeros(8)
+    seeds = list(range(2000))
+    knobs = RowKnobs.of([cfg] * len(seeds), seeds)
+    for n in range(10):
+        drawn = choose(row.expand(len(seeds), -1), knobs, draws=[n] * len(seeds))
+        counts += torch.bincount(drawn, minlength=8).float()
+    freq = counts / counts.sum()
+    assert (freq - probs).abs().max() < 0.012
+    assert freq[5] == 0 and freq[4] == 0  # outside the top 6
+    # the uniforms themselves: in [0, 1), and distinct across the draws of one seed
+    u = stream_uniforms(seed_keys([42] * 1000), list(range(1000)))
+    assert 0 <= float(u.min()) and float(u.max()) < 1 and u.unique().numel() == 1000
+    assert abs(float(u.mean()) - 0.5) < 0.03

@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 from tinylm.constants import UNK_ID
 from tinylm.errors import TinyLMError
 from tinylm.tokenizers import BPETokenizer, CharTokenizer, WordTokenizer, load_tokenizer, new_tokenizer
+from tinylm.tokenizers.base import ContinuationText
 
 CORPUS = ["The cat sat on the mat. The dog sat on the log.", "Ünïcödé ✓ and emoji 🙂 too", "a b c " * 20]
 
@@ -97,3 +98,27 @@ def test_decode_continuation_keeps_the_word_space():
     assert word.decode_continuation(prompt, word.encode("there was")) == " there was"
     bpe = BPETokenizer().train(CORPUS, 290)
     assert bpe.decode_continuation(bpe.encode("The cat"), bpe.encode(" sat")) == " sat"
+
+
+def test_continuation_text_is_decode_continuation_after_every_token(bpe):
+    """Streamed text (``ContinuationText``: a window per update) equals decoding the whole
+    continuation after every token: byte-level tokens splitting characters (held until complete),
+    the space between words, special tokens, random ids."""
+    import random
+
+    word = WordTokenizer().train(["once upon a time there was a cat who sat on a mat"], 50)
+    char = CharTokenizer().train(["héllo wörld ✓"], 50)
+    rng = random.Random(0)
+    for tok in (bpe, word, char):
+        for trial in range(40):
+            prompt = tok.encode("Once upon ✓ a time" if tok is bpe else "once upon a time")
+            if trial % 2:  # random ids, special tokens included
+                tokens_all = [rng.randrange(tok.vocab_size) for _ in range(60)]
+            else:
+                tokens_all = tok.encode(
+                    "é ✓ there was a cat 🐈 who sat — on a mat" if tok is not word else "there was a cat"
+                )
+            stream, tokens = ContinuationText(tok.decode, prompt), []
+            for t in tokens_all:
+                tokens.append(t)
+                assert stream.update(tokens) == tok.decode_continuation(prompt, tokens)

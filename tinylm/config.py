@@ -385,7 +385,7 @@ class GenerationConfig:
     stop_strings: tuple[str, ...] = option((), "a row ends when its continuation contains one of these")
     seed: int | None = option(None, "sampling seed (prompt or choice i of a batch draws with seed + i)")
     # False: one generator for the whole batch (draws match HF's batched sampling); True: row i
-    # samples from its own generator seeded seed + i, so a batch reproduces single-prompt runs
+    # samples from its own stream seeded seed + i, so a batch reproduces single-prompt runs
     seed_per_row: bool = option(False, "row i of a batch samples with seed + i")
     use_cache: bool = option(
         True, "reuse the attention keys and values of earlier tokens (off: recompute the whole context every step)"

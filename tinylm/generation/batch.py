@@ -33,8 +33,8 @@ import torch
 from tinylm.config import GenerationConfig
 from tinylm.generation.core import cache_slots, full_forward, model_device, prefill, window
 from tinylm.generation.decode import decode_step
-from tinylm.generation.processors import HistoryProcessor
-from tinylm.generation.sampling import select_next
+from tinylm.generation.processors import NEG_INF, NgramBan, mark_seen, penalise_seen
+from tinylm.generation.sampling import RowKnobs, choose
 from tinylm.models.gpt import KVCache
 
 
@@ -84,12 +84,25 @@ def hits_stop_string(decode: Callable[[list[int]], str], ids: list[int], stop_st
     return any(s in tail for s in stop_strings)
 
 
+@dataclass
+class RowRules:
+    """The history rules of the batch's rows as tensors, in ``rows`` order: repetition penalty
+    ((B, 1), 1 on rows without; ``seen`` (B, V)), min_new_tokens ((B,), with ``stop_mask`` (B, V)
+    the ids it bans) and the rows with a no-repeat n-gram ban (``ngram_rows``)."""
+
+    penalty: torch.Tensor | None = None
+    seen: torch.Tensor | None = None
+    min_new: torch.Tensor | None = None
+    stop_mask: torch.Tensor | None = None
+    ngram_rows: list[int] = field(default_factory=list)
+
+
 @dataclass(eq=False)  # rows are compared by identity
 class Row:
     """One sequence to continue."""
 
     prompt_ids: list[int]  # already fitted to the context (``fit_prompts``)
-    cfg: GenerationConfig  # ``cfg.seed`` seeds this row's generator unless the batch shares one
+    cfg: GenerationConfig  # ``cfg.seed`` seeds this row's draws unless the batch shares a generator
     emit: Callable[[object], None]  # receives TokenEvent / DoneEvent / ErrorEvent
     decode: Callable[[list[int]], str] | None = None  # for stop strings
     logprobs: int | None = None  # report the top-N alternatives of each token (None: no log probs)
@@ -100,8 +113,9 @@ class Row:
     seq: list[int] = field(default_factory=list)  # prompt + accepted tokens (the sliding window's source)
     out: list[int] = field(default_factory=list)
     cached: int = 0  # this row's real tokens in the cache (its next position)
-    generator: torch.Generator | None = None
-    history: HistoryProcessor | None = None
+    seed: int | None = None  # the row's stream of draws (``sampling.stream_uniforms``); None: greedy or shared
+    seen: torch.Tensor | None = None  # (1, V) the tokens the row holds (repetition penalty): a view into the batch's
+    ngrams: NgramBan | None = None
     started: float = 0.0
     finished: bool = False
 
@@ -144,11 +158,11 @@ class Batch:
         self.cache: KVCache | None = None
         self.pending: torch.Tensor | None = None  # (B,) each row's last token, not yet in the cache
         self.positions: torch.Tensor | None = None  # (B,) each row's next position, while the rows stay
-        self.groups: list[tuple] | None = None  # the rows by knobs (``_knob_groups``), while the rows stay
+        self.knobs: tuple[RowKnobs, RowRules] | None = None  # the rows' knobs as tensors, while the rows stay
         self.steps = 0
 
     def _rows_changed(self) -> None:
-        self.positions = self.groups = None
+        self.positions = self.knobs = None
 
     def clear(self) -> None:
         """Drop every row and the cache (a step failed: its rows were told so)."""
@@ -250,34 +264,29 @@ class Batch:
     def _start(self, r: Row) -> bool:
         cfg = r.cfg
         r.seq, r.out, r.started = list(r.prompt_ids), [], time.perf_counter()
-        try:
-            seeded = cfg.seed is not None and not cfg.greedy and self.shared_generator is None
-            r.generator = torch.Generator(device=self.device).manual_seed(cfg.seed) if seeded else None
-        except (ValueError, RuntimeError) as exc:  # e.g. a seed torch cannot take: this row only
-            r.emit(ErrorEvent(f"cannot start this generation: {exc}", "seed"))
-            return False
-        history = HistoryProcessor(cfg, [r.prompt_ids], self.model.config.vocab_size, self.device)
-        r.history = history if history.active else None
+        r.seed = None
+        if not cfg.greedy and self.shared_generator is None:  # unseeded: a seed from torch's generator
+            r.seed = cfg.seed if cfg.seed is not None else int(torch.randint(2**62, ()))
+        vocab_size = self.model.config.vocab_size
+        r.seen = mark_seen([r.prompt_ids], vocab_size, self.device) if cfg.repetition_penalty != 1.0 else None
+        r.ngrams = NgramBan(cfg.no_repeat_ngram_size, [r.prompt_ids]) if cfg.no_repeat_ngram_size else None
         return True
 
     # ------------------------------------------------------------------------ choosing tokens
     def select(self, logits: torch.Tensor) -> None:
-        """Each row's next token from its logits row, with its own knobs and generator. Rows whose
-        knobs shape the distribution alike are shaped together (row-wise ops: the same numbers as
-        one at a time); each sampled row draws from its own generator in one batched call."""
-        scores = self._apply_history(logits)
-        groups = self._knob_groups()
-        if len(groups) == 1:
-            tokens = select_next(scores, groups[0][0], groups[0][2])
-        else:
-            tokens = torch.empty(len(self.rows), dtype=torch.long, device=self.device)
-            for cfg, members, generators in groups:
-                tokens[members] = select_next(scores.index_select(0, members), cfg, generators)
+        """Each row's next token from its logits row, with its own knobs and seed, for every row
+        at once (``sampling.choose``); then each row takes its token (events, stop rules)."""
+        knobs, rules = self._row_knobs()
+        draws = [len(r.out) for r in self.rows]  # the tokens each row chose before
+        scores = self._apply_rules(logits, rules, draws)
+        tokens = choose(scores, knobs, self.shared_generator, draws)
+        if rules.seen is not None:
+            rules.seen.scatter_(1, tokens[:, None], True)
         leaving = []
         for i, t in enumerate(tokens.tolist()):
             r = self.rows[i]
-            if r.history is not None:
-                r.history.observe(tokens[i : i + 1], [t])
+            if r.ngrams is not None:
+                r.ngrams.observe([t])
             if r.finished:  # riding along (``keep_finished``)
                 continue
             if not r.cancelled.is_set():
@@ -287,36 +296,49 @@ class Batch:
         self.pending = tokens
         self.leave(leaving)
 
-    def _knob_groups(self) -> list[tuple]:
-        """(knobs, the rows' indices (a tensor), their generators) for each group of rows whose
-        knobs shape the distribution alike."""
-        if self.groups is None:
-            by_knobs: dict[tuple, list[int]] = {}
-            for i, r in enumerate(self.rows):
-                c = r.cfg
-                by_knobs.setdefault((c.greedy, c.temperature, c.top_k, c.top_p, c.min_p), []).append(i)
-            self.groups = []
-            for members in by_knobs.values():
-                cfg = self.rows[members[0]].cfg
-                generators = self.shared_generator
-                if generators is None and not cfg.greedy:
-                    generators = [self.rows[i].generator for i in members]
-                self.groups.append((cfg, torch.tensor(members, device=self.device), generators))
-        return self.groups
+    def _row_knobs(self) -> tuple[RowKnobs, RowRules]:
+        """The rows' knobs and history rules as tensors, built again only when the rows change.
+        Each row's ``seen`` becomes a view into the batch's mask, so the batch's updates are the
+        row's when it moves to another batch."""
+        if self.knobs is None:
+            rows, cfgs = self.rows, [r.cfg for r in self.rows]
+            seeds = None if self.shared_generator is not None else [r.seed or 0 for r in rows]
+            knobs = RowKnobs.of(cfgs, seeds, self.device)
+            rules = RowRules(ngram_rows=[i for i, r in enumerate(rows) if r.ngrams is not None])
+            if any(r.seen is not None for r in rows):
+                none = torch.zeros(1, self.model.config.vocab_size, dtype=torch.bool, device=self.device)
+                rules.seen = torch.cat([none if r.seen is None else r.seen for r in rows])
+                rules.penalty = torch.tensor([c.repetition_penalty for c in cfgs], device=self.device)[:, None]
+                for i, r in enumerate(rows):
+                    if r.seen is not None:
+                        r.seen = rules.seen[i : i + 1]
+            if any(c.min_new_tokens > 0 and c.stop_ids for c in cfgs):
+                rules.min_new = torch.tensor([c.min_new_tokens for c in cfgs], device=self.device)
+                rules.stop_mask = mark_seen([list(c.stop_ids) for c in cfgs], self.model.config.vocab_size, self.device)
+            self.knobs = knobs, rules
+        return self.knobs
 
-    def _apply_history(self, logits: torch.Tensor) -> torch.Tensor:
-        scores = logits
-        for i, r in enumerate(self.rows):
-            if r.history is None or r.finished:
-                continue
-            row = r.history(logits[i : i + 1].float(), len(r.out))
-            if not bool(torch.isfinite(row).any()):
-                r.emit(ErrorEvent(no_allowed_token(len(r.out)), "no_repeat_ngram_size"))
-                r.cancel()
-                row = logits[i : i + 1].float()  # any token: the row leaves at the end of this step
-            if scores is logits:
-                scores = logits.float().clone()
-            scores[i] = row[0]
+    def _apply_rules(self, logits: torch.Tensor, rules: RowRules, draws: list[int]) -> torch.Tensor:
+        """Repetition penalty, no-repeat n-grams, then min_new_tokens (the order of processors.py).
+        A row whose rules ban every token gets an error and leaves; its token is any."""
+        if rules.seen is None and rules.min_new is None and not rules.ngram_rows:
+            return logits
+        scores = logits.float().clone()  # rows are written below; ``logits`` stay the model's
+        if rules.seen is not None:
+            scores = penalise_seen(scores, rules.seen, rules.penalty)
+        for i in rules.ngram_rows:
+            if not self.rows[i].finished:
+                scores[i] = self.rows[i].ngrams(scores[i : i + 1])[0]
+        if rules.min_new is not None:
+            early = torch.tensor(draws, device=self.device) < rules.min_new
+            scores = scores.masked_fill(rules.stop_mask & early[:, None], NEG_INF)
+        if rules.ngram_rows or rules.min_new is not None:
+            for i in torch.nonzero(~torch.isfinite(scores).any(-1)).flatten().tolist():
+                r = self.rows[i]
+                if not r.finished:
+                    r.emit(ErrorEvent(no_allowed_token(len(r.out)), "no_repeat_ngram_size"))
+                    r.cancel()
+                scores[i] = logits[i].float()  # any token: the row leaves at the end of this step
         return scores
 
     def _accept(self, r: Row, t: int, row_logits: torch.Tensor) -> None:
@@ -362,9 +384,8 @@ class Batch:
         cache = self.cache
         cache.reorder(torch.tensor(order + rest, dtype=torch.long, device=self.device))
         capacity = self.capacity(n)
-        if capacity < cache.batch_size:  # the first rows of a contiguous tensor: views, no copy
-            cache.k, cache.v = [t[:capacity] for t in cache.k], [t[:capacity] for t in cache.v]
-            cache.key_mask = cache.key_mask[:capacity]
+        if capacity < cache.batch_size:
+            _show_rows(cache, capacity)
         cache.key_mask[n:] = True  # padding attends to anything: finite logits, dropped
         if not self.bucketed:  # fewer slots for the next merge; a bucketed cache compacts when full
             self._compact()
@@ -402,21 +423,52 @@ class Batch:
         total = len(self.rows) + len(rows)
         # slots for what the rows may still generate, not always the whole context: a batch of 32
         # rows of a 1,024-token model would hold gigabytes of cache it mostly never fills
+        # slots in buckets (64 times a power of two) and room for a bucket of rows, so that most
+        # joins write their rows into the cache they find (an eager step reads only the filled
+        # slots of the rows in the batch: the room costs memory, not time)
         remaining = max(r.cfg.max_new_tokens - len(r.out) for r in self.rows + rows)
-        size = cache_slots(max(length + remaining, self.min_slots), self.context_length, self.bucketed)
+        size = cache_slots(max(length + remaining, self.min_slots), self.context_length, bucketed=True)
         capacity = self.capacity(total)
-        if old is not None and old.batch_size == capacity and old.max_len == size and old.length >= new.length:
-            _write_rows(old, len(self.rows), new)  # the same bucket: no new cache
+        if old is not None and _room(old) >= capacity and old.max_len == size and old.length >= new.length:
+            _show_rows(old, capacity)
+            _write_rows(old, len(self.rows), new)  # no new cache
         else:
-            cache = self.model.new_kv_cache(capacity, size)
+            room = next(b for b in batch_buckets(self.max_batch) if b >= capacity)
+            cache = self.model.new_kv_cache(room, size)
             cache.length = length
-            cache.key_mask = torch.ones(capacity, size, dtype=torch.bool, device=self.device)
+            cache.key_mask = torch.ones(room, size, dtype=torch.bool, device=self.device)
+            _show_rows(cache, capacity)
             if old is not None and self.rows:
                 _write_rows(cache, 0, old, len(self.rows))
             _write_rows(cache, len(self.rows), new)
             self.cache = cache
         self.rows = self.rows + rows  # ``select`` sets every row's pending token next
         self._rows_changed()
+
+
+def _whole(cache: KVCache) -> list[torch.Tensor]:
+    """The tensors (keys, values, key mask) whose first rows the cache's tensors are. Recorded on
+    the cache by ``_show_rows``: a view made under inference mode does not know its base."""
+    whole = getattr(cache, "whole", None)
+    if whole is None or whole[0].data_ptr() != cache.k[0].data_ptr():  # none, or not these tensors
+        whole = cache.whole = [*cache.k, *cache.v, cache.key_mask]
+    return whole
+
+
+def _room(cache: KVCache) -> int:
+    """The rows the cache's storage holds (its tensors may be views of the first rows)."""
+    return _whole(cache)[0].size(0)
+
+
+def _show_rows(cache: KVCache, rows: int) -> None:
+    """Make the cache's tensors views of the first ``rows`` rows of their storage (more or fewer
+    than now): the first rows of a contiguous tensor, so no copy."""
+    whole = _whole(cache)
+    if rows == cache.batch_size:
+        return
+    n = len(cache.k)
+    cache.k, cache.v = [t[:rows] for t in whole[:n]], [t[:rows] for t in whole[n : 2 * n]]
+    cache.key_mask = whole[-1][:rows]
 
 
 def _write_rows(cache: KVCache, offset: int, part: KVCache, n_rows: int | None = None) -> None:

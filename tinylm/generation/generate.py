@@ -7,8 +7,9 @@ generation can run past the context length; ``use_cache=False`` recomputes the w
 most ``context_length`` tokens) every step instead.
 
 Sampling draws all rows of a batch from one ``torch.Generator`` seeded with ``seed`` (the draws
-Hugging Face makes), or with ``seed_per_row`` row i from its own generator seeded ``seed + i``;
-greedy, beam search and per-row-seeded sampling give each row of a batch what it gets alone.
+Hugging Face makes), or with ``seed_per_row`` row i from its own stream seeded ``seed + i``
+(``sampling.stream_uniforms``); greedy, beam search and per-row-seeded sampling give each row of
+a batch what it gets alone.
 
 Text in, text out (``complete``): each prompt is encoded after the tokenizer's start id and
 continued with seed ``seed + i`` for prompt i, whether prompts run one at a time or in batches,
@@ -31,6 +32,7 @@ from tinylm.generation.batch import Batch, ErrorEvent, Row
 from tinylm.generation.beam import beam_search
 from tinylm.generation.core import Generated, fit_prompts, model_device
 from tinylm.models.gpt import eval_mode
+from tinylm.tokenizers.base import ContinuationText
 
 
 class TokenStream:
@@ -123,16 +125,16 @@ class TextStream:
         return self.tokens.results[0]
 
     def __iter__(self) -> Iterator[str]:
-        shown = ""
+        shown, streamed = "", ContinuationText(self.decode, [])
         for emitted in self.tokens:
             if emitted[0] is None:
                 continue
-            text = self.decode(self.result.tokens)
+            text = streamed.update(self.result.tokens)
             if text.endswith("\ufffd") or not text.startswith(shown) or len(text) == len(shown):
                 continue
             yield text[len(shown) :]
             shown = text
-        text = self.decode(self.result.tokens)
+        text = streamed.update(self.result.tokens)
         if len(text) > len(shown) and text.startswith(shown):
             yield text[len(shown) :]
 

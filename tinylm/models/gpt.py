@@ -165,7 +165,8 @@ class KVCache:
         the same keys in every row a beam can come from); a new size (one prompt row expanded to
         k beams) builds new tensors.
         """
-        if rows.numel() == self.batch_size:
+        same_size = rows.numel() == self.batch_size
+        if same_size:
             n = self.length
             moved = (rows != torch.arange(rows.numel(), device=rows.device)).nonzero().squeeze(1)
             if moved.numel() and start < n:
@@ -176,7 +177,9 @@ class KVCache:
         else:
             self.k = [k.index_select(0, rows) for k in self.k]
             self.v = [v.index_select(0, rows) for v in self.v]
-        if self.key_mask is not None:
+        if self.key_mask is not None and same_size:
+            self.key_mask.copy_(self.key_mask.index_select(0, rows))  # in place: it may be a view of more rows
+        elif self.key_mask is not None:
             self.key_mask = self.key_mask.index_select(0, rows)
 
 

@@ -41,6 +41,7 @@ from tinylm.generation.batch import DoneEvent, ErrorEvent, Row, TokenEvent
 from tinylm.generation.core import fit_prompts
 from tinylm.generation.generate import encode_prompt, generate_many, prompt_head
 from tinylm.serving.schemas import CompletionRequest
+from tinylm.tokenizers.base import ContinuationText
 
 MAX_LOGPROBS = 20
 MAX_STOPS = 16
@@ -105,6 +106,7 @@ class Choice:
     finish_reason: str | None = None  # tinylm's: stop_token | stop_string | length
     seconds: float = 0.0
     shown: str = ""  # text already streamed
+    streamed: ContinuationText | None = None  # the continuation's text, decoded as tokens arrive
 
 
 @dataclass
@@ -273,7 +275,9 @@ def visible_text(text: str, stops: tuple[str, ...], final: bool) -> str:
 
 def new_text(choice: Choice, tokenizer, stops, final: bool) -> str:
     """What to stream next for ``choice`` (its visible text beyond what was already sent)."""
-    text = visible_text(tokenizer.decode_continuation(choice.prompt_ids, choice.tokens), stops, final)
+    if choice.streamed is None:
+        choice.streamed = ContinuationText(tokenizer.decode, choice.prompt_ids)
+    text = visible_text(choice.streamed.update(choice.tokens), stops, final)
     if len(text) <= len(choice.shown) or not text.startswith(choice.shown):
         return ""
     piece, choice.shown = text[len(choice.shown) :], text

@@ -77,9 +77,7 @@ class Tokenizer:
     def decode_continuation(self, prompt_ids: list[int], new_ids: list[int]) -> str:
         """Text that the new tokens add after the prompt (with the space a word-level tokenizer
         puts between words, which decoding the new tokens alone would lose)."""
-        prompt_text = self.decode(prompt_ids)
-        full = self.decode(list(prompt_ids) + list(new_ids))
-        return full[len(prompt_text) :] if full.startswith(prompt_text) else self.decode(new_ids)
+        return decode_after(self.decode, prompt_ids, new_ids)
 
     def save(self, path: str | Path) -> None:
         data = {
@@ -96,3 +94,49 @@ class Tokenizer:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(vocab_size={self.vocab_size})"
+
+
+def decode_after(decode: Callable[[list[int]], str], prompt_ids: list[int], new_ids: list[int]) -> str:
+    """``Tokenizer.decode_continuation`` for any ``decode`` function."""
+    prompt_text = decode(list(prompt_ids))
+    full = decode(list(prompt_ids) + list(new_ids))
+    return full[len(prompt_text) :] if full.startswith(prompt_text) else decode(list(new_ids))
+
+
+class ContinuationText:
+    """``decode_continuation(prompt_ids, tokens)`` (``decode_after``) kept up to date as tokens arrive (for
+    streaming). Each update decodes only a window: the tokens since the last complete character,
+    after the chunk before them as context (what joins the two: a word-level tokenizer's space,
+    the first bytes of a character split across byte-level tokens), so a stream of n tokens costs
+    O(n) decoding rather than O(n^2). Where a window's text does not extend the text of the same
+    window without the new tokens (a decode that rewrites earlier text), the whole continuation is
+    decoded again, so ``text`` is always what ``decode_continuation`` gives."""
+
+    CONTEXT = 4  # prompt tokens decoded before the first new one
+
+    def __init__(self, decode: Callable[[list[int]], str], prompt_ids: list[int]):
+        self.decode = decode
+        self.prompt_len = len(prompt_ids)
+        self.ids = list(prompt_ids)
+        self.start, self.read = max(0, self.prompt_len - self.CONTEXT), self.prompt_len
+        self.done = self.text = ""  # done: the text of ids[:read], ending with a complete character
+
+    def update(self, tokens: list[int]) -> str:
+        """The continuation's text with ``tokens``: every new token so far (the same list growing)."""
+        new = tokens[len(self.ids) - self.prompt_len :]
+        if not new:
+            return self.text
+        self.ids.extend(new)
+        decode = self.decode
+        before = decode(self.ids[self.start : self.read])
+        while not before and self.start > 0:  # context without text (special tokens) joins nothing: reach back
+            self.start = max(0, self.start - self.CONTEXT)
+            before = decode(self.ids[self.start : self.read])
+        after = decode(self.ids[self.start :])
+        if after.startswith(before):
+            self.text = self.done + after[len(before) :]
+        else:
+            self.text = decode_after(decode, self.ids[: self.prompt_len], self.ids[self.prompt_len :])
+        if not self.text.endswith("\ufffd"):  # a complete character: the next window starts here
+            self.done, self.start, self.read = self.text, max(self.read, len(self.ids) - self.CONTEXT), len(self.ids)
+        return self.text
