@@ -21,6 +21,7 @@ counted. When fewer usable stories exist than asked for, all of them are used an
 from __future__ import annotations
 
 import csv
+import dataclasses
 import logging
 import math
 import random
@@ -168,8 +169,8 @@ def continue_sample(
     stop_ids: tuple[int, ...],
 ) -> list[int]:
     prompt = ([] if bos_id is None else [bos_id]) + sample.prompt_ids
-    try:
-        cfg = setting.generation(max_new_tokens, seed, stop_ids)
+    try:  # the row's own seeded stream: what `tinylm generate`, the server and a batch of samples draw
+        cfg = dataclasses.replace(setting.generation(max_new_tokens, seed, stop_ids), seed_per_row=True)
         return generate_many(model, [prompt], cfg)[0].tokens
     except TinyLMError as exc:  # a bad knob (temperature < 0, top_p outside (0, 1], ...) names itself
         raise TinyLMError(f"decoding setting {setting.name}: {exc}") from exc
