@@ -217,3 +217,24 @@ def test_stream_draws_follow_the_distribution_and_never_pick_a_banned_token():
     u = stream_uniforms(seed_keys([42] * 1000), list(range(1000)))
     assert 0 <= float(u.min()) and float(u.max()) < 1 and u.unique().numel() == 1000
     assert abs(float(u.mean()) - 0.5) < 0.03
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_rows_choose_the_tokens_they_choose_on_the_cpu():
+    """Per-row knobs held as CUDA tensors and the seeded stream (drawn on the host, inverted on the
+    GPU) choose the CPU's tokens; so does a seeded batch generated on the GPU, token for token."""
+    torch.manual_seed(7)
+    cfgs = [GenerationConfig(temperature=0.7, top_k=5), GenerationConfig(temperature=1.2, top_p=0.8)]
+    cfgs += [GenerationConfig(temperature=1.0, min_p=0.05), GenerationConfig(temperature=0)]
+    seeds = [1, 2, 3, 4]
+    for step in range(20):
+        logits = torch.randn(len(cfgs), 300) * 2
+        on_cpu = choose(logits, RowKnobs.of(cfgs, seeds), draws=[step] * 4)
+        on_gpu = choose(logits.cuda(), RowKnobs.of(cfgs, seeds, device="cuda"), draws=[step] * 4)
+        assert on_gpu.device.type == "cuda" and on_gpu.tolist() == on_cpu.tolist()
+    model = tiny_model()
+    prompts = [[2, 5, 6, 7, 8], [2, 3], [2, 20, 21]]
+    cfg = GenerationConfig(max_new_tokens=20, temperature=0.9, top_k=20, seed=11, seed_per_row=True)
+    cpu_rows = generate_many(model, prompts, cfg)
+    gpu_rows = generate_many(model.cuda(), prompts, cfg)
+    assert [r.tokens for r in gpu_rows] == [r.tokens for r in cpu_rows]

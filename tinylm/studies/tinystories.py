@@ -68,6 +68,7 @@ from tinylm.models.checkpoint import load_checkpoint
 from tinylm.pipeline import result_checkpoint, run_pipeline
 from tinylm.studies import tinystories_figures as figures
 from tinylm.studies.stages import Stage, stage_key
+from tinylm.studies.tinystories_fluency import judge_stamp, part_fluency
 from tinylm.studies.tinystories_protocols import part_protocols
 from tinylm.studies.tinystories_report import QUALITY_PARTS, write_experiments_report
 from tinylm.studies.tradeoffs import (
@@ -145,6 +146,11 @@ class ExperimentsConfig:
     decode_threads: int = option(1, ge=1)
     train_threads: int | None = option(None, "None: train.threads, else 2", ge=1)
     decoding_examples: int = option(5, "prompts whose continuations the decoding comparison prints side by side", ge=0)
+    judge: str | None = option(
+        None,
+        "checkpoint of a stronger model, trained on the same split, that scores every decoding's "
+        "continuations in bits per byte (the fluency part); None: the part is not run",
+    )
     # the second column: the same task and tokenizer trained with this repository's settings
     tinylm_settings: dict = option(
         None,
@@ -760,6 +766,7 @@ PARTS: dict[str, Callable[[Study], dict]] = {
     "tinylm_settings": part_tinylm_settings,
     "bleu": part_bleu,
     "decoding": part_decoding,
+    "fluency": part_fluency,
     "generations": part_generations,
     "kv_cache": part_kv_cache,
     "accumulation": part_accumulation,
@@ -793,6 +800,7 @@ OPTION_READERS = {
     "tradeoff_lr_scale": ("accumulation", "checkpointing"),
     "tradeoff_eval_batches": ("accumulation", "checkpointing", "embedding_init"),
     "embedding_micro_batches": ("embedding_init",),
+    "judge": ("fluency",),
 }
 
 
@@ -816,6 +824,8 @@ def part_key(study: Study, name: str, stamps: dict[str, str], finished: dict | N
         options = dataclasses.asdict(study.exp).items()
         payload["experiments"] = {k: v for k, v in options if name in OPTION_READERS.get(k, (name,))}
         payload["trained"] = stamps.get(trained_by(study, name))
+    if name == "fluency":
+        payload["judge"] = judge_stamp(study.exp.judge)  # retrained at the same path: scored again
     if name == "machine":
         payload["finished"] = finished  # re-described whenever any other part ran again
     return stage_key(payload)

@@ -12,10 +12,11 @@ from pathlib import Path
 from tinylm.evaluation import report
 from tinylm.evaluation.report import Doc, safely
 from tinylm.studies.tinystories_compare import comparison_table
+from tinylm.studies.tinystories_fluency import section_fluency
 from tinylm.studies.tinystories_protocols import section_protocols
 
 # the parts that judge a trained model's output (tinylm.studies.tinystories chooses which model)
-QUALITY_PARTS = ("bleu", "decoding", "generations", "kv_cache", "attention", "protocols")
+QUALITY_PARTS = ("bleu", "decoding", "fluency", "generations", "kv_cache", "attention", "protocols")
 
 
 def _mib(n) -> str:
@@ -593,6 +594,7 @@ def build_report(run_dir: str | Path) -> Doc:
     safely(doc, _section_bleu, run, read("bleu.json"), ev)
     safely(doc, _section_generations, read("generations.json"), read("samples.json"))
     safely(doc, _section_decoding, run, read("decoding.json"))
+    safely(doc, section_fluency, run, read("fluency.json"))
     safely(doc, section_protocols, run, read("protocols.json"))
     safely(doc, _section_kv, read("kv_cache.json"))
     safely(doc, _section_accum, run, read("accumulation.json"))
