@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import csv
 import hashlib
-import json
 import re
 import statistics
 from pathlib import Path
@@ -35,7 +34,7 @@ import torch
 from tinylm.errors import TinyLMError
 from tinylm.evaluation.byte_bits import score_bytes
 from tinylm.evaluation.plots import pyplot, save_figure
-from tinylm.evaluation.report import Doc
+from tinylm.evaluation.report import Doc, read_json
 from tinylm.models.checkpoint import load_checkpoint
 
 UNK = "<unk>"
@@ -77,33 +76,27 @@ def continuation_bits(judge, tokenizer, prompt: str, continuation: str) -> tuple
 
 
 def read_continuations(run_dir: Path) -> tuple[list[str], dict[str, list[str]]]:
-    """The 50 prompts and each setting's continuations (the real ones first), from the decoding and
-    BLEU parts' per-sample CSVs, which continue the same prompts."""
-    files = [run_dir / name for part in ("decoding", "bleu") for name in _csv_names(run_dir / f"{part}.json")]
-    files = [f for f in files if f.is_file()]
+    """The 50 prompts and each setting's continuations (the real ones first), from the per-sample
+    CSVs the decoding and BLEU parts list in their JSON, which continue the same prompts."""
+    files = [
+        ((f"sample {s['name']}" if part == "bleu" else s["name"]), run_dir / s["csv"])
+        for part in ("decoding", "bleu")
+        for s in (read_json(run_dir / f"{part}.json") or {}).get("settings") or []
+        if s.get("csv") and (run_dir / s["csv"]).is_file()
+    ]
     if not files:
         raise TinyLMError(f"no decoding_samples_*.csv or bleu_samples_*.csv in {run_dir}: run the decoding part first")
     prompts, columns = None, {}
-    for path in files:
+    for name, path in files:
         with path.open(newline="", encoding="utf-8") as f:
             rows = list(csv.DictReader(f))
-        name = path.stem.removeprefix("decoding_samples_").removeprefix("bleu_samples_")
-        name = f"sample {name}" if path.stem.startswith("bleu_") else name
         if prompts is None:
             prompts = [r["prompt"] for r in rows]
             columns[REAL] = [r["reference_continuation"] for r in rows]
         elif [r["prompt"] for r in rows] != prompts:
-            raise TinyLMError(f"{path.name} continues other prompts than {files[0].name}: run its part again")
+            raise TinyLMError(f"{path.name} continues other prompts than {files[0][1].name}: run its part again")
         columns[name] = [r["hypothesis_continuation"] for r in rows]
     return prompts, columns
-
-
-def _csv_names(part_json: Path) -> list[str]:
-    """The per-sample CSVs a part wrote, in its settings' order."""
-    if not part_json.is_file():
-        return []
-    settings = json.loads(part_json.read_text()).get("settings") or []
-    return [s["csv"] for s in settings if s.get("csv")]
 
 
 def score_setting(judge, tokenizer, prompts: list[str], texts: list[str]) -> dict:
@@ -133,11 +126,8 @@ def score_setting(judge, tokenizer, prompts: list[str], texts: list[str]) -> dic
 
 def _judge_valid_bpb(path: Path) -> float | None:
     """The judge's own bits per byte on its validation stories (its run's eval.json), when it is there."""
-    ev = path.parent.parent / "eval.json"
-    try:
-        return float(json.loads(ev.read_text())["eval"]["valid"]["bpb"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
+    bpb = ((read_json(path.parent.parent / "eval.json") or {}).get("eval") or {}).get("valid", {}).get("bpb")
+    return float(bpb) if isinstance(bpb, (int, float)) else None
 
 
 def part_fluency(study) -> dict:
