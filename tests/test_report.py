@@ -290,3 +290,17 @@ def test_beside_the_reports_gives_each_perplexity_its_training_budget():
     assert r000.endswith("(after: 10.5 hours (50,000 steps; section 2.3 and 5.1); batch 32)")
     assert r003.endswith("(after: 1 hr 45 mins approx per epoch, 10 epochs (full dataset))")  # epochs not repeated
     assert cells["hardware"][2].startswith("a CPU, model not stated")  # report 001
+
+
+def test_checkpointing_spread_counts_the_rounds_each_variant_lost():
+    assert tinystories_report._sign_test(7, 8) == 9 / 256
+    assert tinystories_report._sign_test(0, 5) == 1.0
+    rows = [
+        {"name": "plain", "seconds_each": [10.0, 11.0, 10.0, 12.0]},
+        {"name": "ckpt", "label": "checkpointed", "seconds_each": [11.0, 12.0, 10.5, 11.0]},
+    ]
+    said = tinystories_report._spread_sentence(rows)
+    assert "plain 10.0-12.0 s" in said
+    assert "checkpointed: 10.5-12.0 s, inside plain's range" in said
+    assert "1.10, 1.09, 1.05, 0.92" in said
+    assert "median 1.07, slower in 3 of 4 rounds, one-sided sign test p = 0.312" in said

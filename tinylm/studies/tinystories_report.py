@@ -7,6 +7,7 @@ stale is listed at the top as missing.
 from __future__ import annotations
 
 import math
+import statistics
 from pathlib import Path
 
 from tinylm.evaluation import report
@@ -319,19 +320,28 @@ def _section_accum(doc: Doc, run: Path, acc):
         doc.lack(acc["missing"])
 
 
+def _sign_test(above: int, rounds: int) -> float:
+    """One-sided sign test: the chance of at least ``above`` of ``rounds`` fair coin flips landing
+    heads, i.e. of a variant that costs nothing looking this slow by drift alone."""
+    return sum(math.comb(rounds, k) for k in range(above, rounds + 1)) / 2**rounds
+
+
 def _spread_sentence(rows: list[dict]) -> str:
     """Each variant's range of run times against plain's (the first row's), and its ratio to plain
     round by round: the runs of one round ran back to back, so their ratio cancels what drifts
-    between rounds."""
+    between rounds, and the count of rounds it lost is the paired test of a cost."""
     plain = rows[0]["seconds_each"]
     said = []
     for r in rows[1:]:
         each = r.get("seconds_each") or []
         outside = min(each) > max(plain) or max(each) < min(plain)
-        ratios = ", ".join(f"{x / y:.2f}" for x, y in zip(each, plain))
+        ratios = [x / y for x, y in zip(each, plain)]
+        above = sum(ratio > 1 for ratio in ratios)
         said.append(
             f"{r.get('label') or r['name']}: {min(each):.1f}-{max(each):.1f} s, "
-            f"{'outside' if outside else 'inside'} plain's range (round by round against plain: {ratios})"
+            f"{'outside' if outside else 'inside'} plain's range (round by round against plain: "
+            f"{', '.join(f'{x:.2f}' for x in ratios)}; median {statistics.median(ratios):.2f}, slower in "
+            f"{above} of {len(ratios)} rounds, one-sided sign test p = {_sign_test(above, len(ratios)):.3f})"
         )
     return f"Spread of the runs: plain {min(plain):.1f}-{max(plain):.1f} s; " + "; ".join(said) + "."
 
