@@ -448,3 +448,42 @@ def test_a_trade_off_option_changes_only_the_keys_of_the_parts_that_read_it(corp
     assert changed == {"accumulation"}
     fields = {f.name for f in dataclasses.fields(ExperimentsConfig)}
     assert set(OPTION_READERS) <= fields and all(set(r) <= set(PARTS) for r in OPTION_READERS.values())
+
+
+def test_a_part_that_reuses_finished_runs_trains_each_settings_once(tmp_path, monkeypatch):
+    import types
+
+    import numpy as np
+
+    from tinylm.config import RunConfig
+    from tinylm.data.prepare import PreparedData
+    from tinylm.data.tokens import TokenSplit
+    from tinylm.studies import tradeoffs as tradeoffs_module
+    from tinylm.studies.tradeoffs import Tradeoffs, Variant, _tradeoff_run
+
+    trained = []
+
+    def fake_train(cfg, prepared, out):
+        trained.append(cfg.train.max_steps)
+        (out / "metrics.csv").write_text(
+            "step,tokens,lr,train_loss,val_loss,val_ppl,tokens_per_s,elapsed_s\n"
+            f"{cfg.train.max_steps},128,0.001,2.5,2.6,13.5,100.0,7.5\n"
+        )
+        return types.SimpleNamespace(steps=cfg.train.max_steps, final_train_loss=2.5, best_val_loss=2.6, seconds=8.0)
+
+    monkeypatch.setattr(tradeoffs_module, "train", fake_train)
+    split = TokenSplit("train", np.arange(64 * 9 + 1) % 50, np.array([0, 64 * 9 + 1]), n_bytes=9, n_words=9)
+    prepared = PreparedData(tokenizer=None, tokenizer_path=tmp_path, splits={"train": split, "valid": split}, report={})
+    cfg = RunConfig()
+    cfg.data.batching, cfg.model.context_length, cfg.train.batch_size = "packed", 64, 2
+
+    def run(micro_batches, reuse):
+        t = Tradeoffs(cfg, prepared, tmp_path, micro_batches, repeats=1, threads=1, reuse_finished=reuse)
+        return _tradeoff_run(t, Variant("frozen"), "frozen_0")
+
+    first = run(4, reuse=True)
+    assert run(4, reuse=True) == first and trained == [4]  # the same settings: the saved row
+    assert run(6, reuse=True)["optimizer_steps"] == 6 and trained == [4, 6]  # other settings: trained again
+    run(6, reuse=False)
+    assert trained == [4, 6, 6]  # a part that does not reuse runs always trains
+    assert first["seconds"] == 7.5 and first["final_val_loss"] == 2.6

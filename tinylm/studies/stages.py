@@ -47,12 +47,16 @@ class Stage:
         start = time.perf_counter()
         result = run()
         result["seconds"] = round(time.perf_counter() - start, 2)
+        self.save(result)
+        return result
+
+    def save(self, result: dict) -> None:
+        """``result`` written under the key, whole or not at all: a run stopped mid-write keeps the old file."""
         tmp = self.path.with_name(self.path.name + ".tmp")
         tmp.write_text(
             json.dumps({**result, "key": self.key}, indent=2, ensure_ascii=False, default=float), encoding="utf-8"
         )
         os.replace(tmp, self.path)
-        return result
 
     def run(self, compute: Callable[[], dict], say: Callable[[str], None]) -> dict:
         """The fresh saved result (said so), or ``compute()``'s."""

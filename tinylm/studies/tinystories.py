@@ -635,6 +635,7 @@ def _tradeoffs(
     batch_size: int | None = None,
     continued: bool = False,
     compile: bool | None = None,
+    reuse_finished: bool = False,
 ) -> Tradeoffs:
     """The trade-off runs' shared settings, in the judged run's config: on the first
     ``tradeoff_stories`` training stories unless ``whole_split``; ``continued``: from the judged
@@ -661,6 +662,7 @@ def _tradeoffs(
         lr_scale=exp.tradeoff_lr_scale if init_from else 1.0,
         compile=compile,
         eval_batches=exp.tradeoff_eval_batches,
+        reuse_finished=reuse_finished,
     )
 
 
@@ -743,7 +745,8 @@ def part_embedding_init(study: Study) -> dict:
         )
     else:
         variants.insert(0, Variant("fasttext_frozen", "FastText frozen", embeddings={**source, "freeze": True}))
-    tradeoffs = _tradeoffs(study, study.exp.embedding_micro_batches, repeats=1, whole_split=True)
+    # about 30 minutes a run on a 2-core CPU: a stopped part resumes after its last finished run
+    tradeoffs = _tradeoffs(study, study.exp.embedding_micro_batches, repeats=1, whole_split=True, reuse_finished=True)
     rows = alternated_runs(tradeoffs, variants)
     for row in rows:
         report = read_json(tradeoffs.out_dir / row["run_dir"] / "embeddings.json")

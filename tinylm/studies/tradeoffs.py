@@ -33,6 +33,7 @@ from tinylm.config import RunConfig, apply_updates
 from tinylm.data.prepare import PreparedData
 from tinylm.data.tokens import Batches, TokenSplit
 from tinylm.errors import TinyLMError
+from tinylm.studies.stages import Stage, stage_key
 from tinylm.training.grad_checkpoint import checkpoint_function
 from tinylm.training.memory import cuda_peak_bytes, cuda_peak_scope, measure_step_activation_bytes
 from tinylm.training.metrics import read_metrics
@@ -67,6 +68,9 @@ class Tradeoffs:
     lr_scale: float = 1.0  # the continued runs' learning rates, as a share of the run config's
     compile: bool | None = None  # None: the run config's train.compile
     eval_batches: int | None = None  # None: the run config's; 0: the whole validation split
+    # a run finished before under the very same settings is reused, so a long part stopped midway
+    # resumes run by run (for parts compared by loss; timed parts re-run whole, in one sitting)
+    reuse_finished: bool = False
 
 
 @dataclass(frozen=True)
@@ -193,10 +197,22 @@ def _activation_bytes(tradeoffs: Tradeoffs, cfg: RunConfig) -> int:
     return int(measure_step_activation_bytes(model, x, y, checkpoint_blocks)["peak_activation_bytes"])
 
 
+def _finished_run(tradeoffs: Tradeoffs, cfg: RunConfig, v: Variant, out: Path) -> Stage:
+    """Where run ``out`` keeps its row, keyed by everything the run reads: its config, the variant,
+    and the sizes of the token splits it trains and validates on."""
+    splits = {name: [split.n_tokens, split.n_docs] for name, split in tradeoffs.prepared.splits.items()}
+    inputs = {"run": cfg.to_dict(), "variant": dataclasses.asdict(v), "splits": splits}
+    return Stage(out / "tradeoff_row.json", stage_key(inputs))
+
+
 def _tradeoff_run(tradeoffs: Tradeoffs, v: Variant, name: str) -> dict:
     cfg = _tradeoff_config(tradeoffs, v)
     out = tradeoffs.out_dir / name
     out.mkdir(parents=True, exist_ok=True)
+    finished = _finished_run(tradeoffs, cfg, v, out) if tradeoffs.reuse_finished else None
+    if finished and (row := finished.fresh()) is not None:
+        log.info(f"{name}: finished before under the same settings, reused ({finished.path.name})")
+        return row
     prepared = tradeoffs.prepared
     with quiet(trainer_log), cuda_peak_scope():
         result = train(cfg, prepared, out)
@@ -236,6 +252,8 @@ def _tradeoff_run(tradeoffs: Tradeoffs, v: Variant, name: str) -> dict:
         f"{name}: {result.steps} steps x {v.accum}, final train loss {result.final_train_loss:.4f}, "
         f"{seconds:.1f} s of training"
     )
+    if finished:
+        finished.save(row)
     return row
 
 
