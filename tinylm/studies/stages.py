@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from tinylm.evaluation.report import read_json
+from tinylm.evaluation.report import Doc, read_json
 
 
 def stage_key(inputs) -> str:
@@ -65,3 +65,16 @@ class Stage:
             return self.compute(compute)
         say(f"reusing {self.path.parent.name}/{self.path.name}")
         return saved
+
+
+def start_part_section(doc: Doc, heading: str, part: dict | None, name: str, what: str) -> bool:
+    """A part's report section begins: its heading; False (noting what is missing) when the part
+    has not run (``part`` is None) or saved its error."""
+    doc.h(heading)
+    if part is None:
+        doc.lack(f"{name}.json ({what}: this part has not run)")
+        return False
+    if part.get("error"):
+        doc.lack(f"{what}: the part failed: {part['error']}")
+        return False
+    return True

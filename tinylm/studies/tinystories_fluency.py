@@ -36,6 +36,7 @@ from tinylm.evaluation.byte_bits import score_bytes
 from tinylm.evaluation.plots import pyplot, save_figure
 from tinylm.evaluation.report import Doc, read_json
 from tinylm.models.checkpoint import load_checkpoint
+from tinylm.studies.stages import start_part_section
 
 UNK = "<unk>"
 REAL = "real continuation"
@@ -192,15 +193,11 @@ def fluency_chart(rows: list[dict], path: str | Path) -> Path:
 
 
 def section_fluency(doc: Doc, run: Path, flu) -> None:
-    doc.h("Fluency: the continuations scored by a stronger model")
-    if flu is None:
-        doc.lack("fluency.json (the judge's scores: this part has not run)")
+    heading = "Fluency: the continuations scored by a stronger model"
+    if not start_part_section(doc, heading, flu, "fluency", "the judge's scores"):
         return
     if flu.get("off"):
         doc.p("Not run (experiments.judge is null).")
-        return
-    if flu.get("error"):
-        doc.lack(f"the fluency part failed: {flu['error']}")
         return
     real = next(r for r in flu["settings"] if r["name"] == REAL)
     bpb = flu.get("judge_valid_bpb")

@@ -61,6 +61,7 @@ from tinylm.evaluation.report import Doc, read_json
 from tinylm.generation.generate import generate_many
 from tinylm.generation.processors import shape_distribution
 from tinylm.models.gpt import eval_mode
+from tinylm.studies.stages import start_part_section
 
 # ------------------------------------------------------------------------------------ constants
 REPORT_CONTEXT = 64  # every report's context (000 L87, 001 L71, 002 L74, 003 L153)
@@ -792,10 +793,8 @@ def _checks(run, result: dict) -> str:
 
 
 def section_protocols(doc: Doc, run, result: dict | None) -> None:
-    doc.h("Why the reports' numbers disagree: one model, each report's protocol")
-    if result is None or result.get("error"):
-        what = "this part has not run" if result is None else f"the part failed: {result['error']}"
-        doc.lack(f"protocols.json (the reports' protocols: {what})")
+    heading = "Why the reports' numbers disagree: one model, each report's protocol"
+    if not start_part_section(doc, heading, result, "protocols", "the reports' protocols"):
         return
     gen = ", ".join(f"{g['decoding']} ({g['stopped_at_eos']} ended at <eos>)" for g in result["generation"].values())
     doc.p(

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from tinylm.evaluation import report
 from tinylm.evaluation.report import Doc, safely
+from tinylm.studies.stages import start_part_section
 from tinylm.studies.tinystories_compare import comparison_table
 from tinylm.studies.tinystories_fluency import section_fluency
 from tinylm.studies.tinystories_protocols import section_protocols
@@ -42,20 +43,8 @@ def _bleu_rows(settings):
 BLEU_HEADERS = ["BLEU-1", "BLEU-2", "BLEU-3", "BLEU-4", "sentence BLEU-4", "sacreBLEU", "tokens/s"]
 
 
-def _start_section(doc: Doc, heading: str, part, name: str, what: str) -> bool:
-    """The section's heading; False (noting what is missing) when its part has not run or failed."""
-    doc.h(heading)
-    if part is None:
-        doc.lack(f"{name}.json ({what}: this part has not run)")
-        return False
-    if part.get("error"):
-        doc.lack(f"{what}: the part failed: {part['error']}")
-        return False
-    return True
-
-
 def _section_bleu(doc: Doc, run: Path, bleu, ev):
-    if not _start_section(doc, "BLEU and perplexity", bleu, "bleu", "the BLEU protocol"):
+    if not start_part_section(doc, "BLEU and perplexity", bleu, "bleu", "the BLEU protocol"):
         return
     pr = bleu["protocol"]
     drawn = (
@@ -129,7 +118,7 @@ def _section_generations(doc: Doc, generations, run_samples):
 
 
 def _section_decoding(doc: Doc, run: Path, dec):
-    if not _start_section(doc, "Decoding comparison", dec, "decoding", "the decoding comparison"):
+    if not start_part_section(doc, "Decoding comparison", dec, "decoding", "the decoding comparison"):
         return
     doc.p(
         f"The same {dec['samples']} prompts; BLEU as above; tokens/s = new tokens / generation time, "
@@ -177,7 +166,7 @@ def _decoding_examples(doc: Doc, dec: dict) -> None:
 
 
 def _section_kv(doc: Doc, kv):
-    if not _start_section(doc, "KV cache", kv, "kv_cache", "the KV-cache timing"):
+    if not start_part_section(doc, "KV cache", kv, "kv_cache", "the KV-cache timing"):
         return
     doc.p(
         f"A batch of {kv.get('batch', 1)} prompts (the first tokens of validation stories) decoded together, "
@@ -250,7 +239,7 @@ def _tradeoff_start(part: dict) -> str:
 
 
 def _section_accum(doc: Doc, run: Path, acc):
-    if not _start_section(doc, "Gradient accumulation", acc, "accumulation", "the accumulation runs"):
+    if not start_part_section(doc, "Gradient accumulation", acc, "accumulation", "the accumulation runs"):
         return
     rows = acc["rows"]
     r0 = rows[0] if rows else {}
@@ -347,7 +336,7 @@ def _spread_sentence(rows: list[dict]) -> str:
 
 
 def _section_ckpt(doc: Doc, run: Path, ck):
-    if not _start_section(doc, "Gradient checkpointing", ck, "checkpointing", "the checkpointing runs"):
+    if not start_part_section(doc, "Gradient checkpointing", ck, "checkpointing", "the checkpointing runs"):
         return
     if ck.get("missing"):
         doc.lack(ck["missing"])
@@ -401,7 +390,7 @@ def _section_ckpt(doc: Doc, run: Path, ck):
 
 
 def _section_embeddings(doc: Doc, run: Path, emb):
-    if not _start_section(
+    if not start_part_section(
         doc, "Token embeddings: FastText vs random initialisation", emb, "embedding_init", "the embedding comparison"
     ):
         return
@@ -432,7 +421,7 @@ def _section_embeddings(doc: Doc, run: Path, emb):
 
 
 def _section_tokenizers(doc: Doc, tk):
-    if not _start_section(
+    if not start_part_section(
         doc, "Out-of-vocabulary words: <unk> or BPE pieces", tk, "tokenizers", "the tokenizer comparison"
     ):
         return
@@ -504,7 +493,9 @@ def _section_columns(doc: Doc, run: Path, column) -> None:
     """The report-settings model beside the tinylm-settings one: same data, same tokenizer."""
     if not column or column.get("off"):
         return
-    if not _start_section(doc, "Report settings and tinylm settings", column, "tinylm_settings", "the second column"):
+    if not start_part_section(
+        doc, "Report settings and tinylm settings", column, "tinylm_settings", "the second column"
+    ):
         return
     side = run / column["run_dir"]
     configs = [report.read_yaml(d / "config.yaml") for d in (run, side)]
@@ -536,7 +527,7 @@ def _section_columns(doc: Doc, run: Path, column) -> None:
 
 
 def _section_attention(doc: Doc, run: Path, att):
-    if not _start_section(doc, "Attention maps", att, "attention", "the attention maps"):
+    if not start_part_section(doc, "Attention maps", att, "attention", "the attention maps"):
         return
     for t in att["texts"]:
         if "missing" in t:
