@@ -17,7 +17,9 @@ counts tokens with), ``tinylm serve``, the harness's stock ``local-completions``
 (``lm_eval``, with ``max_length`` = the model's context + 1 so that a request fills the context),
 ``tinylm evaluate --json`` on the same stories, and tinylm's own scoring of the cloze choices
 (``continuation_logprob``: the same token ids as the harness, the model called directly). The
-table: accuracies both ways, bits per byte both ways, wall times, the CPU.
+table: accuracies both ways, bits per byte both ways, wall times, the CPU, and the harness's
+requests/s: the sequences it scored (cloze choices and rolling windows) over the time spent in its
+requesting function (``TIMED_HARNESS``), which leaves out its start-up and its writing of results.
 
 Where the two bits per byte differ: the harness scores a story longer than its window as
 disjoint windows (the first tokens of a later window see little context), `tinylm evaluate` with
@@ -145,6 +147,8 @@ def tinylm_accuracy(model, tokenizer, rows: list[dict]) -> dict:
 # ------------------------------------------------------------------------------------- commands
 def shown(cmd: list[str]) -> str:
     words = ["tinylm" if w == "tinylm.cli" else w for w in cmd]
+    if words[1:3] == ["-c", TIMED_HARNESS]:  # shown as the command it times
+        words = ["lm_eval"] + words[4:]
     if words[:2] == [sys.executable, "-m"]:
         words = words[2:]
     return shlex.join(words)
@@ -189,17 +193,48 @@ def serve(checkpoint: str, threads: int, port: int, engine: str = "process") -> 
     raise SystemExit("tinylm serve did not answer in 120 s")
 
 
+# The harness's CLI with its request phase timed: every scored sequence (a cloze choice, a window of
+# a rolling document) goes through ``TemplateAPI._loglikelihood_tokens``, which sends the HTTP
+# requests and parses their answers; the time inside it is the harness's requesting time, without
+# its start-up (imports, building the tasks, tokenising) or its writing of results.
+TIMED_HARNESS = """
+import json, sys, time
+from lm_eval.__main__ import cli_evaluate
+from lm_eval.models.api_models import TemplateAPI
+
+stats = {"requests": 0, "seconds": 0.0}
+scored = TemplateAPI._loglikelihood_tokens
+
+def timed(self, requests, **kwargs):
+    t0 = time.perf_counter()
+    try:
+        return scored(self, requests, **kwargs)
+    finally:
+        stats["seconds"] += time.perf_counter() - t0
+        stats["requests"] += len(requests)
+
+TemplateAPI._loglikelihood_tokens = timed
+out = sys.argv.pop(1)
+try:
+    cli_evaluate()
+finally:
+    open(out, "w").write(json.dumps(stats))
+"""
+
+
 def harness(
     work: Path, name: str, port: int, tokenizer_dir: Path, max_length: int, batch: int, concurrent: int = 1
-) -> tuple[dict, float]:
+) -> tuple[dict, float, dict]:
     args = (
         f"model={name},base_url=http://127.0.0.1:{port}/v1/completions,tokenizer={tokenizer_dir},"
         f"tokenizer_backend=huggingface,max_length={max_length},num_concurrent={concurrent}"
     )
+    timing = work / "requests.json"
     cmd = [
         sys.executable,
-        "-m",
-        "lm_eval",
+        "-c",
+        TIMED_HARNESS,
+        str(timing),
         "--model",
         "local-completions",
         "--model_args",
@@ -223,7 +258,8 @@ def harness(
     t0 = time.perf_counter()
     run(cmd, env=env)
     seconds = time.perf_counter() - t0
-    return json.loads(next((work / "lm_eval").rglob("results_*.json")).read_text())["results"], seconds
+    results = json.loads(next((work / "lm_eval").rglob("results_*.json")).read_text())["results"]
+    return results, seconds, json.loads(timing.read_text())
 
 
 # ----------------------------------------------------------------------------------------- main
@@ -250,7 +286,7 @@ def measure(args, work: Path) -> dict:
     port = free_port()
     proc, name = serve(args.checkpoint, args.threads, port, args.engine)
     try:
-        results, harness_s = harness(
+        results, harness_s, requesting = harness(
             work, name, port, tok_dir, model.config.context_length + 1, args.batch_size, args.num_concurrent
         )
     finally:
@@ -289,6 +325,9 @@ def measure(args, work: Path) -> dict:
             "acc_norm": results["story_cloze"]["acc_norm,none"],
             "bpb": results["stories_bpb"]["bits_per_byte,none"],
             "seconds": round(harness_s, 1),
+            "requests": requesting["requests"],
+            "requesting_seconds": round(requesting["seconds"], 2),
+            "requests_per_s": round(requesting["requests"] / requesting["seconds"], 1),
         },
         "tinylm": {
             **ours,
@@ -317,6 +356,8 @@ def table(r: dict) -> str:
             f"| bits per byte | {h['bpb']:.4f} | {t['bpb']:.4f} (`tinylm evaluate`; harness {gap:+.2f}%) |",
             f"| wall time | {h['seconds']:.0f} s (both tasks) | {t['evaluate_seconds']:.0f} s evaluate, "
             f"{t['scoring_seconds']:.0f} s cloze |",
+            f"| requests | {h['requests']} scored sequences in {h['requesting_seconds']:.2f} s: "
+            f"{h['requests_per_s']:.1f} requests/s | |",
         ]
     )
 

@@ -64,7 +64,8 @@ def trained(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def harness(trained, tmp_path_factory):
-    """lm_eval's command line on the three local tasks against `tinylm serve`: (results, samples by task)."""
+    """lm_eval's command line (with the benchmark's timing of its requests) on the three local tasks
+    against `tinylm serve`: (results, samples by task, the requests timed)."""
     run, tokenizer = trained
     out = tmp_path_factory.mktemp("lm_eval_out")
     env = {
@@ -82,8 +83,9 @@ def harness(trained, tmp_path_factory):
         done = subprocess.run(
             [
                 sys.executable,
-                "-m",
-                "lm_eval",
+                "-c",
+                load_bench().TIMED_HARNESS,
+                str(out / "requests.json"),
                 "--model",
                 "local-completions",
                 "--model_args",
@@ -111,7 +113,7 @@ def harness(trained, tmp_path_factory):
         task: [json.loads(line) for line in next(folder.glob(f"samples_{task}_*.jsonl")).open()]
         for task in ("tinylm_cloze", "tinylm_rolling", "tinylm_continue")
     }
-    return results, samples
+    return results, samples, json.loads((out / "requests.json").read_text())
 
 
 @pytest.fixture(scope="module")
@@ -133,7 +135,7 @@ def load_bench():
 
 
 def test_rolling_bits_per_byte_is_tinylm_evaluate(harness, model):
-    results, samples = harness
+    results, samples, _ = harness
     texts = load_text_file(TASKS / "tinylm_rolling.jsonl")  # `tinylm evaluate --data` reads the same file
     assert [s["doc"]["text"] for s in samples["tinylm_rolling"]] == texts
     assert all(len(model[1].encode(t)) < CONTEXT for t in texts)  # one window each
@@ -146,7 +148,7 @@ def test_rolling_bits_per_byte_is_tinylm_evaluate(harness, model):
 
 
 def test_multiple_choice_accuracy_is_tinylm_scoring(harness, model):
-    results, samples = harness
+    results, samples, _ = harness
     bench = load_bench()
     docs = docs_of("tinylm_cloze")
     for doc, sample in zip(docs, samples["tinylm_cloze"]):  # choice by choice
@@ -155,6 +157,15 @@ def test_multiple_choice_accuracy_is_tinylm_scoring(harness, model):
     ours = bench.tinylm_accuracy(*model, docs)
     assert results["tinylm_cloze"]["acc,none"] == pytest.approx(ours["acc"])
     assert results["tinylm_cloze"]["acc_norm,none"] == pytest.approx(ours["acc_norm"])
+
+
+def test_the_benchmark_times_every_scored_sequence(harness):
+    """bench_lm_eval's requests/s counts each cloze choice and each rolling window once."""
+    _, samples, requesting = harness
+    windows = len(docs_of("tinylm_rolling"))  # each document fits one window
+    choices = sum(len(d["choices"]) for d in docs_of("tinylm_cloze"))
+    assert len(samples["tinylm_cloze"]) == len(docs_of("tinylm_cloze"))
+    assert requesting["requests"] == choices + windows and requesting["seconds"] > 0
 
 
 def test_the_story_cloze_builder(tmp_path):
@@ -171,7 +182,7 @@ def test_the_story_cloze_builder(tmp_path):
 
 
 def test_generate_until_is_tinylm_greedy_decoding(harness, model):
-    _, samples = harness
+    _, samples, _ = harness
     net, tokenizer = model
     cfg = GenerationConfig(max_new_tokens=16, temperature=0, stop_strings=(".",), stop_ids=tokenizer.stop_ids)
     for doc, sample in zip(docs_of("tinylm_continue"), samples["tinylm_continue"]):

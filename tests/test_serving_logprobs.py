@@ -99,6 +99,21 @@ def test_the_harness_request_scores_the_prompt_then_one_new_token(client, served
     assert lp["token_logprobs"][-1] == pytest.approx(max(greedy.values()))
 
 
+@pytest.mark.parametrize("long", [False, True])
+def test_one_new_token_scores_prompts_of_every_length_in_one_request(client, served, long):
+    """Prompts that fit the context are scored in the decoding rows' own prefill (left-padded
+    together); a request with a prompt longer than the context is scored apart, in windows."""
+    tok = served.tokenizer
+    rows = [tok.encode(t) for t in ("a cat", "The sun was shining and the birds were singing.", "x y")]
+    if long:
+        rows.append(tok.encode("The dog and the cat were friends. " * 8))
+        assert len(rows[-1]) > served.context_length
+    body = score(client, rows, max_tokens=1, logprobs=2)
+    for row, choice in zip(rows, body["choices"]):
+        check_prompt_part(choice, served, row, top=2)
+        assert len(choice["logprobs"]["token_logprobs"]) == len(row) + 1
+
+
 def test_a_stop_token_that_ends_a_choice_is_listed_last(client, served):
     """The scheduler ends a row on a stop id without emitting it; with echo the logprobs still end
     with it (text ""), as OpenAI's do, so the harness's [ctxlen:-1] keeps every prompt token."""

@@ -46,17 +46,32 @@ class TokenEvent:
 
 
 @dataclass
+class PromptEvent:
+    """A row's prompt scored by its prefill (``Row.prompt_logprobs``): for each prompt token after
+    the first, its log p given the tokens before it, and the most likely (id, log p) there."""
+
+    logprobs: list[float]
+    top: list[list[tuple[int, float]]]
+
+
+@dataclass
 class DoneEvent:
     finish_reason: str  # "stop_token" | "stop_string" | "length"
     tokens: list[int]
     seconds: float  # from the row's first step to its last
     stop_token: int | None = None  # the stop id that ended the row (not in ``tokens``)
+    stop: TokenEvent | None = None  # with ``Row.logprobs``: that stop token's log p and alternatives
 
 
 @dataclass
 class ErrorEvent:
     message: str
     param: str | None = None  # set when the request's knobs caused it (a client error, not the server's)
+
+
+def ends_row(event) -> bool:
+    """Whether ``event`` is a row's last (a row emits nothing after its DoneEvent or ErrorEvent)."""
+    return isinstance(event, (DoneEvent, ErrorEvent))
 
 
 def no_allowed_token(step: int) -> str:
@@ -75,6 +90,23 @@ def _token_event(t: int, logits: torch.Tensor, logprobs: int | None) -> TokenEve
             values, ids = logp.topk(min(logprobs, logp.numel()))
             event.top = list(zip(ids.tolist(), values.tolist()))
     return event
+
+
+def _emit_prompt_logprobs(rows: list[Row], ids: list[list[int]], logits: torch.Tensor) -> None:
+    """A PromptEvent for each of ``rows`` that asked for one (``Row.prompt_logprobs``), from the
+    logits of its left-padded prefill (B, L, V) (row j's ids are ``ids[j]``)."""
+    length = logits.size(1)
+    for j, r in enumerate(rows):
+        if r.prompt_logprobs is None or len(ids[j]) < 2:
+            if r.prompt_logprobs is not None:
+                r.emit(PromptEvent([], []))
+            continue
+        first = length - len(ids[j])  # the row's first real position
+        logp = torch.log_softmax(logits[j, first : length - 1].float(), dim=-1)  # predicts ids[j][1:]
+        targets = torch.tensor(ids[j][1:], device=logp.device)
+        picked = logp.gather(1, targets[:, None]).squeeze(1).tolist()
+        values, top_ids = logp.topk(min(r.prompt_logprobs, logp.size(-1)), dim=-1)
+        r.emit(PromptEvent(picked, [list(zip(i, v)) for i, v in zip(top_ids.tolist(), values.tolist())]))
 
 
 def hits_stop_string(decode: Callable[[list[int]], str], ids: list[int], stop_strings) -> bool:
@@ -106,6 +138,8 @@ class Row:
     emit: Callable[[object], None]  # receives TokenEvent / DoneEvent / ErrorEvent
     decode: Callable[[list[int]], str] | None = None  # for stop strings
     logprobs: int | None = None  # report the top-N alternatives of each token (None: no log probs)
+    # score the prompt in its prefill (a PromptEvent first) with the top-N alternatives of each token
+    prompt_logprobs: int | None = None
     token_events: bool = True  # False: tokens are read off ``out`` (no event per token: less work per step)
     cancelled: threading.Event = field(default_factory=threading.Event)
 
@@ -198,6 +232,10 @@ class Batch:
         if started:
             self.rows = self.rows + started
             self._rows_changed()
+            scoring = [r for r in started if r.prompt_logprobs is not None]
+            if scoring:  # the reference path: a forward of their own
+                rows = [r.prompt_ids for r in scoring]
+                _emit_prompt_logprobs(scoring, rows, prefill(self.model, rows, max(map(len, rows)), True)[1])
         return full_forward(self.model, [r.seq[-self.context_length :] for r in self.rows])
 
     def feed(self, tokens: torch.Tensor) -> None:
@@ -242,7 +280,11 @@ class Batch:
             return logits_old
         self.model.prepare_for_decoding()
         rows = [ids for _, ids in fresh]
-        cache, logits_new, _ = prefill(self.model, rows, max(len(ids) for ids in rows))
+        scoring = any(r.prompt_logprobs is not None for r in started)
+        cache, logits_new, _ = prefill(self.model, rows, max(len(ids) for ids in rows), scoring)
+        if scoring:  # every position's logits: the rows that asked score their prompts from them
+            _emit_prompt_logprobs([r for r, _ in fresh[: len(started)]], rows, logits_new)
+            logits_new = logits_new[:, -1]
         for r, ids in fresh:
             r.cached = len(ids)
         self._merge([r for r, _ in fresh], cache)
@@ -344,7 +386,8 @@ class Batch:
     def _accept(self, r: Row, t: int, row_logits: torch.Tensor) -> None:
         cfg = r.cfg
         if t in cfg.stop_ids:
-            return self._finish(r, "stop_token", t)
+            stop = _token_event(t, row_logits[0], r.logprobs) if r.logprobs is not None else None
+            return self._finish(r, "stop_token", t, stop)
         r.out.append(t)
         r.seq.append(t)
         if r.token_events:
@@ -354,8 +397,8 @@ class Batch:
         if len(r.out) >= cfg.max_new_tokens:
             self._finish(r, "length")
 
-    def _finish(self, r: Row, reason: str, stop_token: int | None = None) -> None:
-        r.emit(DoneEvent(reason, list(r.out), time.perf_counter() - r.started, stop_token))
+    def _finish(self, r: Row, reason: str, stop_token: int | None = None, stop: TokenEvent | None = None) -> None:
+        r.emit(DoneEvent(reason, list(r.out), time.perf_counter() - r.started, stop_token, stop))
         r.finished = True
         if not self.keep_finished:
             r.cancel()  # leaves the batch at the end of this step

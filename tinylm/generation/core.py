@@ -67,26 +67,27 @@ def window(seq: list[int], context_length: int) -> list[int]:
     return seq[-(context_length // 2) :]
 
 
-def prefill(model, rows: list[list[int]], max_len: int):
+def prefill(model, rows: list[list[int]], max_len: int, all_logits: bool = False):
     """Run left-padded ``rows`` through the model into a new cache of ``max_len`` slots.
 
-    Returns (cache, logits of each row's last token (B, V), next position per row (B,) or None
-    when no row is padded). Slots after the prompt are marked real in the key mask up front, so
-    a decoding step needs no mask building beyond slicing."""
+    Returns (cache, logits of each row's last token (B, V), or with ``all_logits`` of every
+    position (B, L, V) (to score the prompts), next position per row (B,) or None when no row is
+    padded). Slots after the prompt are marked real in the key mask up front, so a decoding step
+    needs no mask building beyond slicing."""
     device = model_device(model)
     ids = pad_rows(rows, PAD_ID, left=True).to(device)  # padding is never attended to: any id works
     B, L = ids.shape
     cache = model.new_kv_cache(B, max_len)
     if all(len(r) == L for r in rows):
-        logits, _ = model(ids, kv_cache=cache, last_logits_only=True)
-        return cache, logits[:, -1], None
+        logits, _ = model(ids, kv_cache=cache, last_logits_only=not all_logits)
+        return cache, logits if all_logits else logits[:, -1], None
     lengths = torch.tensor([len(r) for r in rows], device=device)
     real = torch.arange(L, device=device)[None, :] >= (L - lengths)[:, None]  # (B, L)
     cache.key_mask = torch.ones(B, max_len, dtype=torch.bool, device=device)
     cache.key_mask[:, :L] = real
     positions = (real.cumsum(1) - 1).clamp(min=0)
-    logits, _ = model(ids, kv_cache=cache, position_ids=positions, last_logits_only=True)
-    return cache, logits[:, -1], lengths.clone()
+    logits, _ = model(ids, kv_cache=cache, position_ids=positions, last_logits_only=not all_logits)
+    return cache, logits if all_logits else logits[:, -1], lengths.clone()
 
 
 def full_forward(model, rows: list[list[int]]) -> torch.Tensor:

@@ -201,7 +201,8 @@ async def create_completion(body: CompletionRequest, request: Request, state: St
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache"},
         )
-    return await complete(served, plan, state.outbox(), request.is_disconnected)
+    # a Response as it is: FastAPI's jsonable_encoder would walk every log probability of a scored prompt
+    return JSONResponse(await complete(served, plan, state.outbox(), request.is_disconnected))
 
 
 @router.post("/v1/tokenize")

@@ -37,7 +37,7 @@ from typing import AsyncIterator, Awaitable, Callable
 
 from tinylm.config import ConfigError, GenerationConfig, knob_names
 from tinylm.errors import TinyLMError
-from tinylm.generation.batch import DoneEvent, ErrorEvent, Row, TokenEvent
+from tinylm.generation.batch import DoneEvent, ErrorEvent, PromptEvent, Row, TokenEvent, ends_row
 from tinylm.generation.core import fit_prompts
 from tinylm.generation.generate import encode_prompt, generate_many, prompt_head
 from tinylm.serving.schemas import CompletionRequest
@@ -100,6 +100,8 @@ class Choice:
     echo_ids: list[int] = field(default_factory=list)  # every id of the prompt, scored with echo
     stop_id: int | None = None  # the stop token that ended it, as the decoder reports it
     stop: tuple | None = None  # with echo and logprobs: (id, log p, alternatives) of that stop token
+    stop_scored: TokenEvent | None = None  # that stop token's log p as the decoder reported it
+    prompt_part: tuple | None = None  # with echo and logprobs: (ids, log p, alternatives), scored in the prefill
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     top: list[list[tuple[int, float]]] = field(default_factory=list)
@@ -130,6 +132,19 @@ class Plan:
     @property
     def stops(self) -> tuple[str, ...]:
         return self.choices[0].cfg.stop_strings if self.choices else ()
+
+    @property
+    def scores_in_prefill(self) -> bool:
+        """With echo and logprobs, the rows' prefills score the prompts (one forward for both)
+        when the rows decode and every prompt fits the context; otherwise ``echo_logprobs`` does."""
+        r = self.request
+        return (
+            r.echo
+            and r.logprobs is not None
+            and not self.scoring_only
+            and not self.beam
+            and all(c.echo_ids == c.prompt_ids for c in self.choices)
+        )
 
 
 # ------------------------------------------------------------------------------------ checking
@@ -442,6 +457,7 @@ def start_rows(served, plan: Plan, outbox: Outbox):
             lambda event, index=c.index: outbox.put(events, (index, event)),
             served.tokenizer.decode,
             plan.request.logprobs,
+            plan.request.logprobs if plan.scores_in_prefill else None,
         )
         for c in plan.choices
     ]
@@ -462,6 +478,9 @@ def record(plan: Plan, index: int, event) -> None:
         c.top.append(event.top or [])
     elif isinstance(event, DoneEvent):
         c.finish_reason, c.seconds, c.stop_id = event.finish_reason, event.seconds, event.stop_token
+        c.stop_scored = event.stop
+    elif isinstance(event, PromptEvent):
+        c.prompt_part = (c.echo_ids, [None, *event.logprobs], [None, *event.top])
     elif isinstance(event, EngineGone):
         raise unavailable(event.message)
     elif isinstance(event, ErrorEvent):  # with a param: a knob the model could not honour; without: the server's fault
@@ -512,7 +531,7 @@ async def sse_events(served, plan: Plan, outbox: Outbox, prompt_parts: dict | No
                     ready.append(events.get_nowait())
                 for index, event in ready:
                     record(plan, index, event)
-                    c, final = plan.choices[index], not isinstance(event, TokenEvent)
+                    c, final = plan.choices[index], ends_row(event)
                     left -= final
                     lp = None
                     if r.logprobs is not None and not final:
@@ -532,14 +551,21 @@ async def sse_events(served, plan: Plan, outbox: Outbox, prompt_parts: dict | No
 async def complete(served, plan: Plan, outbox: Outbox, is_disconnected: Callable[[], Awaitable[bool]]) -> dict:
     """The whole response: the prompt scored (with echo and logprobs), the choices decoded (nothing
     with max_tokens 0), by beam search or on the scheduler's rows."""
-    prompt_parts = await echo_logprobs(served, plan)
+    prompt_parts = None if plan.scores_in_prefill else await echo_logprobs(served, plan)
     if not plan.scoring_only:
         await (beam(served, plan) if plan.beam else decode(served, plan, outbox, is_disconnected))
+        if plan.scores_in_prefill:
+            prompt_parts = {c.index: c.prompt_part for c in plan.choices}
         ended = [c for c in plan.choices if c.finish_reason == "stop_token"]
         if prompt_parts is not None and ended:  # scoring: the stop token that ended a choice is listed too
-            stops = await served.on_model_thread("stop_tokens", ended, plan.request.logprobs, param="prompt")
-            for c, stop in zip(ended, stops):
-                c.stop = stop
+            for c in ended:
+                if c.stop_scored is not None:
+                    c.stop = (c.stop_scored.token, c.stop_scored.logprob, c.stop_scored.top or [])
+            unscored = [c for c in ended if c.stop is None]  # beams: their stop ids are not reported
+            if unscored:
+                stops = await served.on_model_thread("stop_tokens", unscored, plan.request.logprobs, param="prompt")
+                for c, stop in zip(unscored, stops):
+                    c.stop = stop
     return completion_json(plan, served.tokenizer, served.name, prompt_parts)
 
 

@@ -11,7 +11,7 @@ config, and the two talk over one pipe. This is vLLM V1's engine core, without i
 The protocol: tuples, pickled.
 
   server -> engine
-    ("add", row_id, model, prompt_ids, cfg, logprobs)  decode a row (``generation.batch.Row``)
+    ("add", row_id, model, prompt_ids, cfg, logprobs, prompt_logprobs)  decode a row (``generation.batch.Row``)
     ("cancel", row_id)                                 its client has gone: the row leaves the batch
     ("call", call_id, model, fn, args)                 ``fn(served, *args)`` on the model's decoding
                                                        thread (model None: ``fn(*args)`` on a thread)
@@ -57,7 +57,7 @@ from typing import Literal
 import torch
 
 from tinylm.errors import TinyLMError
-from tinylm.generation.batch import ErrorEvent, Row, TokenEvent
+from tinylm.generation.batch import ErrorEvent, Row, ends_row
 from tinylm.serving.completions import EngineGone, unavailable
 from tinylm.serving.models import ModelSpec, ServedModel
 
@@ -182,15 +182,17 @@ class EngineCore:
             error = ErrorEvent(f"the engine could not start this row: {type(exc).__name__}: {exc}")
             self.send(("events", message[2], None, [(message[1], error)]))
 
-    def add(self, row_id: int, model: str, prompt_ids: list[int], cfg, logprobs: int | None) -> None:
+    def add(
+        self, row_id: int, model: str, prompt_ids: list[int], cfg, logprobs: int | None, prompt_logprobs: int | None
+    ) -> None:
         hosted = self.models[model]
 
         def emit(event) -> None:  # on the decoding thread
             hosted.events.append((row_id, event))
-            if not isinstance(event, TokenEvent):
+            if ends_row(event):
                 self.rows.pop(row_id, None)
 
-        row = Row(prompt_ids, cfg, emit, hosted.served.tokenizer.decode, logprobs)
+        row = Row(prompt_ids, cfg, emit, hosted.served.tokenizer.decode, logprobs, prompt_logprobs)
         self.rows[row_id] = (hosted, row)
         hosted.served.scheduler.add(row)
 
@@ -322,7 +324,7 @@ class ProcessEngine:
                 raise unavailable(self.down)
             row_id = next(self.ids)
             self.rows[row_id], self.row_ids[row] = row, row_id
-            self.send(("add", row_id, model, row.prompt_ids, row.cfg, row.logprobs))
+            self.send(("add", row_id, model, row.prompt_ids, row.cfg, row.logprobs, row.prompt_logprobs))
 
     def cancel(self, row: Row) -> None:
         row.cancel()
@@ -379,10 +381,10 @@ class ProcessEngine:
             if active is not None and model in self.schedulers:
                 self.schedulers[model].active = active
             for row_id, event in events:
-                row = self.rows.get(row_id) if isinstance(event, TokenEvent) else self.rows.pop(row_id, None)
+                row = self.rows.pop(row_id, None) if ends_row(event) else self.rows.get(row_id)
                 if row is not None:
                     row.emit(event)
-                    if not isinstance(event, TokenEvent):
+                    if ends_row(event):
                         self.row_ids.pop(row, None)
         elif message[0] == "result":
             _, call_id, ok, value = message

@@ -1,0 +1,73 @@
+"""The decoding core's scoring on the side (generation/batch.py): a row that asks for its prompt's
+log probabilities gets them from its own prefill, as a whole-sequence forward scores them, without
+changing its tokens; a row that ends on a stop token reports that token's log probability."""
+
+import pytest
+import torch
+
+from tinylm.config import ModelConfig
+from tinylm.generation.batch import Batch, DoneEvent, PromptEvent, Row, TokenEvent
+from tinylm.generation.processors import GenerationConfig
+from tinylm.models.gpt import GPT
+
+PROMPTS = [[2, 5, 6, 7, 9, 30], [2, 9], list(range(2, 28)), [2, 11]]
+
+
+@pytest.fixture(scope="module")
+def model() -> GPT:
+    torch.manual_seed(3)
+    cfg = ModelConfig(vocab_size=48, context_length=32, d_model=32, n_layers=2, n_heads=4, positions="rope")
+    return GPT(cfg).eval()
+
+
+def reference(model, ids: list[int], top: int) -> tuple[list[float], list[list[int]]]:
+    """log p(ids[t] | ids[:t]) for t >= 1 and the top ids there, from one forward of the row alone."""
+    with torch.no_grad():
+        logp = torch.log_softmax(model(torch.tensor([ids]))[0][0].float(), dim=-1)
+    picked = [float(logp[t - 1, ids[t]]) for t in range(1, len(ids))]
+    return picked, logp[:-1].topk(top, dim=-1).indices.tolist()
+
+
+def run(model, prompts, asks, use_cache=True, cfg=None, join_late=()):
+    """Step a batch until every row is done; rows in ``join_late`` join after two steps."""
+    cfg = cfg or GenerationConfig(max_new_tokens=5, temperature=0)
+    events = {i: [] for i in range(len(prompts))}
+    rows = [Row(p, cfg, events[i].append, None, 2, 3 if asks[i] else None) for i, p in enumerate(prompts)]
+    batch = Batch(model, max_batch=8, use_cache=use_cache)
+    first = [r for i, r in enumerate(rows) if i not in join_late]
+    late = [r for i, r in enumerate(rows) if i in join_late]
+    for joining in (first, [], late):
+        if batch.rows or joining:
+            batch.step(joining)
+    while batch.rows:
+        batch.step()
+    return events
+
+
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_rows_that_ask_score_their_prompts_in_their_prefill(model, use_cache):
+    asks = [True, True, False, True]
+    events = run(model, PROMPTS, asks, use_cache, join_late={3})
+    plain = run(model, PROMPTS, [False] * 4, use_cache, join_late={3})
+    for i, prompt in enumerate(PROMPTS):
+        scored = [e for e in events[i] if isinstance(e, PromptEvent)]
+        assert len(scored) == int(asks[i])
+        if asks[i]:
+            assert isinstance(events[i][0], PromptEvent)  # before the row's first token
+            picked, top = reference(model, prompt, 3)
+            assert scored[0].logprobs == pytest.approx(picked, abs=1e-5)
+            assert [[t for t, _ in alternatives] for alternatives in scored[0].top] == top
+        tokens = [e.token for e in events[i] if isinstance(e, TokenEvent)]
+        assert tokens == [e.token for e in plain[i] if isinstance(e, TokenEvent)]  # the same tokens as without
+
+
+def test_a_stop_token_reports_its_log_probability(model):
+    prompt = [2, 5, 6, 7]
+    with torch.no_grad():
+        logp = torch.log_softmax(model(torch.tensor([prompt]))[0][0, -1].float(), dim=-1)
+    likeliest = int(logp.argmax())  # greedy decoding picks it first
+    cfg = GenerationConfig(max_new_tokens=5, temperature=0, stop_ids=(likeliest,))
+    done = [e for e in run(model, [prompt], [False], cfg=cfg)[0] if isinstance(e, DoneEvent)][0]
+    assert done.finish_reason == "stop_token" and done.stop_token == likeliest
+    assert done.stop.token == likeliest and done.stop.logprob == pytest.approx(float(logp[likeliest]), abs=1e-5)
+    assert [t for t, _ in done.stop.top] == logp.topk(2).indices.tolist()
