@@ -71,3 +71,18 @@ def test_a_stop_token_reports_its_log_probability(model):
     assert done.finish_reason == "stop_token" and done.stop_token == likeliest
     assert done.stop.token == likeliest and done.stop.logprob == pytest.approx(float(logp[likeliest]), abs=1e-5)
     assert [t for t, _ in done.stop.top] == logp.topk(2).indices.tolist()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_prompt_scores_and_tokens_are_the_cpus(model):
+    asks = [True, False, True, True]
+    on_cpu = run(model, PROMPTS, asks, join_late={3})
+    on_gpu = run(model.cuda(), PROMPTS, asks, join_late={3})
+    model.cpu()
+    for i in range(len(PROMPTS)):
+        assert [type(e) for e in on_gpu[i]] == [type(e) for e in on_cpu[i]]
+        for gpu, cpu in zip(on_gpu[i], on_cpu[i]):
+            if isinstance(cpu, PromptEvent):
+                assert gpu.logprobs == pytest.approx(cpu.logprobs, abs=1e-4)
+            elif isinstance(cpu, TokenEvent):
+                assert gpu.token == cpu.token and gpu.logprob == pytest.approx(cpu.logprob, abs=1e-4)
