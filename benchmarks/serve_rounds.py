@@ -3,14 +3,16 @@ alternated by the caller) gathered into the tables of docs/serving.md and a plot
 against concurrent clients.
 
     python benchmarks/serve_rounds.py --series "LABEL=GLOB[@ENGINE]" [--series ...] --reference LABEL
-                                      [--plot out.png] [--title TEXT]
+                                      [--panel "TITLE=T" ...] [--plot out.png] [--title TEXT]
 
 Each series is a label and the JSON files of its runs (a glob; ``@ENGINE`` picks the rows of one
-engine, ``process`` or ``thread``, from files that hold both). A row of the table per series and
-number of clients: every run's tokens/s, their median, the median against the series' own
-one-client median and against the reference series' median at the same number of clients, the
-medians of TTFT p50 and p95, and the errors summed. The plot draws each series' medians with the
-range of its runs.
+engine, ``process`` or ``thread``, from files that hold both). With ``--panel TITLE=T`` (one per
+knob setting, e.g. ``"greedy=0"``), ``{T}`` in every glob becomes T: a table and a plot panel
+each. A row of the table per series and number of clients: every run's tokens/s, their median, the
+median against the series' own one-client median and against the reference series' median at the
+same number of clients, the medians of TTFT p50 and p95, and the errors summed. The plot draws
+each series' medians with the range of its runs, and the first series' targets (16 clients at 5x
+its one-client median, 32 at 7x: issue 41's).
 """
 
 from __future__ import annotations
@@ -64,28 +66,49 @@ def table(series: dict[str, dict[int, list[dict]]], reference: str) -> str:
     return "\n".join(lines)
 
 
-def plot(series: dict[str, dict[int, list[dict]]], out: str, title: str) -> None:
+TARGETS = {16: 5.0, 32: 7.0}  # clients -> tokens/s against one client's (issue 41)
+STYLES = [("o", "-"), ("s", "--"), ("^", ":"), ("x", "-.")]
+
+
+def plot(panels: dict[str, dict[str, dict[int, list[dict]]]], out: str, title: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
-    for label, by_clients in series.items():
-        clients = sorted(by_clients)
-        runs = [[r["tokens_per_s"] for r in by_clients[c]] for c in clients]
-        medians = [statistics.median(t) for t in runs]
-        low = [m - min(t) for m, t in zip(medians, runs)]
-        high = [max(t) - m for m, t in zip(medians, runs)]
-        ax.errorbar(clients, medians, yerr=[low, high], marker="o", capsize=3, label=label)
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(sorted({c for s in series.values() for c in s}))
-    ax.get_xaxis().set_major_formatter(matplotlib.ticker.ScalarFormatter())
-    ax.set_xlabel("concurrent streaming clients")
-    ax.set_ylabel("tokens/s (median; bars: the runs' range)")
-    ax.set_title(title, fontsize=10)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.2), dpi=110, sharey=True, squeeze=False)
+    for ax, (name, series) in zip(axes[0], panels.items()):
+        for k, (label, by_clients) in enumerate(series.items()):
+            clients = sorted(by_clients)
+            runs = [[r["tokens_per_s"] for r in by_clients[c]] for c in clients]
+            marker, line = STYLES[k % len(STYLES)]
+            (drawn,) = ax.plot(
+                clients, [statistics.median(t) for t in runs], marker=marker, linestyle=line, label=label
+            )
+            ax.fill_between(
+                clients, [min(t) for t in runs], [max(t) for t in runs], color=drawn.get_color(), alpha=0.15
+            )
+            if k == 0 and 1 in by_clients:
+                one = statistics.median(r["tokens_per_s"] for r in by_clients[1])
+                shown = [c for c in TARGETS if c in by_clients]
+                ax.scatter(
+                    shown,
+                    [TARGETS[c] * one for c in shown],
+                    marker="D",
+                    facecolors="none",
+                    edgecolors="k",
+                    label=f"targets: {', '.join(f'{t:g}x' for t in TARGETS.values())} one client ({label})",
+                    zorder=3,
+                )
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(sorted({c for s in series.values() for c in s}))
+        ax.get_xaxis().set_major_formatter(matplotlib.ticker.ScalarFormatter())
+        ax.set_xlabel("concurrent streaming clients")
+        ax.set_title(name)
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("tokens/s (median of runs; band: min-max)")
+    axes[0][-1].legend(fontsize=7, loc="upper left")
+    fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(out)
 
@@ -94,15 +117,21 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--series", action="append", required=True, help="LABEL=GLOB[@ENGINE], in table order")
     p.add_argument("--reference", required=True, help="the label the other series are compared with")
+    p.add_argument("--panel", action="append", help="TITLE=T: a table and a plot panel with {T} in the globs set to T")
     p.add_argument("--plot", help="write the plot here (PNG)")
     p.add_argument("--title", default="tinylm serve: tokens/s against concurrent clients")
     args = p.parse_args(argv)
-    series = dict(read_series(s) for s in args.series)
-    if args.reference not in series:
-        raise SystemExit(f"--reference {args.reference!r} is not one of the series' labels: {', '.join(series)}")
-    print(table(series, args.reference))
+    panels = {}
+    for panel in args.panel or ["="]:
+        name, _, value = panel.partition("=")
+        panels[name] = dict(read_series(s.replace("{T}", value)) for s in args.series)
+        if args.reference not in panels[name]:
+            raise SystemExit(
+                f"--reference {args.reference!r} is not one of the series' labels: {', '.join(panels[name])}"
+            )
+        print((f"{name}:\n\n" if name else "") + table(panels[name], args.reference) + "\n")
     if args.plot:
-        plot(series, args.plot, args.title)
+        plot(panels, args.plot, args.title)
         print(f"plot: {args.plot}")
     return 0
 

@@ -86,3 +86,30 @@ def test_cuda_prompt_scores_and_tokens_are_the_cpus(model):
                 assert gpu.logprobs == pytest.approx(cpu.logprobs, abs=1e-4)
             elif isinstance(cpu, TokenEvent):
                 assert gpu.token == cpu.token and gpu.logprob == pytest.approx(cpu.logprob, abs=1e-4)
+
+
+@pytest.mark.parametrize("long_prompt, compacts", [(10, False), (24, True)])
+def test_rows_leaving_drop_unused_slots_once_enough_are_unused(model, long_prompt, compacts):
+    """Compacting copies the whole cache: the oldest row leaving frees its few leading slots, and
+    they are dropped only once COMPACT_SLOTS (16) are unused; the rows' tokens stay their own."""
+    from tinylm.generation.batch import COMPACT_SLOTS
+    from tinylm.generation.generate import generate_many
+
+    assert COMPACT_SLOTS == 16
+    prompts = [list(range(2, 2 + long_prompt)), [2, 5, 6], [2, 7]]
+    cfgs = [GenerationConfig(max_new_tokens=n, temperature=0) for n in (2, 8, 8)]
+    tokens = {i: [] for i in range(3)}
+    rows = [
+        Row(p, c, lambda e, i=i: tokens[i].append(e.token) if isinstance(e, TokenEvent) else None)
+        for i, (p, c) in enumerate(zip(prompts, cfgs))
+    ]
+    batch = Batch(model, max_batch=4)
+    batch.step(rows)
+    batch.step()  # the long row has its 2 tokens and leaves
+    assert len(batch.rows) == 2
+    unused = batch.cache.length - max(r.cached for r in batch.rows)
+    assert (unused == 0) == compacts and (compacts or 0 < unused < 16)
+    while batch.rows:
+        batch.step()
+    for i in range(3):
+        assert tokens[i] == generate_many(model, [prompts[i]], cfgs[i])[0].tokens

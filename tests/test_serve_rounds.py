@@ -60,3 +60,19 @@ def test_medians_and_ratios_over_rounds(tmp_path, capsys):
 def test_a_series_that_matches_no_file_is_refused(tmp_path):
     with pytest.raises(SystemExit, match="a label and a glob"):
         load().main(["--series", f"x={tmp_path}/none_*.json", "--reference", "x"])
+
+
+def test_panels_set_the_knob_setting_in_every_glob(tmp_path, capsys):
+    for t, rate in (("0.8", 400), ("0", 800)):
+        for k in range(2):
+            write_round(tmp_path / f"new_T{t}_{k}.json", {"process": {1: 100, 32: rate}})
+            write_round(tmp_path / f"old_T{t}_{k}.json", {"process": {1: 100, 32: 200}})
+    out = tmp_path / "panels.png"
+    series = ["--series", f"new={tmp_path}/new_T{{T}}_*.json", "--series", f"old={tmp_path}/old_T{{T}}_*.json"]
+    panels = ["--panel", "sampled=0.8", "--panel", "greedy=0"]
+    assert load().main(series + panels + ["--reference", "old", "--plot", str(out)]) == 0
+    printed = capsys.readouterr().out
+    sampled, greedy = printed[printed.index("sampled:") : printed.index("greedy:")], printed[printed.index("greedy:") :]
+    assert "| new | 32 | 400, 400 | 400 | 4.00x | 2.00x |" in sampled
+    assert "| new | 32 | 800, 800 | 800 | 8.00x | 4.00x |" in greedy
+    assert out.stat().st_size > 10_000

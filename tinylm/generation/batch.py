@@ -81,6 +81,9 @@ def no_allowed_token(step: int) -> str:
     )
 
 
+COMPACT_SLOTS = 16  # rows leaving drop the cache's unused leading slots once this many are unused
+
+
 def _token_event(t: int, logits: torch.Tensor, logprobs: int | None) -> TokenEvent:
     event = TokenEvent(t)
     if logprobs is not None:
@@ -430,14 +433,16 @@ class Batch:
         if capacity < cache.batch_size:
             _show_rows(cache, capacity)
         cache.key_mask[n:] = True  # padding attends to anything: finite logits, dropped
-        if not self.bucketed:  # fewer slots for the next merge; a bucketed cache compacts when full
-            self._compact()
+        if not self.bucketed:  # fewer slots to attend and for the next merge; a bucketed cache compacts when full
+            self._compact(COMPACT_SLOTS)
 
-    def _compact(self) -> None:
-        """Drop the leading slots no row uses any more (every row's tokens are the last slots)."""
+    def _compact(self, least: int = 1) -> None:
+        """Drop the leading slots no row uses any more (every row's tokens are the last slots), if
+        there are at least ``least`` of them: compacting copies the whole cache, and the row that
+        leaves is usually the oldest, a few slots longer than the next."""
         cache = self.cache
         shift = cache.length - max(r.cached for r in self.rows)
-        if shift <= 0:
+        if shift < max(least, 1):
             return
         n = cache.length - shift
         for tensors in (cache.k, cache.v):
