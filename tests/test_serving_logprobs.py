@@ -4,6 +4,8 @@ prompts in every shape OpenAI takes and several in one request; and how served m
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from fastapi.testclient import TestClient
 from serving_util import make_run
@@ -112,6 +114,20 @@ def test_one_new_token_scores_prompts_of_every_length_in_one_request(client, ser
     for row, choice in zip(rows, body["choices"]):
         check_prompt_part(choice, served, row, top=2)
         assert len(choice["logprobs"]["token_logprobs"]) == len(row) + 1
+
+
+def test_a_streamed_echo_lists_the_scored_prompt_then_each_token(client, served):
+    """A stream sends the prompt's log probabilities in its first chunk, then a chunk per token:
+    the same numbers as the whole response."""
+    body = {"model": "tinyrun", "prompt": "The dog", "max_tokens": 3, "echo": True, "logprobs": 1, "temperature": 0}
+    whole = client.post("/v1/completions", json=body).json()["choices"][0]["logprobs"]
+    with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+        lines = [line for line in r.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    parts = [json.loads(line[6:])["choices"][0]["logprobs"] for line in lines[:-1]]
+    streamed = [lp for part in parts if part is not None for lp in part["token_logprobs"]]
+    assert len(parts[0]["token_logprobs"]) == 1 + len(served.tokenizer.encode("The dog"))  # the prompt, with <sos>
+    assert streamed == pytest.approx(whole["token_logprobs"], abs=1e-5)
 
 
 def test_a_stop_token_that_ends_a_choice_is_listed_last(client, served):

@@ -136,11 +136,13 @@ class Plan:
     @property
     def scores_in_prefill(self) -> bool:
         """With echo and logprobs, the rows' prefills score the prompts (one forward for both)
-        when the rows decode and every prompt fits the context; otherwise ``echo_logprobs`` does."""
+        when the rows decode, every prompt fits the context and the response is whole (a stream
+        sends the scored prompt first); otherwise ``echo_logprobs`` does."""
         r = self.request
         return (
             r.echo
             and r.logprobs is not None
+            and not r.stream
             and not self.scoring_only
             and not self.beam
             and all(c.echo_ids == c.prompt_ids for c in self.choices)
