@@ -31,7 +31,7 @@ from typing import Callable
 import torch
 
 from tinylm.config import GenerationConfig
-from tinylm.generation.core import cache_slots, full_forward, model_device, prefill, window
+from tinylm.generation.core import cache_slots, full_forward, model_device, picked_logprobs, prefill, window
 from tinylm.generation.decode import decode_step
 from tinylm.generation.processors import NEG_INF, NgramBan, mark_seen, penalise_seen
 from tinylm.generation.sampling import RowKnobs, choose
@@ -100,16 +100,14 @@ def _emit_prompt_logprobs(rows: list[Row], ids: list[list[int]], logits: torch.T
     logits of its left-padded prefill (B, L, V) (row j's ids are ``ids[j]``)."""
     length = logits.size(1)
     for j, r in enumerate(rows):
-        if r.prompt_logprobs is None or len(ids[j]) < 2:
-            if r.prompt_logprobs is not None:
-                r.emit(PromptEvent([], []))
+        if r.prompt_logprobs is None:
+            continue
+        if len(ids[j]) < 2:  # a lone token has nothing before it to be scored against
+            r.emit(PromptEvent([], []))
             continue
         first = length - len(ids[j])  # the row's first real position
         logp = torch.log_softmax(logits[j, first : length - 1].float(), dim=-1)  # predicts ids[j][1:]
-        targets = torch.tensor(ids[j][1:], device=logp.device)
-        picked = logp.gather(1, targets[:, None]).squeeze(1).tolist()
-        values, top_ids = logp.topk(min(r.prompt_logprobs, logp.size(-1)), dim=-1)
-        r.emit(PromptEvent(picked, [list(zip(i, v)) for i, v in zip(top_ids.tolist(), values.tolist())]))
+        r.emit(PromptEvent(*picked_logprobs(logp, ids[j][1:], r.prompt_logprobs)))
 
 
 def hits_stop_string(decode: Callable[[list[int]], str], ids: list[int], stop_strings) -> bool:

@@ -90,6 +90,14 @@ def prefill(model, rows: list[list[int]], max_len: int, all_logits: bool = False
     return cache, logits if all_logits else logits[:, -1], lengths.clone()
 
 
+def picked_logprobs(logp: torch.Tensor, targets: list[int], top: int) -> tuple[list[float], list[list]]:
+    """For each row of log-probabilities ``logp`` (T, V): the log p of ``targets[t]`` and the ``top``
+    likeliest (id, log p), as lists (a scored prompt, echoed or in a prefill)."""
+    picked = logp.gather(1, torch.tensor(targets, dtype=torch.long, device=logp.device)[:, None]).squeeze(1).tolist()
+    values, ids = logp.topk(min(top, logp.size(-1)), dim=-1)
+    return picked, [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
+
+
 def full_forward(model, rows: list[list[int]]) -> torch.Tensor:
     """No-cache path: the logits after each row's last token, recomputing everything."""
     if all(len(r) == len(rows[0]) for r in rows):

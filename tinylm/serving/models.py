@@ -23,6 +23,7 @@ from tinylm.errors import TinyLMError
 from tinylm.evaluation.perplexity import document_windows, evaluate_texts
 from tinylm.evaluation.plots import attention_maps, attention_maps_of_ids, token_labels
 from tinylm.evaluation.report import read_json
+from tinylm.generation.core import picked_logprobs
 from tinylm.interop.loading import load_any_checkpoint
 from tinylm.models.quantize import InferenceDtype, to_inference_dtype
 from tinylm.serving.completions import APIError, bad
@@ -218,10 +219,7 @@ class ServedModel:
                 logp = torch.log_softmax(logits.float(), dim=-1)
                 for j, (r, _, targets) in enumerate(chunk):
                     pos = [p for p, t in enumerate(targets) if t != IGNORE_INDEX]
-                    rows_logp = logp[j, pos]
-                    picked = rows_logp.gather(1, torch.tensor([[targets[p]] for p in pos])).squeeze(1).tolist()
-                    values, ids = rows_logp.topk(k, dim=-1)
-                    out[r].extend(zip(picked, [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]))
+                    out[r].extend(zip(*picked_logprobs(logp[j, pos], [targets[p] for p in pos], k)))
         return out
 
     def stop_tokens(self, choices: list, top: int = 0) -> list[tuple[int, float, list]]:
