@@ -113,3 +113,36 @@ def test_rows_leaving_drop_unused_slots_once_enough_are_unused(model, long_promp
         batch.step()
     for i in range(3):
         assert tokens[i] == generate_many(model, [prompts[i]], cfgs[i])[0].tokens
+
+
+@pytest.mark.parametrize("prompt_fits", [True, False])
+def test_rows_joining_a_running_batch_ride_along_its_step(model, prompt_fits, monkeypatch):
+    """Rows joining rows that decode are read in the step itself (their prompts are more rows of
+    the step's products), not in a prefill of their own, when their prompts fit before the
+    step's slot; a longer prompt is prefilled apart. Either way every row gets its tokens alone."""
+    import tinylm.generation.batch as batch_module
+    from tinylm.generation.generate import generate_many
+
+    prefills = []
+    real_prefill = batch_module.prefill
+    monkeypatch.setattr(batch_module, "prefill", lambda *a, **k: prefills.append(len(a[1])) or real_prefill(*a, **k))
+    late = [[2, 5, 6, 7], [2, 9, 30]] if prompt_fits else [list(range(2, 20))]
+    prompts = [[2, 11, 12, 13, 14, 15]] + late
+    cfgs = [GenerationConfig(max_new_tokens=12, temperature=0)] + [
+        GenerationConfig(max_new_tokens=8, temperature=1.0, top_k=20, seed=s, seed_per_row=True)
+        for s in range(len(late))
+    ]
+    tokens = {i: [] for i in range(len(prompts))}
+    rows = [
+        Row(p, c, lambda e, i=i: tokens[i].append(e.token) if isinstance(e, TokenEvent) else None)
+        for i, (p, c) in enumerate(zip(prompts, cfgs))
+    ]
+    batch = Batch(model, max_batch=4)
+    batch.step(rows[:1])
+    batch.step()
+    batch.step(rows[1:])
+    while batch.rows:
+        batch.step()
+    assert prefills == ([1] if prompt_fits else [1, 1])
+    for i, (p, c) in enumerate(zip(prompts, cfgs)):
+        assert tokens[i] == generate_many(model, [p], c)[0].tokens

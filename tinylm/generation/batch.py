@@ -7,9 +7,13 @@ own thread while rows join and leave, beam search uses its prefill, window and s
 
 A step: rows whose cache reached the context slide (their last ``context_length // 2`` tokens,
 ``window``, are prefilled again, positions restarting at 0); rows already in the batch feed
-their last token through ``decode_step``; rows joining are prefilled together (left-padded)
-and their keys and values copied into the batch's cache, right-aligned with the rows there;
-then each row's next token is chosen with its own knobs and checked against its stop rules.
+their last token through ``decode_step``; rows joining them ride along that step, their prompts'
+tokens more rows of its products (``gpt.StepPrompts``: a join costs a few rows, not a forward
+of its own), each in a cache row of its own, right-aligned with the step's slot. Rows starting
+an empty batch, sliding rows, rows scoring their prompts, prompts longer than the cache so far
+and compiled steps are prefilled together instead (left-padded) and their keys and values
+copied into the batch's cache, right-aligned with the rows there. Then each row's next token is
+chosen with its own knobs and checked against its stop rules.
 A row's output is what it gets alone: its cache holds exactly its own tokens (its padding slots
 are masked out and its positions are its own). Batched products may round differently from a
 single row's in the last bits; the tests check that the tokens are the same.
@@ -35,7 +39,7 @@ from tinylm.generation.core import cache_slots, full_forward, model_device, pick
 from tinylm.generation.decode import decode_step
 from tinylm.generation.processors import NEG_INF, NgramBan, mark_seen, penalise_seen
 from tinylm.generation.sampling import RowKnobs, choose
-from tinylm.models.gpt import KVCache
+from tinylm.models.gpt import KVCache, StepPrompts, step_prompts
 
 
 @dataclass
@@ -221,8 +225,8 @@ class Batch:
     @torch.inference_mode()
     def forward(self, joining: list[Row] = ()) -> torch.Tensor:
         """The next-token logits of every row, in ``rows`` order (B, V), joining rows last: each
-        row's pending token goes into the cache, rows at the context slide, joining rows are
-        prefilled. Rows that slid move to the end of ``rows``."""
+        row's pending token goes into the cache, rows at the context slide, joining rows read
+        their prompts. Rows that slid move to the end of ``rows``."""
         return self._forward(joining)
 
     def _forward(self, joining: list[Row]) -> torch.Tensor:
@@ -276,6 +280,8 @@ class Batch:
                 self._compact()
             if self.cache.length >= self.cache.max_len:
                 self._resize(self.context_length)
+            if started and not sliding and self._joins_step(started):
+                return self._decode_joining(started)
             logits_old = self._decode()
         if not fresh:
             return logits_old
@@ -291,14 +297,43 @@ class Batch:
         self._merge([r for r, _ in fresh], cache)
         return logits_new if logits_old is None else torch.cat([logits_old, logits_new])
 
-    def _decode(self) -> torch.Tensor:
-        """One token for every row (padding rows: token 0 at position 0, their logits dropped)."""
-        n, padding = len(self.rows), self.cache.batch_size - len(self.rows)
+    def _joins_step(self, joining: list[Row]) -> bool:
+        """Whether ``joining`` rows can ride along this step with their prompts (``_decode_joining``):
+        an eager, unbucketed cache, no prompt to score, every prompt fitting before the step's slot."""
+        return (
+            not self.bucketed
+            and all(r.prompt_logprobs is None for r in joining)
+            and max(len(r.prompt_ids) for r in joining) <= self.cache.length + 1
+        )
+
+    def _decode_joining(self, joining: list[Row]) -> torch.Tensor:
+        """One step for the rows there and the ``joining`` rows' prompts together: a join costs a
+        few more rows of the step's products, not a forward of its own. Each joining row takes a
+        cache row after the batch's, its prompt right-aligned with this step's slot."""
+        self.model.prepare_for_decoding()
+        n, slot = len(self.rows), self.cache.length
+        self._make_room(joining, slot)
+        for j, r in enumerate(joining):
+            first = slot + 1 - len(r.prompt_ids)  # the row's first slot
+            self.cache.key_mask[n + j, :first] = False
+            self.cache.key_mask[n + j, first:] = True
+        logits = self._decode(step_prompts([r.prompt_ids for r in joining], n, slot, self.device))
+        for r in joining:
+            r.cached = len(r.prompt_ids)
+        self.rows = self.rows + joining  # ``select`` sets every row's pending token next
+        self._rows_changed()
+        return logits
+
+    def _decode(self, prompts: StepPrompts | None = None) -> torch.Tensor:
+        """One token for every row (padding rows: token 0 at position 0, their logits dropped);
+        with ``prompts``, the logits of the joining rows follow (``_decode_joining``)."""
+        n = len(self.rows)
+        padding = 0 if prompts is not None else self.cache.batch_size - n
         if self.positions is None:  # the rows changed: their positions again
             cached = [r.cached for r in self.rows] + [0] * padding
             self.positions = torch.tensor(cached, dtype=torch.long, device=self.device)
         tokens = torch.cat([self.pending, self.pending.new_zeros(padding)]) if padding else self.pending
-        logits = decode_step(self.model, self.cache, tokens, self.positions, self.compile)
+        logits = decode_step(self.model, self.cache, tokens, self.positions, self.compile, prompts)
         self.positions[:n] += 1  # padding rows stay at position 0
         for r in self.rows:
             r.cached += 1
@@ -464,8 +499,16 @@ class Batch:
 
     def _merge(self, rows: list[Row], new: KVCache) -> None:
         """Append the freshly prefilled rows to the batch, every row's tokens right-aligned."""
+        self._make_room(rows, max(new.length, self.cache.length if self.cache is not None else 0))
+        _write_rows(self.cache, len(self.rows), new)
+        self.rows = self.rows + rows  # ``select`` sets every row's pending token next
+        self._rows_changed()
+
+    def _make_room(self, rows: list[Row], length: int) -> None:
+        """A cache with ``length`` slots filled and room for ``rows`` after the batch's rows, its
+        tensors showing them: the cache there when it has the room, else a new one holding the
+        batch's rows (right-aligned, as before)."""
         old = self.cache
-        length = max(new.length, old.length if old is not None else 0)
         total = len(self.rows) + len(rows)
         # slots for what the rows may still generate, not always the whole context: a batch of 32
         # rows of a 1,024-token model would hold gigabytes of cache it mostly never fills
@@ -475,21 +518,17 @@ class Batch:
         remaining = max(r.cfg.max_new_tokens - len(r.out) for r in self.rows + rows)
         size = cache_slots(max(length + remaining, self.min_slots), self.context_length, bucketed=True)
         capacity = self.capacity(total)
-        if old is not None and _room(old) >= capacity and old.max_len == size and old.length >= new.length:
-            _show_rows(old, capacity)
-            _write_rows(old, len(self.rows), new)  # no new cache
-        else:
-            room = next(b for b in batch_buckets(self.max_batch) if b >= capacity)
-            cache = self.model.new_kv_cache(room, size)
-            cache.length = length
-            cache.key_mask = torch.ones(room, size, dtype=torch.bool, device=self.device)
-            _show_rows(cache, capacity)
-            if old is not None and self.rows:
-                _write_rows(cache, 0, old, len(self.rows))
-            _write_rows(cache, len(self.rows), new)
-            self.cache = cache
-        self.rows = self.rows + rows  # ``select`` sets every row's pending token next
-        self._rows_changed()
+        if old is not None and _room(old) >= capacity and old.max_len == size and old.length >= length:
+            _show_rows(old, capacity)  # no new cache
+            return
+        room = next(b for b in batch_buckets(self.max_batch) if b >= capacity)
+        cache = self.model.new_kv_cache(room, size)
+        cache.length = length
+        cache.key_mask = torch.ones(room, size, dtype=torch.bool, device=self.device)
+        _show_rows(cache, capacity)
+        if old is not None and self.rows:
+            _write_rows(cache, 0, old, len(self.rows))
+        self.cache = cache
 
 
 def _whole(cache: KVCache) -> list[torch.Tensor]:

@@ -18,7 +18,7 @@ from typing import Callable
 
 import torch
 
-from tinylm.models.gpt import GPT, KVCache, Linear
+from tinylm.models.gpt import GPT, KVCache, Linear, StepPrompts
 
 log = logging.getLogger(__name__)
 
@@ -30,8 +30,10 @@ STEP_COMPILE_OPTIONS = {"cpu": dict(options={"cpp_wrapper": True}), "cuda": dict
 _limit_raised = threading.local()
 
 
-def _step(model: GPT, cache: KVCache, tokens: torch.Tensor, positions: torch.Tensor, slot: torch.Tensor):
-    return model(tokens[:, None], kv_cache=cache, position_ids=positions, cache_slot=slot)[0][:, 0]
+def _step(model: GPT, cache: KVCache, tokens: torch.Tensor, positions: torch.Tensor, slot: torch.Tensor, prompts=None):
+    return model(tokens[:, None], kv_cache=cache, position_ids=positions, cache_slot=slot, step_prompts=prompts)[0][
+        :, 0
+    ]
 
 
 def compiled_step(device_type: str) -> Callable:
@@ -68,19 +70,28 @@ def _mark_static(model: GPT, cache: KVCache) -> None:
 
 
 def decode_step(
-    model: GPT, cache: KVCache, tokens: torch.Tensor, positions: torch.Tensor | None = None, compile: bool = False
+    model: GPT,
+    cache: KVCache,
+    tokens: torch.Tensor,
+    positions: torch.Tensor | None = None,
+    compile: bool = False,
+    prompts: StepPrompts | None = None,
 ) -> torch.Tensor:
     """Feed ``tokens`` (B,) into ``cache`` at its next slot; returns the next-token logits (B, V).
 
-    positions: (B,) the tokens' positions (left-padded rows); default: the slot index. Call under
-    ``torch.inference_mode()``."""
+    positions: (B,) the tokens' positions (left-padded rows); default: the slot index.
+    prompts: rows joining with their whole prompts, in the cache rows after the B
+    (``gpt.step_prompts`` at this slot; eager only): their logits follow, (B + prompts, V).
+    Call under ``torch.inference_mode()``."""
     if cache.length >= cache.max_len:
         raise ValueError(f"the KV cache is full ({cache.max_len} slots); re-prefill a shorter window")
     slot = torch.tensor([cache.length], device=tokens.device)
     if positions is None:
         positions = slot.expand(tokens.shape[0])
+    if prompts is not None and compile:
+        raise ValueError("joining prompts ride along an eager step only (a compiled step has fixed shapes)")
     if not compile:
-        logits = _step(model, cache, tokens, positions, slot)
+        logits = _step(model, cache, tokens, positions, slot, prompts)
     else:
         # what the compiled code is specialised on: shapes, dtype, device, padding (not the weights' values)
         shape = (

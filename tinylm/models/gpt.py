@@ -11,9 +11,9 @@ grouped-query attention, no biases (llama2.c / Llama shape).
 This file is the one forward pass: training, evaluation, filling a KV cache with a prompt and
 the one-token decoding step (``GPT.forward(..., cache_slot=)``; compiled: static shapes, every
 cache slot attended under a mask, so one compiled step serves every length; eager: the filled
-slots). ``GPT.prepare_for_decoding`` switches the projections to a layout measured faster for
-one-token rows; tests check every path against the uncached forward and against Hugging Face to
-1e-5.
+slots, and rows joining the step may read their whole prompts in it, ``StepPrompts``).
+``GPT.prepare_for_decoding`` switches the projections to a layout measured faster for one-token
+rows; tests check every path against the uncached forward and against Hugging Face to 1e-5.
 
 Inside a block, submodules are run through ``.forward`` rather than called: at batch 1 on a
 2-core CPU a module call's hook machinery costs about as much as a one-token product, and the
@@ -24,7 +24,9 @@ which the model does call.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
+from dataclasses import dataclass
 from functools import partial
 from typing import Callable
 
@@ -183,6 +185,55 @@ class KVCache:
             self.key_mask = self.key_mask.index_select(0, rows)
 
 
+@dataclass
+class StepPrompts:
+    """Rows joining a decoding step with their whole prompts (``step_prompts``): the step's rows
+    feed one token each and these rows their P prompt tokens, in one forward, so that a row
+    joining a running batch costs a few more rows of the step's products rather than a forward
+    of its own. Each prompt is right-aligned with the step's slot (its last token is written
+    where the step's rows write theirs) in its own cache row, from ``first_row`` on."""
+
+    tokens: torch.Tensor  # (P,) every prompt's tokens, one prompt after another
+    positions: torch.Tensor  # (P,) their positions (each prompt from 0)
+    rows: torch.Tensor  # (P,) each token's cache row
+    slots: torch.Tensor  # (P,) each token's cache slot
+    grid: torch.Tensor  # (P,) each token's place in the (prompts, width) grid, left-padded
+    last: torch.Tensor  # (prompts,) where each prompt's last token is among the P
+    mask: torch.Tensor  # (prompts, 1, width, width) True = may attend (causal, real keys, padding sees itself)
+    first_row: int
+    width: int  # the longest prompt
+    slot: int  # the step's slot
+
+
+def step_prompts(prompts: list[list[int]], first_row: int, slot: int, device) -> StepPrompts:
+    """The ``StepPrompts`` of ``prompts`` joining a step at cache slot ``slot``, in cache rows
+    ``first_row``, ``first_row + 1``, ... (each prompt fits before the slot: len <= slot + 1)."""
+    lengths = [len(p) for p in prompts]
+    width = max(lengths)
+    if width > slot + 1:
+        raise ValueError(f"a prompt of {width} tokens does not fit before cache slot {slot}")
+    offsets = [width - n for n in lengths]  # each prompt's left padding in the grid
+    grid = [j * width + offsets[j] + t for j, n in enumerate(lengths) for t in range(n)]
+    rows = [first_row + j for j, n in enumerate(lengths) for _ in range(n)]
+    positions = [t for n in lengths for t in range(n)]
+    real = torch.arange(width, device=device)[None, :] >= torch.tensor(offsets, device=device)[:, None]
+    causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
+    own = torch.eye(width, dtype=torch.bool, device=device)  # a padding query sees itself: no empty softmax
+    as_long = partial(torch.tensor, dtype=torch.long, device=device)
+    return StepPrompts(
+        tokens=as_long([t for p in prompts for t in p]),
+        positions=as_long(positions),
+        rows=as_long(rows),
+        slots=as_long([slot + 1 - width + g % width for g in grid]),
+        grid=as_long(grid),
+        last=as_long(list(itertools.accumulate(lengths))) - 1,
+        mask=((causal & real[:, None, :]) | own)[:, None],
+        first_row=first_row,
+        width=width,
+        slot=slot,
+    )
+
+
 # ------------------------------------------------------------------------------ linear maps
 class Linear(nn.Linear):
     """``nn.Linear`` with an optional decoding layout: ``decode_layout``, the weight transposed to
@@ -273,10 +324,13 @@ class CausalSelfAttention(nn.Module):
         self.resid_dropout = nn.Dropout(cfg.dropout)
         self.value_embed = nn.Embedding(cfg.vocab_size, kv_width) if cfg.has_value_embedding(layer) else None
 
-    def forward(self, x, rope=None, mask=None, kv_cache=None, layer=0, attention_out=None, idx=None, slot=None):
+    def forward(
+        self, x, rope=None, mask=None, kv_cache=None, layer=0, attention_out=None, idx=None, slot=None, prompts=None
+    ):
         """x (B, T, C) -> (B, T, C); or, with ``slot`` (the decoding step), x (B, C) -> (B, C): the
         new keys and values go into cache slot ``slot`` and ``mask`` is the additive mask over
-        the slots attended, (B Hkv, 1, S) (``GPT._step_mask``)."""
+        the slots attended, (B Hkv, 1, S) (``GPT._step_mask``). With ``prompts`` (``StepPrompts``)
+        the last P of the B rows are joining rows' prompt tokens."""
         B, T = x.shape[0], 1 if slot is not None else x.shape[1]
         H, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
         # one matrix product for q, k and v, then views of its heads: (B, H + 2 Hkv, T, D)
@@ -289,6 +343,15 @@ class CausalSelfAttention(nn.Module):
         if rope is not None:
             qk = apply_rope(qk, *rope)
         q, k = qk[:, :H], qk[:, H:]  # (B, H, T, D), (B, Hkv, T, D)
+        if slot is not None and prompts is not None:
+            n = B - prompts.tokens.numel()  # the step's rows come first
+            y = torch.cat(
+                [
+                    self._attend_every_slot(q[:n], k[:n], v[:n], kv_cache, layer, slot, mask),
+                    self._attend_prompts(q[n:], k[n:], v[n:], kv_cache, layer, prompts),
+                ]
+            )
+            return self.out_proj.forward(y)
         if slot is not None:
             return self.out_proj.forward(self._attend_every_slot(q, k, v, kv_cache, layer, slot, mask))
         if kv_cache is not None:
@@ -332,6 +395,8 @@ class CausalSelfAttention(nn.Module):
         (``GPT._step_mask``); returns (B, H D)."""
         B, H, Hkv, D = q.shape[0], self.n_heads, self.n_kv_heads, self.head_dim
         k_cache, v_cache = kv_cache.k[layer], kv_cache.v[layer]
+        if B < k_cache.shape[0]:  # the first B rows (joining rows follow): still views that merge rows and heads
+            k_cache, v_cache = k_cache[:B], v_cache[:B]
         k_cache.index_copy_(2, slot, k if k.dtype == k_cache.dtype else k.to(k_cache.dtype))
         v_cache.index_copy_(2, slot, v if v.dtype == v_cache.dtype else v.to(v_cache.dtype))
         S = mask_bias.shape[-1]
@@ -348,6 +413,26 @@ class CausalSelfAttention(nn.Module):
         # generated loop slower than the BLAS call (0.92x eager at batch 32, bench_decode_step.py)
         out = weights.new_empty(B * Hkv, H // Hkv, D)
         return torch.baddbmm(out, weights, v_cache.view(B * Hkv, S, D), beta=0).view(B, H * D)
+
+    def _attend_prompts(self, q, k, v, kv_cache, layer, p: StepPrompts) -> torch.Tensor:
+        """The joining prompts' attention in a step: q, k, v (P, H or Hkv, 1, D), one row per
+        prompt token; their keys and values go into their rows' slots, then each prompt attends
+        causally over its own (a left-padded grid of prompts); returns (P, H D)."""
+        H, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
+        k_cache, v_cache = kv_cache.k[layer], kv_cache.v[layer]
+        k_cache[p.rows, :, p.slots] = k[:, :, 0].to(k_cache.dtype)
+        v_cache[p.rows, :, p.slots] = v[:, :, 0].to(v_cache.dtype)
+        J, W = p.last.numel(), p.width
+        window = slice(p.slot + 1 - W, p.slot + 1)
+        keys, values = (
+            k_cache[p.first_row : p.first_row + J, :, window],
+            v_cache[p.first_row : p.first_row + J, :, window],
+        )
+        if Hkv != H:
+            keys, values = keys.repeat_interleave(H // Hkv, dim=1), values.repeat_interleave(H // Hkv, dim=1)
+        queries = q.new_zeros(J * W, H, D).index_copy_(0, p.grid, q[:, :, 0]).view(J, W, H, D).transpose(1, 2)
+        y = F.scaled_dot_product_attention(queries, keys.to(q.dtype), values.to(q.dtype), attn_mask=p.mask)
+        return y.transpose(1, 2).reshape(J * W, H * D).index_select(0, p.grid)
 
 
 def soft_cap(logits: torch.Tensor, cap: float) -> torch.Tensor:
@@ -398,8 +483,10 @@ class Block(nn.Module):
         self.norm2 = make_norm(cfg)
         self.ffn = FeedForward(cfg)
 
-    def forward(self, x, rope=None, mask=None, kv_cache=None, layer=0, attention_out=None, idx=None, slot=None):
-        x = x + self.attn.forward(self.norm1.forward(x), rope, mask, kv_cache, layer, attention_out, idx, slot)
+    def forward(
+        self, x, rope=None, mask=None, kv_cache=None, layer=0, attention_out=None, idx=None, slot=None, prompts=None
+    ):
+        x = x + self.attn.forward(self.norm1.forward(x), rope, mask, kv_cache, layer, attention_out, idx, slot, prompts)
         return x + self.ffn.forward(self.norm2.forward(x))
 
 
@@ -482,6 +569,7 @@ class GPT(nn.Module):
         kv_cache: KVCache | None = None,
         position_ids: torch.Tensor | None = None,
         cache_slot: torch.Tensor | None = None,
+        step_prompts: StepPrompts | None = None,
         loss_reduction: str = "mean",
         label_smoothing: float = 0.0,
         attention_out: list | None = None,
@@ -501,6 +589,7 @@ class GPT(nn.Module):
             filled slots are (the rest are masked anyway, and reading them costs as much as the
             keys themselves). The cache's ``length`` is the caller's to advance
             (``generation.decode.decode_step``).
+        step_prompts: with ``cache_slot`` (eager), joining rows' prompts: logits (B + prompts, 1, V).
         last_logits_only: compute logits for the last position only, (B, 1, V) (generation:
             the output head is a large share of a prompt's compute).
         attention_out: a list to receive each layer's attention weights (B, H, T, S) (forces the
@@ -511,7 +600,7 @@ class GPT(nn.Module):
             while training without a cache (gradient checkpointing: it recomputes in backward).
         """
         if cache_slot is not None:
-            return self._step(idx, kv_cache, position_ids, cache_slot)
+            return self._step(idx, kv_cache, position_ids, cache_slot, step_prompts)
         cfg = self.config
         B, T = idx.shape
         start = kv_cache.length if kv_cache is not None else 0
@@ -584,26 +673,38 @@ class GPT(nn.Module):
         return soft_cap(logits, self.config.logit_softcap) if self.config.logit_softcap is not None else logits
 
     def _step(
-        self, idx: torch.Tensor, kv_cache: KVCache, positions: torch.Tensor | None, slot: torch.Tensor
+        self,
+        idx: torch.Tensor,
+        kv_cache: KVCache,
+        positions: torch.Tensor | None,
+        slot: torch.Tensor,
+        prompts: StepPrompts | None = None,
     ) -> tuple[torch.Tensor, None]:
         """The one-token decoding step (``forward`` with ``cache_slot``): rows of (B, C) throughout,
-        which is what switches the projections to their decoding layout (``Linear``)."""
+        which is what switches the projections to their decoding layout (``Linear``). Joining
+        prompts' tokens are more such rows, after the step's."""
         tokens = idx.view(-1)  # (B,)
-        x, rope = self._embed(tokens, slot.expand(tokens.shape[0]) if positions is None else positions)
-        mask = self._step_mask(kv_cache, slot, x.dtype)
+        B = tokens.shape[0]
+        positions = slot.expand(B) if positions is None else positions
+        if prompts is not None:
+            tokens, positions = torch.cat([tokens, prompts.tokens]), torch.cat([positions, prompts.positions])
+        x, rope = self._embed(tokens, positions)
+        mask = self._step_mask(kv_cache, slot, x.dtype, B)
         for layer, block in enumerate(self.blocks):
-            x = block.forward(x, rope, mask, kv_cache, layer, None, idx, slot)
+            x = block.forward(x, rope, mask, kv_cache, layer, None, tokens, slot, prompts)
+        if prompts is not None:  # each row's next-token logits: the step's rows, then each prompt's last token
+            x = torch.cat([x[:B], x[B:].index_select(0, prompts.last)])
         return self.read_out(x)[:, None], None
 
-    def _step_mask(self, kv_cache: KVCache, slot: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """Additive mask (B Hkv, 1, S): 0 where a key may be seen (filled by now and not padding),
-        -inf elsewhere (slots after ``slot`` are not written yet)."""
-        B, Hkv = kv_cache.batch_size, self.config.n_kv_heads
+    def _step_mask(self, kv_cache: KVCache, slot: torch.Tensor, dtype: torch.dtype, rows: int) -> torch.Tensor:
+        """Additive mask (B Hkv, 1, S) of the cache's first ``rows`` rows (B): 0 where a key may be
+        seen (filled by now and not padding), -inf elsewhere (slots after ``slot`` are not written yet)."""
+        B, Hkv = rows, self.config.n_kv_heads
         # compiled: every slot (one shape for every length); eager: the slots filled so far and this one
         S = kv_cache.max_len if torch.compiler.is_compiling() else kv_cache.length + 1
         visible = torch.arange(S, device=slot.device) <= slot  # (S,)
         if kv_cache.key_mask is not None:
-            visible = visible & kv_cache.key_mask[:, :S]  # (B, S)
+            visible = visible & kv_cache.key_mask[:B, :S]  # (B, S)
         bias = torch.zeros(visible.shape, dtype=dtype, device=slot.device).masked_fill_(~visible, float("-inf"))
         return bias.view(-1, 1, 1, S).expand(B, Hkv, 1, S).reshape(B * Hkv, 1, S)
 
