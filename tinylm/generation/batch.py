@@ -301,7 +301,8 @@ class Batch:
         """Whether ``joining`` rows can ride along this step with their prompts (``_decode_joining``):
         an eager, unbucketed cache, no prompt to score, every prompt fitting before the step's slot."""
         return (
-            not self.bucketed
+            not self.compile
+            and not self.bucketed
             and all(r.prompt_logprobs is None for r in joining)
             and max(len(r.prompt_ids) for r in joining) <= self.cache.length + 1
         )
@@ -313,10 +314,10 @@ class Batch:
         self.model.prepare_for_decoding()
         n, slot = len(self.rows), self.cache.length
         self._make_room(joining, slot)
-        for j, r in enumerate(joining):
-            first = slot + 1 - len(r.prompt_ids)  # the row's first slot
-            self.cache.key_mask[n + j, :first] = False
-            self.cache.key_mask[n + j, first:] = True
+        firsts = torch.tensor([slot + 1 - len(r.prompt_ids) for r in joining], device=self.device)  # first slots
+        self.cache.key_mask[n : n + len(joining)] = (
+            torch.arange(self.cache.max_len, device=self.device) >= firsts[:, None]
+        )
         logits = self._decode(step_prompts([r.prompt_ids for r in joining], n, slot, self.device))
         for r in joining:
             r.cached = len(r.prompt_ids)

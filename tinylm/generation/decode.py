@@ -31,9 +31,8 @@ _limit_raised = threading.local()
 
 
 def _step(model: GPT, cache: KVCache, tokens: torch.Tensor, positions: torch.Tensor, slot: torch.Tensor, prompts=None):
-    return model(tokens[:, None], kv_cache=cache, position_ids=positions, cache_slot=slot, step_prompts=prompts)[0][
-        :, 0
-    ]
+    logits, _ = model(tokens[:, None], kv_cache=cache, position_ids=positions, cache_slot=slot, step_prompts=prompts)
+    return logits[:, 0]
 
 
 def compiled_step(device_type: str) -> Callable:

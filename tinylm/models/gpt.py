@@ -201,7 +201,6 @@ class StepPrompts:
     last: torch.Tensor  # (prompts,) where each prompt's last token is among the P
     mask: torch.Tensor  # (prompts, 1, width, width) True = may attend (causal, real keys, padding sees itself)
     first_row: int
-    width: int  # the longest prompt
     slot: int  # the step's slot
 
 
@@ -229,7 +228,6 @@ def step_prompts(prompts: list[list[int]], first_row: int, slot: int, device) ->
         last=as_long(list(itertools.accumulate(lengths))) - 1,
         mask=((causal & real[:, None, :]) | own)[:, None],
         first_row=first_row,
-        width=width,
         slot=slot,
     )
 
@@ -343,17 +341,13 @@ class CausalSelfAttention(nn.Module):
         if rope is not None:
             qk = apply_rope(qk, *rope)
         q, k = qk[:, :H], qk[:, H:]  # (B, H, T, D), (B, Hkv, T, D)
-        if slot is not None and prompts is not None:
-            n = B - prompts.tokens.numel()  # the step's rows come first
-            y = torch.cat(
-                [
-                    self._attend_every_slot(q[:n], k[:n], v[:n], kv_cache, layer, slot, mask),
-                    self._attend_prompts(q[n:], k[n:], v[n:], kv_cache, layer, prompts),
-                ]
-            )
-            return self.out_proj.forward(y)
-        if slot is not None:
+        if slot is not None and prompts is None:
             return self.out_proj.forward(self._attend_every_slot(q, k, v, kv_cache, layer, slot, mask))
+        if slot is not None:  # the step's rows first, then the joining prompts' tokens
+            n = B - prompts.tokens.numel()
+            y = self._attend_every_slot(q[:n], k[:n], v[:n], kv_cache, layer, slot, mask)
+            y = torch.cat([y, self._attend_prompts(q[n:], k[n:], v[n:], kv_cache, layer, prompts)])
+            return self.out_proj.forward(y)
         if kv_cache is not None:
             start = kv_cache.length
             kv_cache.k[layer][:, :, start : start + T] = k
@@ -422,7 +416,7 @@ class CausalSelfAttention(nn.Module):
         k_cache, v_cache = kv_cache.k[layer], kv_cache.v[layer]
         k_cache[p.rows, :, p.slots] = k[:, :, 0].to(k_cache.dtype)
         v_cache[p.rows, :, p.slots] = v[:, :, 0].to(v_cache.dtype)
-        J, W = p.last.numel(), p.width
+        J, _, W, _ = p.mask.shape  # prompts, the longest prompt
         window = slice(p.slot + 1 - W, p.slot + 1)
         keys, values = (
             k_cache[p.first_row : p.first_row + J, :, window],
