@@ -11,6 +11,7 @@ from tinylm.generation.processors import GenerationConfig
 from tinylm.models.gpt import GPT
 
 PROMPTS = [[2, 5, 6, 7, 9, 30], [2, 9], list(range(2, 28)), [2, 11]]
+ON_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +74,7 @@ def test_a_stop_token_reports_its_log_probability(model):
     assert [t for t, _ in done.stop.top] == logp.topk(2).indices.tolist()
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@ON_CUDA
 def test_cuda_prompt_scores_and_tokens_are_the_cpus(model):
     asks = [True, False, True, True]
     on_cpu = run(model, PROMPTS, asks, join_late={3})
@@ -115,8 +116,9 @@ def test_rows_leaving_drop_unused_slots_once_enough_are_unused(model, long_promp
         assert tokens[i] == generate_many(model, [prompts[i]], cfgs[i])[0].tokens
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=ON_CUDA)])
 @pytest.mark.parametrize("prompt_fits", [True, False])
-def test_rows_joining_a_running_batch_ride_along_its_step(model, prompt_fits, monkeypatch):
+def test_rows_joining_a_running_batch_ride_along_its_step(model, prompt_fits, device, monkeypatch):
     """Rows joining rows that decode are read in the step itself (their prompts are more rows of
     the step's products), not in a prefill of their own, when their prompts fit before the
     step's slot; a longer prompt is prefilled apart. Either way every row gets its tokens alone."""
@@ -137,12 +139,15 @@ def test_rows_joining_a_running_batch_ride_along_its_step(model, prompt_fits, mo
         Row(p, c, lambda e, i=i: tokens[i].append(e.token) if isinstance(e, TokenEvent) else None)
         for i, (p, c) in enumerate(zip(prompts, cfgs))
     ]
-    batch = Batch(model, max_batch=4)
-    batch.step(rows[:1])
-    batch.step()
-    batch.step(rows[1:])
-    while batch.rows:
+    batch = Batch(model.to(device), max_batch=4)
+    try:
+        batch.step(rows[:1])
         batch.step()
+        batch.step(rows[1:])
+        while batch.rows:
+            batch.step()
+    finally:
+        model.cpu()
     assert prefills == ([1] if prompt_fits else [1, 1])
     for i, (p, c) in enumerate(zip(prompts, cfgs)):
-        assert tokens[i] == generate_many(model, [p], c)[0].tokens
+        assert tokens[i] == generate_many(model, [p], c)[0].tokens  # on the CPU

@@ -53,12 +53,17 @@ def test_step_logits_equal_the_full_forward_on_a_left_padded_batch(arch):
     assert cache.length == 5 + 25
 
 
+ON_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=ON_CUDA)])
 @pytest.mark.parametrize("arch", list(ARCHS))
-def test_prompts_joining_a_step_get_the_logits_and_cache_of_their_own_prefill(arch):
+def test_prompts_joining_a_step_get_the_logits_and_cache_of_their_own_prefill(arch, device):
     """Two prompts ride along a step of two decoding rows (``step_prompts``): the rows' logits are
     the plain step's, each prompt's are its forward alone, and its keys and values land
     right-aligned with the step's slot, as a prefill of its own would have put them."""
-    model = tiny(**ARCHS[arch])
+    model = tiny(**ARCHS[arch]).to(device)
+    close = dict(atol=2e-5 if device == "cpu" else 1e-4, rtol=0)
     joining = [[4, 8, 15, 16, 23], [42, 7]]
     with torch.inference_mode():
         cache, last, positions = prefill(model, [[2, 7, 11, 5, 9, 1], [3, 4]], 16)
@@ -68,17 +73,18 @@ def test_prompts_joining_a_step_get_the_logits_and_cache_of_their_own_prefill(ar
         for name in ("k", "v"):
             setattr(cache, name, [torch.cat([t, torch.zeros_like(t)]) for t in getattr(cache, name)])
         first = [cache.length + 1 - len(p) for p in joining]
-        cache.key_mask = torch.cat([cache.key_mask, torch.arange(16)[None, :] >= torch.tensor(first)[:, None]])
-        prompts = step_prompts(joining, 2, cache.length, "cpu")
+        first_slot = torch.tensor(first, device=device)[:, None]
+        cache.key_mask = torch.cat([cache.key_mask, torch.arange(16, device=device)[None, :] >= first_slot])
+        prompts = step_prompts(joining, 2, cache.length, device)
         both = decode_step(model, cache, last.argmax(-1), positions.clone(), prompts=prompts)
         assert both.shape == (4, 61) and cache.length == 7
-        torch.testing.assert_close(both[:2], plain, atol=2e-5, rtol=0)
+        torch.testing.assert_close(both[:2], plain, **close)
         for j, ids in enumerate(joining):
             own, own_last, _ = prefill(model, [ids], len(ids))
-            torch.testing.assert_close(both[2 + j], own_last[0], atol=2e-5, rtol=0)
+            torch.testing.assert_close(both[2 + j], own_last[0], **close)
             for layer in range(len(cache.k)):
-                torch.testing.assert_close(cache.k[layer][2 + j, :, first[j] : 7], own.k[layer][0], atol=2e-5, rtol=0)
-                torch.testing.assert_close(cache.v[layer][2 + j, :, first[j] : 7], own.v[layer][0], atol=2e-5, rtol=0)
+                torch.testing.assert_close(cache.k[layer][2 + j, :, first[j] : 7], own.k[layer][0], **close)
+                torch.testing.assert_close(cache.v[layer][2 + j, :, first[j] : 7], own.v[layer][0], **close)
     with pytest.raises(ValueError, match="does not fit before cache slot 3"):
         step_prompts([[1] * 5], 0, 3, "cpu")
 
