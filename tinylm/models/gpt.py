@@ -36,6 +36,7 @@ import torch.nn.functional as F
 
 from tinylm.config import ModelConfig
 from tinylm.constants import IGNORE_INDEX
+from tinylm.models import cpu_attention
 
 _SDPA_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")  # torch >= 2.5
 
@@ -397,8 +398,11 @@ class CausalSelfAttention(nn.Module):
         if S < k_cache.shape[2]:  # the first S slots of every row: still a view (rows and heads merge)
             k_cache, v_cache = k_cache[:, :, :S], v_cache[:, :, :S]
         # the query heads sharing a kv head are rows of one product: no copy of the cached keys
-        q = q.reshape(B * Hkv, H // Hkv, D)
-        scores = torch.baddbmm(mask_bias, q, k_cache.view(B * Hkv, S, D).transpose(1, 2), alpha=D**-0.5)
+        q, keys, values = q.reshape(B * Hkv, H // Hkv, D), k_cache.view(B * Hkv, S, D), v_cache.view(B * Hkv, S, D)
+        out = cpu_attention.attend(q, keys, values, mask_bias, D**-0.5)  # float32 on the CPU: C loops
+        if out is not None:
+            return out.view(B, H * D)
+        scores = torch.baddbmm(mask_bias, q, keys.transpose(1, 2), alpha=D**-0.5)
         low_precision = scores.dtype in (torch.float16, torch.bfloat16)
         weights = torch.softmax(scores, dim=-1, dtype=torch.float32 if low_precision else None)
         if low_precision:
@@ -406,7 +410,7 @@ class CausalSelfAttention(nn.Module):
         # baddbmm with beta=0, not bmm: on CPU inductor turns a bmm with one query row into a
         # generated loop slower than the BLAS call (0.92x eager at batch 32, bench_decode_step.py)
         out = weights.new_empty(B * Hkv, H // Hkv, D)
-        return torch.baddbmm(out, weights, v_cache.view(B * Hkv, S, D), beta=0).view(B, H * D)
+        return torch.baddbmm(out, weights, values, beta=0).view(B, H * D)
 
     def _attend_prompts(self, q, k, v, kv_cache, layer, p: StepPrompts) -> torch.Tensor:
         """The joining prompts' attention in a step: q, k, v (P, H or Hkv, 1, D), one row per

@@ -1,0 +1,106 @@
+"""The decoding step's attention in C (models/cpu_attention.py): the same numbers as the batched
+products and as SDPA for every layout the step hands it (grouped heads, head sizes that are and
+are not multiples of eight, rows whose masks hide whole blocks of slots), the same decoding step
+and tokens as without it, and the batched products whenever it does not apply or cannot be built."""
+
+import logging
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tinylm.config import ModelConfig
+from tinylm.generation import GenerationConfig, generate_many
+from tinylm.generation.core import prefill
+from tinylm.generation.decode import decode_step
+from tinylm.models import cpu_attention
+from tinylm.models.gpt import GPT
+
+needs_cc = pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler")
+
+
+def step_case(rows, heads, groups, D, S, seed=0):
+    """q (rows heads, groups, D), keys and values as the cache's first S of 2 S slots, and an
+    additive mask per row hiding a random leading run of slots (never the last one)."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(rows * heads, groups, D, generator=g)
+    cache = torch.randn(2, rows * heads, 2 * S, D, generator=g)
+    keys, values = cache[0, :, :S], cache[1, :, :S]
+    first = torch.randint(0, S, (rows,), generator=g)
+    first[0] = S - 1  # one row sees its last slot alone
+    hidden = torch.arange(S)[None, :] < first[:, None]
+    bias = torch.zeros(rows, S).masked_fill_(hidden, float("-inf"))
+    return q, keys, values, bias.repeat_interleave(heads, 0)[:, None, :].contiguous()
+
+
+def reference(q, keys, values, bias, scale):
+    scores = (q.double() @ keys.double().transpose(1, 2)) * scale + bias.double()
+    return (torch.softmax(scores, -1) @ values.double()).float()
+
+
+@needs_cc
+@pytest.mark.parametrize("groups, D", [(1, 32), (2, 32), (1, 64), (3, 24), (1, 5)])
+@pytest.mark.parametrize("S", [1, 8, 37, 96])
+def test_the_loops_equal_the_batched_products_and_sdpa(groups, D, S):
+    q, keys, values, bias = step_case(rows=5, heads=2, groups=groups, D=D, S=S)
+    out = cpu_attention.attend(q, keys, values, bias, D**-0.5)
+    assert out is not None and out.shape == q.shape
+    torch.testing.assert_close(out, reference(q, keys, values, bias, D**-0.5), atol=2e-6, rtol=0)
+    sdpa = F.scaled_dot_product_attention(q[:, None], keys[:, None], values[:, None], attn_mask=bias[:, None])
+    torch.testing.assert_close(out, sdpa[:, 0], atol=2e-6, rtol=0)
+
+
+@needs_cc
+def test_what_hidden_slots_hold_changes_nothing():
+    """A hidden slot's key and value may hold anything (a row's leading padding): NaN changes nothing."""
+    q, keys, values, bias = step_case(rows=4, heads=3, groups=1, D=32, S=40, seed=1)
+    clean = cpu_attention.attend(q, keys, values, bias, 0.2)
+    keys[bias[:, 0] == float("-inf")] = float("nan")
+    values[bias[:, 0] == float("-inf")] = float("nan")
+    assert torch.equal(cpu_attention.attend(q, keys, values, bias, 0.2), clean)
+
+
+def test_the_batched_products_run_where_the_loops_do_not_apply(monkeypatch):
+    q, keys, values, bias = step_case(rows=2, heads=2, groups=1, D=32, S=16)
+    assert cpu_attention.attend(q.bfloat16(), keys.bfloat16(), values.bfloat16(), bias.bfloat16(), 0.2) is None
+    assert cpu_attention.attend(q.requires_grad_(), keys, values, bias, 0.2) is None
+    monkeypatch.setenv(cpu_attention.SWITCH, "0")
+    assert cpu_attention.attend(q.detach(), keys, values, bias, 0.2) is None
+
+
+def test_a_compiler_that_fails_leaves_the_batched_products_and_says_why(monkeypatch, tmp_path, caplog):
+    monkeypatch.setenv("CC", shutil.which("false"))
+    monkeypatch.setenv("TINYLM_CACHE", str(tmp_path))
+    cpu_attention.library.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger="tinylm.models.cpu_attention"):
+            q, keys, values, bias = step_case(rows=2, heads=2, groups=1, D=32, S=16)
+            assert cpu_attention.attend(q, keys, values, bias, 0.2) is None
+        assert "did not build" in caplog.text
+    finally:
+        cpu_attention.library.cache_clear()
+
+
+@needs_cc
+def test_a_decoding_step_and_its_tokens_are_the_same_without_the_loops(monkeypatch):
+    torch.manual_seed(0)
+    cfg = ModelConfig(
+        vocab_size=64, context_length=48, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, positions="rope"
+    )
+    model = GPT(cfg).eval()
+    prompts = [[2, 7, 11, 5, 9, 4, 8], [3, 4], [5, 6, 7]]
+    greedy = GenerationConfig(max_new_tokens=30, temperature=0)
+    results, ran = {}, []
+    attend = cpu_attention.attend
+    monkeypatch.setattr(cpu_attention, "attend", lambda *a: ran.append(attend(*a) is not None) or attend(*a))
+    for switch in ("1", "0"):
+        monkeypatch.setenv(cpu_attention.SWITCH, switch)
+        with torch.inference_mode():
+            cache, last, positions = prefill(model, prompts, 16)
+            model.prepare_for_decoding()
+            step = decode_step(model, cache, last.argmax(-1), positions)
+        results[switch] = step, [r.tokens for r in generate_many(model, prompts, greedy)]
+    assert ran.count(True) == ran.count(False) > 0  # the loops ran in every step with the switch on
+    torch.testing.assert_close(results["1"][0], results["0"][0], atol=2e-5, rtol=0)
+    assert results["1"][1] == results["0"][1]

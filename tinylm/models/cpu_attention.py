@@ -1,0 +1,126 @@
+"""The decoding step's attention on the CPU in C (``cpu_attention.c``), for float32.
+
+Why C: a decoding step's attention is one query row per head over a few dozen cached slots. As
+``torch.baddbmm`` that is hundreds of tiny matrix products a step (rows times heads, twice per
+layer), each paying a library call's setup, and every slot of every row is read even where the
+row's mask hides it (rows joining a running batch leave their leading slots hidden). At 32 rows
+those products were about a third of the server's engine (docs/notes/issue-41.md). The C loops
+go through the slots each row sees, eight at a time through fused multiply-adds, and skip the
+slots it does not (whatever those hold: they score -inf).
+
+The source is compiled on first use with the machine's C compiler (``cc``, or ``$CC``) for the
+CPU it runs on (``-march=native``) into ``~/.cache/tinylm/kernels`` (``$TINYLM_CACHE``), one file
+per source, compiler and CPU, and loaded with ``ctypes`` (a call releases the GIL). Where no
+compiler is found or the build fails, ``attend`` returns None and the caller's batched products
+run instead; ``TINYLM_CPU_ATTENTION=0`` asks for them always (comparisons, tests).
+
+The softmax is computed in the same loop (``expf``, the sum divided out at the end): its numbers
+differ from ``torch.softmax``'s in the last bits, as any two summation orders do.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+SOURCE = Path(__file__).with_suffix(".c")
+SWITCH = "TINYLM_CPU_ATTENTION"  # "0": never use the C loops
+
+
+def enabled() -> bool:
+    return os.environ.get(SWITCH, "1") != "0"
+
+
+def _cpu_signature() -> str:
+    """What the build depends on besides the source and compiler: the CPU's model and flags."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        lines = []
+    wanted = [line for line in lines if line.startswith(("model name", "flags"))][:2]
+    return platform.machine() + "\n" + "\n".join(wanted)
+
+
+def _build(compiler: str, out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:  # then renamed: a reader never sees half a file
+        part = Path(tmp) / out.name
+        cmd = [compiler, "-O3", "-march=native", "-shared", "-fPIC", "-o", str(part), str(SOURCE), "-lm"]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        if done.returncode != 0:
+            raise RuntimeError(done.stderr.strip()[-500:] or f"{compiler} exited {done.returncode}")
+        os.replace(part, out)
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The compiled loops, built on first use; None where they cannot be built here."""
+    compiler = shutil.which(os.environ.get("CC", "cc"))
+    if compiler is None:
+        log.info("no C compiler found: decoding attention uses torch's batched products")
+        return None
+    try:
+        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+        key = hashlib.sha256("\n".join([SOURCE.read_text(), version, _cpu_signature()]).encode()).hexdigest()[:16]
+        cache = Path(os.environ.get("TINYLM_CACHE", Path.home() / ".cache" / "tinylm")) / "kernels"
+        path = cache / f"cpu_attention-{key}.so"
+        if not path.exists():
+            _build(compiler, path)
+        lib = ctypes.CDLL(str(path))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+        log.warning("the C decoding attention did not build (%s): torch's batched products run instead", exc)
+        return None
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    lib.decode_attention.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, ctypes.c_float]
+    lib.decode_attention.restype = ctypes.c_int
+    return lib
+
+
+def _fits(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor) -> bool:
+    """Float32 on the CPU, no gradient wanted, and the layouts the loops read."""
+    f32 = torch.float32
+    return (
+        q.dtype is f32
+        and keys.dtype is f32
+        and values.dtype is f32
+        and bias.dtype is f32
+        and q.is_cpu
+        and keys.is_cpu
+        and not (q.requires_grad or keys.requires_grad or values.requires_grad)
+        and keys.stride()[1:] == (keys.shape[2], 1)
+        and values.stride() == keys.stride()
+        and bias.shape == (keys.shape[0], 1, keys.shape[1])
+        and bias.stride(-1) == 1
+    )
+
+
+def attend(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor, scale: float
+) -> torch.Tensor | None:
+    """softmax(scale q keys^T + bias) values for q (BH, G, D), keys and values (BH, S, D) (views
+    whose slots are D floats apart: the cache's first S slots) and the additive ``bias`` (BH, 1,
+    S); None where the C loops do not apply (another dtype or device, gradients, torch.compile
+    tracing, no compiler), and then the caller computes it."""
+    if not enabled() or torch.compiler.is_compiling() or not _fits(q, keys, values, bias):
+        return None
+    lib = library()
+    if lib is None:
+        return None
+    q = q.contiguous()
+    (BH, G, D), S = q.shape, keys.shape[1]
+    out = torch.empty(BH, G, D)
+    args = (BH, G, S, D, keys.stride(0), bias.stride(0), scale)
+    if lib.decode_attention(q.data_ptr(), keys.data_ptr(), values.data_ptr(), bias.data_ptr(), out.data_ptr(), *args):
+        raise MemoryError(f"no memory for the attention scores of {S} slots")
+    return out
