@@ -104,3 +104,18 @@ def test_a_decoding_step_and_its_tokens_are_the_same_without_the_loops(monkeypat
     assert ran.count(True) == ran.count(False) > 0  # the loops ran in every step with the switch on
     torch.testing.assert_close(results["1"][0], results["0"][0], atol=2e-5, rtol=0)
     assert results["1"][1] == results["0"][1]
+
+
+@needs_cc
+def test_a_cache_folder_that_cannot_be_written_builds_in_the_temporary_folder(monkeypatch, tmp_path):
+    blocked = tmp_path / "a-file"
+    blocked.write_text("not a folder")
+    monkeypatch.setenv("TINYLM_CACHE", str(blocked))
+    monkeypatch.setattr(cpu_attention.tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    cpu_attention.library.cache_clear()
+    try:
+        assert cpu_attention.library() is not None
+        assert [p.parent.name for p in (tmp_path / "tmp").rglob("cpu_attention-*.so")] == ["tinylm-kernels"]
+    finally:
+        cpu_attention.library.cache_clear()

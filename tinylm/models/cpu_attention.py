@@ -3,14 +3,15 @@
 Why C: a decoding step's attention is one query row per head over a few dozen cached slots. As
 ``torch.baddbmm`` that is hundreds of tiny matrix products a step (rows times heads, twice per
 layer), each paying a library call's setup, and every slot of every row is read even where the
-row's mask hides it (rows joining a running batch leave their leading slots hidden). At 32 rows
-those products were about a third of the server's engine (docs/notes/issue-41.md). The C loops
+row's mask hides it (rows joining a running batch leave their leading slots hidden). At 32 clients
+those products were 29% of the server's engine (docs/notes/issue-41.md). The C loops
 go through the slots each row sees, eight at a time through fused multiply-adds, and skip the
 slots it does not (whatever those hold: they score -inf).
 
 The source is compiled on first use with the machine's C compiler (``cc``, or ``$CC``) for the
 CPU it runs on (``-march=native``) into ``~/.cache/tinylm/kernels`` (``$TINYLM_CACHE``), one file
-per source, compiler and CPU, and loaded with ``ctypes`` (a call releases the GIL). Where no
+per source, compiler and CPU (the temporary folder where that one cannot be written), and loaded
+with ``ctypes`` (a call releases the GIL). Where no
 compiler is found or the build fails, ``attend`` returns None and the caller's batched products
 run instead; ``TINYLM_CPU_ATTENTION=0`` asks for them always (comparisons, tests).
 
@@ -63,6 +64,22 @@ def _build(compiler: str, out: Path) -> None:
         os.replace(part, out)
 
 
+def _built(compiler: str, name: str) -> Path:
+    """The library file, built first where it is not there yet: in the cache folder, or in the
+    temporary folder where the cache folder cannot be written."""
+    cache = Path(os.environ.get("TINYLM_CACHE", Path.home() / ".cache" / "tinylm")) / "kernels"
+    for folder in (cache, Path(tempfile.gettempdir()) / "tinylm-kernels"):
+        path = folder / name
+        if path.exists():
+            return path
+        try:
+            _build(compiler, path)
+            return path
+        except OSError:  # not writable: the next folder
+            continue
+    raise RuntimeError(f"neither {cache} nor the temporary folder can be written")
+
+
 @functools.cache
 def library() -> ctypes.CDLL | None:
     """The compiled loops, built on first use; None where they cannot be built here."""
@@ -73,11 +90,7 @@ def library() -> ctypes.CDLL | None:
     try:
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
         key = hashlib.sha256("\n".join([SOURCE.read_text(), version, _cpu_signature()]).encode()).hexdigest()[:16]
-        cache = Path(os.environ.get("TINYLM_CACHE", Path.home() / ".cache" / "tinylm")) / "kernels"
-        path = cache / f"cpu_attention-{key}.so"
-        if not path.exists():
-            _build(compiler, path)
-        lib = ctypes.CDLL(str(path))
+        lib = ctypes.CDLL(str(_built(compiler, f"cpu_attention-{key}.so")))
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
         log.warning("the C decoding attention did not build (%s): torch's batched products run instead", exc)
         return None
