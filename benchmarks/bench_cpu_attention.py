@@ -8,7 +8,7 @@ them: on average half the filled slots), one token each. Timed per batch size:
     step        one call of ``generation.decode.decode_step``, the loops on / off
                 (``TINYLM_CPU_ATTENTION``)
     attention   every layer's attention of that step alone (scores, softmax, weighted values):
-                ``cpu_attention.attend`` / the batched products of ``CausalSelfAttention``
+                ``cpu_attention.attend`` / ``gpt.step_attention_products``
 
     python benchmarks/bench_cpu_attention.py [--quick] [--checkpoint runs/demo] [--batches 1,4,16,32]
                                              [--filled 96] [--json out.json]
@@ -40,7 +40,7 @@ from tinylm.config import ModelConfig  # noqa: E402
 from tinylm.generation.decode import decode_step  # noqa: E402
 from tinylm.interop.loading import load_any_checkpoint  # noqa: E402
 from tinylm.models import cpu_attention  # noqa: E402
-from tinylm.models.gpt import GPT  # noqa: E402
+from tinylm.models.gpt import GPT, step_attention_products  # noqa: E402
 
 DEMO_SHAPE = dict(vocab_size=1024, context_length=128, d_model=192, n_layers=4, n_heads=6, positions="learned")
 
@@ -86,11 +86,8 @@ def attention_runner(model: GPT, cache, batch: int, filled: int, loops: bool):
 
     def run():
         for keys, values in layers:
-            if loops:
-                cpu_attention.attend(q, keys, values, bias, D**-0.5)
-            else:
-                scores = torch.baddbmm(bias, q, keys.transpose(1, 2), alpha=D**-0.5)
-                torch.baddbmm(q.new_empty(q.shape), torch.softmax(scores, -1), values, beta=0)
+            attention = cpu_attention.attend if loops else step_attention_products
+            attention(q, keys, values, bias, D**-0.5)
 
     return run
 

@@ -64,6 +64,8 @@ def test_what_hidden_slots_hold_changes_nothing():
 def test_the_batched_products_run_where_the_loops_do_not_apply(monkeypatch):
     q, keys, values, bias = step_case(rows=2, heads=2, groups=1, D=32, S=16)
     assert cpu_attention.attend(q.bfloat16(), keys.bfloat16(), values.bfloat16(), bias.bfloat16(), 0.2) is None
+    assert cpu_attention.attend(q[:1], keys, values, bias, 0.2) is None  # rows that do not match: never read
+    assert cpu_attention.attend(q, keys, values[:, :8], bias, 0.2) is None
     assert cpu_attention.attend(q.requires_grad_(), keys, values, bias, 0.2) is None
     monkeypatch.setenv(cpu_attention.SWITCH, "0")
     assert cpu_attention.attend(q.detach(), keys, values, bias, 0.2) is None

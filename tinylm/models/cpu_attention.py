@@ -11,9 +11,9 @@ slots it does not (whatever those hold: they score -inf).
 The source is compiled on first use with the machine's C compiler (``cc``, or ``$CC``) for the
 CPU it runs on (``-march=native``) into ``~/.cache/tinylm/kernels`` (``$TINYLM_CACHE``), one file
 per source, compiler and CPU (the temporary folder where that one cannot be written), and loaded
-with ``ctypes`` (a call releases the GIL). Where no
-compiler is found or the build fails, ``attend`` returns None and the caller's batched products
-run instead; ``TINYLM_CPU_ATTENTION=0`` asks for them always (comparisons, tests).
+with ``ctypes`` (a call releases the GIL). Where no compiler is found or the build fails,
+``attend`` returns None and the caller's batched products (``gpt.step_attention_products``) run
+instead; ``TINYLM_CPU_ATTENTION=0`` asks for them always (comparisons, tests).
 
 The softmax is computed in the same loop (``expf``, the sum divided out at the end): its numbers
 differ from ``torch.softmax``'s in the last bits, as any two summation orders do.
@@ -101,7 +101,8 @@ def library() -> ctypes.CDLL | None:
 
 
 def _fits(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor) -> bool:
-    """Float32 on the CPU, no gradient wanted, and the layouts the loops read."""
+    """Float32 on the CPU, no gradient wanted, and the shapes and layouts the loops read (they
+    read raw memory: a shape that does not match would read past a tensor)."""
     f32 = torch.float32
     return (
         q.dtype is f32
@@ -110,7 +111,12 @@ def _fits(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch
         and bias.dtype is f32
         and q.is_cpu
         and keys.is_cpu
+        and values.is_cpu
+        and bias.is_cpu
         and not (q.requires_grad or keys.requires_grad or values.requires_grad)
+        and q.dim() == 3
+        and values.shape == keys.shape
+        and (q.shape[0], q.shape[2]) == (keys.shape[0], keys.shape[2])
         and keys.stride()[1:] == (keys.shape[2], 1)
         and values.stride() == keys.stride()
         and bias.shape == (keys.shape[0], 1, keys.shape[1])
@@ -125,7 +131,8 @@ def attend(
     whose slots are D floats apart: the cache's first S slots) and the additive ``bias`` (BH, 1,
     S); None where the C loops do not apply (another dtype or device, gradients, torch.compile
     tracing, no compiler), and then the caller computes it."""
-    if not enabled() or torch.compiler.is_compiling() or not _fits(q, keys, values, bias):
+    # is_compiling first: a step being compiled traces none of the checks after it
+    if torch.compiler.is_compiling() or not enabled() or not _fits(q, keys, values, bias):
         return None
     lib = library()
     if lib is None:

@@ -400,17 +400,9 @@ class CausalSelfAttention(nn.Module):
         # the query heads sharing a kv head are rows of one product: no copy of the cached keys
         q, keys, values = q.reshape(B * Hkv, H // Hkv, D), k_cache.view(B * Hkv, S, D), v_cache.view(B * Hkv, S, D)
         out = cpu_attention.attend(q, keys, values, mask_bias, D**-0.5)  # float32 on the CPU: C loops
-        if out is not None:
-            return out.view(B, H * D)
-        scores = torch.baddbmm(mask_bias, q, keys.transpose(1, 2), alpha=D**-0.5)
-        low_precision = scores.dtype in (torch.float16, torch.bfloat16)
-        weights = torch.softmax(scores, dim=-1, dtype=torch.float32 if low_precision else None)
-        if low_precision:
-            weights = weights.to(v_cache.dtype)
-        # baddbmm with beta=0, not bmm: on CPU inductor turns a bmm with one query row into a
-        # generated loop slower than the BLAS call (0.92x eager at batch 32, bench_decode_step.py)
-        out = weights.new_empty(B * Hkv, H // Hkv, D)
-        return torch.baddbmm(out, weights, values, beta=0).view(B, H * D)
+        if out is None:
+            out = step_attention_products(q, keys, values, mask_bias, D**-0.5)
+        return out.view(B, H * D)
 
     def _attend_prompts(self, q, k, v, kv_cache, layer, p: StepPrompts) -> torch.Tensor:
         """The joining prompts' attention in a step: q, k, v (P, H or Hkv, 1, D), one row per
@@ -431,6 +423,22 @@ class CausalSelfAttention(nn.Module):
         queries = q.new_zeros(J * W, H, D).index_copy_(0, p.grid, q[:, :, 0]).view(J, W, H, D).transpose(1, 2)
         y = F.scaled_dot_product_attention(queries, keys.to(q.dtype), values.to(q.dtype), attn_mask=p.mask)
         return y.transpose(1, 2).reshape(J * W, H * D).index_select(0, p.grid)
+
+
+def step_attention_products(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask_bias: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """The decoding step's attention as batched products, where ``cpu_attention.attend`` does not
+    apply: softmax(scale q keys^T + mask_bias) values for q (BH, G, D), keys and values (BH, S, D),
+    the softmax in at least float32."""
+    scores = torch.baddbmm(mask_bias, q, keys.transpose(1, 2), alpha=scale)
+    low_precision = scores.dtype in (torch.float16, torch.bfloat16)
+    weights = torch.softmax(scores, dim=-1, dtype=torch.float32 if low_precision else None)
+    if low_precision:
+        weights = weights.to(values.dtype)
+    # baddbmm with beta=0, not bmm: on CPU inductor turns a bmm with one query row into a
+    # generated loop slower than the BLAS call (0.92x eager at batch 32, bench_decode_step.py)
+    return torch.baddbmm(weights.new_empty(q.shape), weights, values, beta=0)
 
 
 def soft_cap(logits: torch.Tensor, cap: float) -> torch.Tensor:
