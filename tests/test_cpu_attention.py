@@ -40,7 +40,7 @@ def reference(q, keys, values, bias, scale):
 
 
 @needs_cc
-@pytest.mark.parametrize("groups, D", [(1, 32), (2, 32), (1, 64), (3, 24), (1, 5)])
+@pytest.mark.parametrize("groups, D", [(1, 32), (2, 32), (1, 64), (1, 16), (3, 24), (1, 5)])
 @pytest.mark.parametrize("S", [1, 8, 37, 96])
 def test_the_loops_equal_the_batched_products_and_sdpa(groups, D, S):
     q, keys, values, bias = step_case(rows=5, heads=2, groups=groups, D=D, S=S)
@@ -52,13 +52,26 @@ def test_the_loops_equal_the_batched_products_and_sdpa(groups, D, S):
 
 
 @needs_cc
-def test_what_hidden_slots_hold_changes_nothing():
-    """A hidden slot's key and value may hold anything (a row's leading padding): NaN changes nothing."""
-    q, keys, values, bias = step_case(rows=4, heads=3, groups=1, D=32, S=40, seed=1)
+@pytest.mark.parametrize("S", [40, 43])
+def test_what_hidden_slots_hold_changes_nothing(S):
+    """A hidden slot's key and value may hold anything (a row's leading padding): NaN changes
+    nothing, in the blocks of eight slots and in the last slots after them (S 43: one row's last
+    slots but one are hidden)."""
+    q, keys, values, bias = step_case(rows=4, heads=3, groups=1, D=32, S=S, seed=1)
     clean = cpu_attention.attend(q, keys, values, bias, 0.2)
     keys[bias[:, 0] == float("-inf")] = float("nan")
     values[bias[:, 0] == float("-inf")] = float("nan")
     assert torch.equal(cpu_attention.attend(q, keys, values, bias, 0.2), clean)
+
+
+@needs_cc
+def test_scores_far_below_the_top_one_weigh_next_to_nothing():
+    """Scores more than 87 below a row's top one (where e^x leaves the normal floats) weigh next to
+    nothing, as in float64; rows whose scores all lie close stay exact."""
+    q, keys, values, bias = step_case(rows=6, heads=2, groups=1, D=32, S=45, seed=2)
+    q[:6] *= 60  # the first three rows: scores hundreds apart
+    out = cpu_attention.attend(q, keys, values, bias, 32**-0.5)
+    torch.testing.assert_close(out, reference(q, keys, values, bias, 32**-0.5), atol=2e-6, rtol=0)
 
 
 def test_the_batched_products_run_where_the_loops_do_not_apply(monkeypatch):

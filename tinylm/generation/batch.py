@@ -454,10 +454,11 @@ class Batch:
             self.cache = self.pending = None
             return
         # the rows beyond the first n that stay fill the places of those that leave: only they are
-        # copied (in place), and the kept rows are the first n of the cache
+        # copied (in place), and the kept rows are the first n of the cache; the cache rows after
+        # those become padding and keep what they hold (nothing is copied into them)
         tail = [i for i in range(n, len(self.rows)) if kept[i]]
         order = [i if kept[i] else tail.pop() for i in range(n)]
-        rest = sorted(set(range(self.cache.batch_size)) - set(order))
+        rest = list(range(n, self.cache.batch_size))
         self.rows = [self.rows[i] for i in order]
         self._rows_changed()
         self.pending = self.pending.index_select(0, torch.tensor(order, dtype=torch.long, device=self.device))
