@@ -90,22 +90,21 @@ static void scores_of(const float *q, const float *k, const float *bias, float *
                       float scale) {
     int64_t s = 0;
 #ifdef EIGHT_WIDE
-    if (D % 8 == 0)
+    if (D % 8 == 0) {
         for (; s + 8 <= S; s += 8) {
             if (any_seen(bias, s))
                 eight_scores(q, k, bias, w, s, D, scale);
             else
                 _mm256_storeu_ps(w + s, _mm256_set1_ps(-INFINITY));
         }
-#endif
-#ifdef EIGHT_WIDE
-    if (D % 8 == 0)
-        for (; s < S; s++) {  /* the last few slots, one at a time */
+        for (; s < S; s++) { /* the last few slots, one at a time */
             __m256 a = _mm256_setzero_ps();
-            for (int64_t d = 0; d < D; d += 8)
-                a = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(k + s * D + d), a);
+            if (!hidden(bias[s]))
+                for (int64_t d = 0; d < D; d += 8)
+                    a = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(k + s * D + d), a);
             w[s] = hidden(bias[s]) ? -INFINITY : sum8(a) * scale + bias[s];
         }
+    }
 #endif
     for (; s < S; s++) {
         if (hidden(bias[s])) {
