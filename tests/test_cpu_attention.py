@@ -40,7 +40,7 @@ def reference(q, keys, values, bias, scale):
 
 
 @needs_cc
-@pytest.mark.parametrize("groups, D", [(1, 32), (2, 32), (1, 64), (1, 16), (3, 24), (1, 5)])
+@pytest.mark.parametrize("groups, D", [(1, 32), (2, 32), (1, 64), (1, 16), (3, 24), (1, 128), (1, 5)])
 @pytest.mark.parametrize("S", [1, 8, 37, 96])
 def test_the_loops_equal_the_batched_products_and_sdpa(groups, D, S):
     q, keys, values, bias = step_case(rows=5, heads=2, groups=groups, D=D, S=S)

@@ -98,11 +98,14 @@ static void scores_of(const float *q, const float *k, const float *bias, float *
                 _mm256_storeu_ps(w + s, _mm256_set1_ps(-INFINITY));
         }
         for (; s < S; s++) { /* the last few slots, one at a time */
+            if (hidden(bias[s])) {
+                w[s] = -INFINITY;
+                continue;
+            }
             __m256 a = _mm256_setzero_ps();
-            if (!hidden(bias[s]))
-                for (int64_t d = 0; d < D; d += 8)
-                    a = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(k + s * D + d), a);
-            w[s] = hidden(bias[s]) ? -INFINITY : sum8(a) * scale + bias[s];
+            for (int64_t d = 0; d < D; d += 8)
+                a = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(k + s * D + d), a);
+            w[s] = sum8(a) * scale + bias[s];
         }
     }
 #endif
@@ -144,12 +147,13 @@ static float softmax_weights(float *w, int64_t S) {
 }
 
 #ifdef EIGHT_WIDE
-/* The weighted values for head sizes 8 n, n at most 8 and a constant where this is inlined (the
-   accumulators stay in registers): n accumulators for each parity of the slot, so that one slot's
-   fused multiply-adds do not wait for the slot's before it. Blocks of eight weights 0 are skipped. */
+/* The weighted values for head sizes 8 n, n at most 16: n accumulators for each parity of the
+   slot, so that one slot's fused multiply-adds do not wait for the slot's before it. Where n is a
+   constant at the call (inlined), the accumulators stay in registers. Blocks of eight weights 0 are
+   skipped. */
 static inline __attribute__((always_inline)) void mix_eights(const float *w, const float *v, float *out, int64_t S,
                                                               float inv, const int n) {
-    __m256 a[8], b[8], zero = _mm256_setzero_ps();
+    __m256 a[16], b[16], zero = _mm256_setzero_ps();
     for (int i = 0; i < n; i++) a[i] = b[i] = zero;
     int64_t s = 0;
     for (; s + 8 <= S; s += 8) {
@@ -180,6 +184,7 @@ static void mix_of(const float *w, const float *v, float *out, int64_t S, int64_
     if (D == 32) return mix_eights(w, v, out, S, inv, 4);
     if (D == 64) return mix_eights(w, v, out, S, inv, 8);
     if (D == 16) return mix_eights(w, v, out, S, inv, 2);
+    if (D % 8 == 0 && D <= 128) return mix_eights(w, v, out, S, inv, (int)(D / 8));
 #endif
     for (int64_t d = 0; d < D; d++) out[d] = 0;
     for (int64_t s = 0; s < S; s++) {
