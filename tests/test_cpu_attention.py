@@ -134,3 +134,29 @@ def test_a_cache_folder_that_cannot_be_written_builds_in_the_temporary_folder(mo
         assert [p.parent.name for p in (tmp_path / "tmp").rglob("cpu_attention-*.so")] == ["tinylm-kernels"]
     finally:
         cpu_attention.library.cache_clear()
+
+
+@needs_cc
+def test_the_step_s_own_keys_and_values_are_written_into_their_slot_in_the_same_pass():
+    q, keys, values, bias = step_case(rows=3, heads=2, groups=2, D=32, S=20, seed=3)
+    g = torch.Generator().manual_seed(4)
+    new_keys, new_values = torch.randn(6, 32, generator=g), torch.randn(6, 32, generator=g)
+    before_k, before_v = keys.clone(), values.clone()
+    out = cpu_attention.attend(q, keys, values, bias, 0.2, (new_keys, new_values, torch.tensor([19])))
+    assert torch.equal(keys[:, 19], new_keys) and torch.equal(values[:, 19], new_values)
+    assert torch.equal(keys[:, :19], before_k[:, :19]) and torch.equal(values[:, :19], before_v[:, :19])
+    torch.testing.assert_close(out, reference(q, keys, values, bias, 0.2), atol=2e-6, rtol=0)
+
+
+@needs_cc
+def test_new_keys_the_loops_cannot_write_leave_the_cache_as_it_was():
+    """A slot past the slots read, or new keys of another shape or dtype: None, and nothing written
+    (the caller then writes and computes with torch)."""
+    q, keys, values, bias = step_case(rows=2, heads=2, groups=1, D=32, S=16)
+    before = keys.clone()
+    new = torch.ones(4, 32), torch.ones(4, 32)
+    assert cpu_attention.attend(q, keys, values, bias, 0.2, (*new, torch.tensor([16]))) is None
+    assert cpu_attention.attend(q, keys, values, bias, 0.2, (*new, torch.tensor([-1]))) is None
+    assert cpu_attention.attend(q, keys, values, bias, 0.2, (new[0][:3], new[1][:3], torch.tensor([3]))) is None
+    assert cpu_attention.attend(q, keys, values, bias, 0.2, (new[0].double(), new[1], torch.tensor([3]))) is None
+    assert torch.equal(keys, before)

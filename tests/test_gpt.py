@@ -1,8 +1,10 @@
+import copy
 import math
 
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from tinylm.config import ModelConfig
 from tinylm.errors import TinyLMError
@@ -252,3 +254,67 @@ def test_fused_qkv_with_grouped_query_heads_is_the_three_separate_projections():
     )
     ref = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(2, 10, 32)
     torch.testing.assert_close(attn(x), attn.out_proj(ref), rtol=0, atol=1e-12)
+
+
+needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs torch built with oneDNN")
+
+
+class OpsCalled(TorchDispatchMode):
+    """The names of the torch ops run inside it."""
+
+    def __init__(self):
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(str(func.overloadpacket))
+        return func(*args, **(kwargs or {}))
+
+
+@needs_onednn
+@pytest.mark.parametrize("rows, blocked", [(1, False), (7, False), (8, True), (33, True)])
+def test_the_decoding_layout_s_blocked_product_is_the_plain_one(rows, blocked):
+    """From 8 rows on (BLOCKED_MIN_ROWS), a projection's decoding product is oneDNN's on its
+    blocked copy of the weights, the tanh GELU inside the up projection's; fewer rows stay MKL's.
+    Both equal F.linear to float32 rounding."""
+    torch.manual_seed(0)
+    model = make(d_model=48, d_ff=96).eval()
+    model.prepare_for_decoding()
+    ffn = model.blocks[0].ffn
+    layout = ffn.up.decode_layout
+    assert layout.blocked is not None and torch.equal(layout.weight_t, ffn.up.weight.t())
+    x = torch.randn(rows, 48)
+    with torch.inference_mode(), OpsCalled() as called:
+        up, gelu, step = ffn.up(x), layout.product(x, gelu_tanh=True), ffn(x)
+    plain = F.linear(x, ffn.up.weight, ffn.up.bias)
+    torch.testing.assert_close(up, plain, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(gelu, F.gelu(plain, approximate="tanh"), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(step, ffn(x[None])[0].detach(), atol=1e-5, rtol=1e-5)  # the forward's rows
+    products = ("mkldnn._linear_pointwise", "aten.addmm", "aten.gelu")
+    # up; up with its GELU; the feed-forward's up with its GELU, then down
+    mkl = ["aten.addmm", "aten.addmm", "aten.gelu", "aten.addmm", "aten.gelu", "aten.addmm"]
+    assert [n for n in called.names if n in products] == (["mkldnn._linear_pointwise"] * 4 if blocked else mkl)
+
+
+def test_a_model_not_in_float32_has_no_blocked_weights_and_decodes_with_torch_s_product():
+    model = make().double().eval()
+    model.prepare_for_decoding()
+    layout = model.blocks[0].attn.qkv.decode_layout
+    assert layout.blocked is None
+    x = torch.randn(16, 32, dtype=torch.float64)
+    with torch.inference_mode():
+        torch.testing.assert_close(model.blocks[0].attn.qkv(x), F.linear(x, layout.weight_t.t(), layout.bias))
+
+
+def test_a_copy_of_a_model_prepared_for_decoding_decodes_with_its_own_weights():
+    """A deep copy (the EMA twin) leaves the decoding layouts behind and makes its own."""
+    model = make().eval()
+    model.prepare_for_decoding()
+    twin = copy.deepcopy(model)
+    assert twin.blocks[0].attn.qkv.decode_layout is None
+    with torch.no_grad():
+        twin.blocks[0].attn.qkv.weight.mul_(2)
+    twin.prepare_for_decoding()
+    layout = twin.blocks[0].attn.qkv.decode_layout
+    assert torch.equal(layout.weight_t, twin.blocks[0].attn.qkv.weight.t())
+    assert not torch.equal(layout.weight_t, model.blocks[0].attn.qkv.decode_layout.weight_t)

@@ -13,6 +13,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define EIGHT_WIDE 1
@@ -205,18 +206,36 @@ static void prefetch_seen(const float *k, const float *v, const float *bias, int
         __builtin_prefetch(p, 0, 3);
 }
 
+/* Asks for a row's slot to be written (its key and its value, D floats each) ahead of the write. */
+static void prefetch_slot(const float *k, const float *v, int64_t D) {
+    for (int64_t d = 0; d < D; d += 16) {
+        __builtin_prefetch(k + d, 1, 3);
+        __builtin_prefetch(v + d, 1, 3);
+    }
+}
+
 /* out (BH, G, D) = softmax(scale * q . keys + bias) . values for every query row of q (BH, G, D).
-   Returns 0, or -1 when scratch memory for the scores could not be had. */
-int decode_attention(const float *q, const float *k, const float *v, const float *bias, float *out, int64_t BH,
-                     int64_t G, int64_t S, int64_t D, int64_t kv_stride, int64_t bias_stride, float scale) {
+   With new_k and new_v (BH, D), row bh's new key and value are first written into its slot
+   `slot` (the step's own token, among the S slots read): the write is the first touch of that
+   line of the cache, and it is asked for with the row's other slots, while the row before is
+   worked on. Returns 0, or -1 when scratch memory for the scores could not be had. */
+int decode_attention(const float *q, float *k, float *v, const float *bias, float *out, int64_t BH, int64_t G,
+                     int64_t S, int64_t D, int64_t kv_stride, int64_t bias_stride, float scale, const float *new_k,
+                     const float *new_v, int64_t slot) {
     float stack[1024], *w = S <= 1024 ? stack : malloc(S * sizeof(float));
     if (w == NULL) return -1;
     for (int64_t bh = 0; bh < BH; bh++) {
         if (bh + 1 < BH) {
             int64_t next = (bh + 1) * kv_stride;
             prefetch_seen(k + next, v + next, bias + (bh + 1) * bias_stride, S, D);
+            if (new_k != NULL) prefetch_slot(k + next + slot * D, v + next + slot * D, D);
         }
-        const float *kb = k + bh * kv_stride, *vb = v + bh * kv_stride, *mb = bias + bh * bias_stride;
+        float *kb = k + bh * kv_stride, *vb = v + bh * kv_stride;
+        const float *mb = bias + bh * bias_stride;
+        if (new_k != NULL) {
+            memcpy(kb + slot * D, new_k + bh * D, D * sizeof(float));
+            memcpy(vb + slot * D, new_v + bh * D, D * sizeof(float));
+        }
         for (int64_t g = 0; g < G; g++) {
             scores_of(q + (bh * G + g) * D, kb, mb, w, S, D, scale);
             mix_of(w, vb, out + (bh * G + g) * D, S, D, softmax_weights(w, S));

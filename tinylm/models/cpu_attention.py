@@ -96,7 +96,8 @@ def library() -> ctypes.CDLL | None:
         log.warning("the C decoding attention did not build (%s): torch's batched products run instead", exc)
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    lib.decode_attention.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, ctypes.c_float]
+    f32 = ctypes.c_float
+    lib.decode_attention.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, f32, ptr, ptr, i64]
     lib.decode_attention.restype = ctypes.c_int
     return lib
 
@@ -125,15 +126,40 @@ def _fits(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch
     )
 
 
+def _fits_new(new: tuple[torch.Tensor, torch.Tensor, torch.Tensor], keys: torch.Tensor) -> bool:
+    """The step's new keys and values (BH, D), float32 and contiguous, and one slot among the S read."""
+    new_keys, new_values, slot = new
+    fits = all(
+        t.dtype is torch.float32
+        and t.is_cpu
+        and not t.requires_grad
+        and t.is_contiguous()
+        and t.shape == (keys.shape[0], keys.shape[2])
+        for t in (new_keys, new_values)
+    )
+    return fits and slot.numel() == 1 and 0 <= int(slot) < keys.shape[1]
+
+
 def attend(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor, scale: float
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    bias: torch.Tensor,
+    scale: float,
+    new: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor | None:
     """softmax(scale q keys^T + bias) values for q (BH, G, D), keys and values (BH, S, D) (views
     whose slots are D floats apart: the cache's first S slots) and the additive ``bias`` (BH, 1,
     S); None where the C loops do not apply (another dtype or device, gradients, torch.compile
-    tracing, no compiler), and then the caller computes it."""
+    tracing, no compiler), and then the caller computes it, having changed nothing.
+
+    ``new``, (new keys (BH, D), new values (BH, D), slot (1,)): the step's own keys and values,
+    written into slot ``slot`` of ``keys`` and ``values`` in the same pass (each row's write then
+    costs no wait of its own: its line is asked for while the row before is worked on)."""
     # is_compiling first: a step being compiled traces none of the checks after it
     if torch.compiler.is_compiling() or not enabled() or not _fits(q, keys, values, bias):
+        return None
+    if new is not None and not _fits_new(new, keys):
         return None
     lib = library()
     if lib is None:
@@ -141,7 +167,8 @@ def attend(
     q = q.contiguous()
     (BH, G, D), S = q.shape, keys.shape[1]
     out = torch.empty(BH, G, D)
-    args = (BH, G, S, D, keys.stride(0), bias.stride(0), scale)
+    written = (new[0].data_ptr(), new[1].data_ptr(), int(new[2])) if new is not None else (None, None, -1)
+    args = (BH, G, S, D, keys.stride(0), bias.stride(0), scale, *written)
     if lib.decode_attention(q.data_ptr(), keys.data_ptr(), values.data_ptr(), bias.data_ptr(), out.data_ptr(), *args):
         raise MemoryError(f"no memory for the attention scores of {S} slots")
     return out

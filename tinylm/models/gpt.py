@@ -28,7 +28,7 @@ import itertools
 import math
 from dataclasses import dataclass
 from functools import partial
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn as nn
@@ -234,22 +234,68 @@ def step_prompts(prompts: list[list[int]], first_row: int, slot: int, device) ->
 
 
 # ------------------------------------------------------------------------------ linear maps
-class Linear(nn.Linear):
-    """``nn.Linear`` with an optional decoding layout: ``decode_layout``, the weight transposed to
-    (in, out) and contiguous, measured 1.3-3x faster than ``nn.Linear``'s (out, in) for the few
-    rows of a decoding step on CPU. A (rows, in) input -- the decoding step's shape; training and
-    prefill pass (B, T, in) -- uses it when set. ``GPT.prepare_for_decoding``, which the decoding
-    core calls before every generation and whenever rows join, sets it and renews it when a weight
-    changed since."""
+BLOCKED_MIN_ROWS = 8  # fewer rows: MKL's product is faster (oneDNN's call costs about 10 us more)
 
-    decode_layout: tuple[torch.Tensor, torch.Tensor | None] | None = None  # (weight (in, out), bias)
+
+class DecodeLayout(NamedTuple):
+    """A projection's weights as the decoding step reads them (never saved).
+
+    ``weight_t``: the weight transposed to (in, out) and contiguous, measured 1.3-3x faster than
+    ``nn.Linear``'s (out, in) for the few rows of a decoding step on CPU. ``blocked``: on a CPU
+    with oneDNN, the float32 weight in oneDNN's blocked layout, for steps of ``BLOCKED_MIN_ROWS``
+    rows or more: MKL packs the weight anew on every product, about a third of a 32-row product's
+    time in the server, where the weights are out of cache between steps; the blocked copy is
+    packed once, and an activation after it runs inside the product (the tanh GELU). Measured on
+    the demo model's step (docs/notes/issue-41.md): 5-9% faster at 16 and 32 rows, the same at 1."""
+
+    weight_t: torch.Tensor
+    bias: torch.Tensor | None
+    blocked: torch.Tensor | None = None
+
+    def __deepcopy__(self, memo) -> None:
+        """A copied model has none (oneDNN's blocked tensor cannot be copied): its own weights get
+        theirs at its first ``prepare_for_decoding``."""
+        return None
+
+    def product(self, x: torch.Tensor, gelu_tanh: bool = False) -> torch.Tensor:
+        """x (rows, in) times the weight, plus the bias; then the tanh GELU where asked."""
+        if (
+            self.blocked is not None
+            and x.shape[0] >= BLOCKED_MIN_ROWS
+            and x.dtype is torch.float32
+            and not x.requires_grad
+            and not torch.compiler.is_compiling()
+        ):
+            post = ("gelu", "tanh") if gelu_tanh else ("none", "")
+            return torch.ops.mkldnn._linear_pointwise(x, self.blocked, self.bias, post[0], [], post[1])
+        y = x @ self.weight_t if self.bias is None else torch.addmm(self.bias, x, self.weight_t)
+        return F.gelu(y, approximate="tanh") if gelu_tanh else y
+
+
+def blocked_weight(weight: torch.Tensor) -> torch.Tensor | None:
+    """oneDNN's blocked copy of ``weight`` (out, in); None where it does not apply (not float32 on
+    the CPU, torch built without oneDNN)."""
+    if weight.dtype is not torch.float32 or not weight.is_cpu or not torch.backends.mkldnn.is_available():
+        return None
+    try:
+        return torch.ops.mkldnn._reorder_linear_weight(weight, 32)  # 32: the rows it is laid out for
+    except (AttributeError, RuntimeError):  # an op this build of torch does not have
+        return None
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` with an optional decoding layout, ``decode_layout`` (``DecodeLayout``). A
+    (rows, in) input -- the decoding step's shape; training and prefill pass (B, T, in) -- uses it
+    when set. ``GPT.prepare_for_decoding``, which the decoding core calls before every generation
+    and whenever rows join, sets it and renews it when a weight changed since."""
+
+    decode_layout: DecodeLayout | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         layout = self.decode_layout
         if layout is None or x.dim() != 2:
             return F.linear(x, self.weight, self.bias)
-        w_t, bias = layout
-        return x @ w_t if bias is None else torch.addmm(bias, x, w_t)
+        return layout.product(x)
 
 
 class FusedLinear(Linear):
@@ -392,15 +438,18 @@ class CausalSelfAttention(nn.Module):
         k_cache, v_cache = kv_cache.k[layer], kv_cache.v[layer]
         if B < k_cache.shape[0]:  # the first B rows (joining rows follow): still views that merge rows and heads
             k_cache, v_cache = k_cache[:B], v_cache[:B]
-        k_cache.index_copy_(2, slot, k if k.dtype == k_cache.dtype else k.to(k_cache.dtype))
-        v_cache.index_copy_(2, slot, v if v.dtype == v_cache.dtype else v.to(v_cache.dtype))
+        k, v = k.to(k_cache.dtype), v.to(v_cache.dtype)  # no copy where the dtypes match
         S = mask_bias.shape[-1]
+        every_slot = k_cache, v_cache
         if S < k_cache.shape[2]:  # the first S slots of every row: still a view (rows and heads merge)
             k_cache, v_cache = k_cache[:, :, :S], v_cache[:, :, :S]
         # the query heads sharing a kv head are rows of one product: no copy of the cached keys
         q, keys, values = q.reshape(B * Hkv, H // Hkv, D), k_cache.view(B * Hkv, S, D), v_cache.view(B * Hkv, S, D)
-        out = cpu_attention.attend(q, keys, values, mask_bias, D**-0.5)  # float32 on the CPU: C loops
-        if out is None:
+        new = k.reshape(B * Hkv, D), v.reshape(B * Hkv, D), slot
+        out = cpu_attention.attend(q, keys, values, mask_bias, D**-0.5, new)  # float32 on the CPU: C loops
+        if out is None:  # the C loops did not apply, and wrote nothing
+            every_slot[0].index_copy_(2, slot, k)
+            every_slot[1].index_copy_(2, slot, v)
             out = step_attention_products(q, keys, values, mask_bias, D**-0.5)
         return out.view(B, H * D)
 
@@ -460,6 +509,7 @@ class FeedForward(nn.Module):
         self.swiglu = cfg.ffn == "swiglu"
         gelu = partial(F.gelu, approximate="tanh")  # tanh: GPT-2's gelu_new
         self.activation = {"relu": F.relu, "relu2": relu_squared}.get(cfg.ffn, gelu)
+        self.tanh_gelu = cfg.ffn == "gelu"
         if self.swiglu:
             self.gate_up = FusedLinear(cfg.d_model, {"gate": cfg.d_ff, "up": cfg.d_ff}, bias=cfg.bias)
             self._register_load_state_dict_pre_hook(join_parts, with_module=True)
@@ -472,6 +522,8 @@ class FeedForward(nn.Module):
         if self.swiglu:
             gate, up = self.gate_up.forward(x).chunk(2, dim=-1)
             h = F.silu(gate) * up
+        elif self.tanh_gelu and x.dim() == 2 and getattr(self.up, "decode_layout", None) is not None:
+            h = self.up.decode_layout.product(x, gelu_tanh=True)  # the decoding step (an int8 up has no layout)
         else:
             h = self.activation(self.up.forward(x))
         h = self.down.forward(h)
@@ -548,11 +600,11 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def prepare_for_decoding(self) -> None:
-        """Give every projection its decoding layout (``Linear.decode_layout``: one transposed
-        copy of the weights, never saved), or renew it when a weight changed since (an optimizer
-        step, ``load_state_dict``, ``.to()``). Call once per generation, not per step: checking
-        the weights costs about as much as a small model's step. An int8 model's layers already
-        hold their integers in that layout (``models.quantize``)."""
+        """Give every projection its decoding layout (``Linear.decode_layout``: a transposed copy of
+        the weights and, where it applies, oneDNN's blocked copy; never saved), or renew it when a
+        weight changed since (an optimizer step, ``load_state_dict``, ``.to()``). Call once per
+        generation, not per step: checking the weights costs about as much as a small model's step.
+        An int8 model's layers already hold their integers in that layout (``models.quantize``)."""
         # buffers too: an int8 model's weights are buffers (its integers and scales)
         key = tuple((t.data_ptr(), t._version, t.dtype, t.device) for t in (*self.parameters(), *self.buffers()))
         if self.__dict__.get("_decoding_layout_of") == key:
@@ -560,7 +612,8 @@ class GPT(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 bias = None if module.bias is None else module.bias.detach()
-                module.decode_layout = (module.weight.detach().t().contiguous(), bias)
+                weight = module.weight.detach()
+                module.decode_layout = DecodeLayout(weight.t().contiguous(), bias, blocked_weight(weight))
         self.__dict__["_decoding_layout_of"] = key
 
     def new_kv_cache(self, batch_size: int, max_len: int | None = None) -> KVCache:
