@@ -272,9 +272,9 @@ class OpsCalled(TorchDispatchMode):
 
 
 @needs_onednn
-@pytest.mark.parametrize("rows, blocked", [(1, False), (7, False), (8, True), (33, True)])
+@pytest.mark.parametrize("rows, blocked", [(1, False), (15, False), (16, True), (33, True)])
 def test_the_decoding_layout_s_blocked_product_is_the_plain_one(rows, blocked):
-    """From 8 rows on (BLOCKED_MIN_ROWS), a projection's decoding product is oneDNN's on its
+    """From 16 rows on (BLOCKED_MIN_ROWS), a projection's decoding product is oneDNN's on its
     blocked copy of the weights, the tanh GELU inside the up projection's; fewer rows stay MKL's.
     Both equal F.linear to float32 rounding."""
     torch.manual_seed(0)
@@ -318,3 +318,14 @@ def test_a_copy_of_a_model_prepared_for_decoding_decodes_with_its_own_weights():
     layout = twin.blocks[0].attn.qkv.decode_layout
     assert torch.equal(layout.weight_t, twin.blocks[0].attn.qkv.weight.t())
     assert not torch.equal(layout.weight_t, model.blocks[0].attn.qkv.decode_layout.weight_t)
+
+
+@needs_onednn
+def test_warming_the_blocked_products_runs_each_once_per_row_count():
+    model = make(d_model=48, d_ff=96).eval()
+    with OpsCalled() as called:
+        model.warm_blocked_products(20)
+    blocked = [m for m in model.modules() if getattr(m, "decode_layout", None) is not None]
+    assert all(m.decode_layout.blocked is not None for m in blocked)
+    assert called.names.count("mkldnn._linear_pointwise") == len(blocked) * 5  # 16 to 20 rows
+    assert "aten.gelu" not in called.names and "aten.addmm" not in called.names

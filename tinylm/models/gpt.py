@@ -234,7 +234,7 @@ def step_prompts(prompts: list[list[int]], first_row: int, slot: int, device) ->
 
 
 # ------------------------------------------------------------------------------ linear maps
-BLOCKED_MIN_ROWS = 8  # fewer rows: MKL's product is faster (oneDNN's call costs about 10 us more)
+BLOCKED_MIN_ROWS = 16  # fewer rows: MKL's products are as fast (oneDNN's call costs about 10 us more)
 
 
 class DecodeLayout(NamedTuple):
@@ -246,7 +246,9 @@ class DecodeLayout(NamedTuple):
     rows or more: MKL packs the weight anew on every product, about a third of a 32-row product's
     time in the server, where the weights are out of cache between steps; the blocked copy is
     packed once, and an activation after it runs inside the product (the tanh GELU). Measured on
-    the demo model's step (docs/notes/issue-41.md): 5-9% faster at 16 and 32 rows, the same at 1."""
+    the demo model's step (docs/notes/issue-41.md): 5-9% faster at 16 and 32 rows, the same at 1.
+    oneDNN builds a kernel for each row count at its first product (about a millisecond):
+    ``GPT.warm_blocked_products`` builds a server's at its start."""
 
     weight_t: torch.Tensor
     bias: torch.Tensor | None
@@ -615,6 +617,23 @@ class GPT(nn.Module):
                 weight = module.weight.detach()
                 module.decode_layout = DecodeLayout(weight.t().contiguous(), bias, blocked_weight(weight))
         self.__dict__["_decoding_layout_of"] = key
+
+    @torch.inference_mode()
+    def warm_blocked_products(self, most_rows: int) -> None:
+        """Run every blocked product (``DecodeLayout``) once for each row count from
+        ``BLOCKED_MIN_ROWS`` to ``most_rows``. oneDNN builds its kernel for a row count at that
+        count's first product, about a millisecond against tens of microseconds after; a server's
+        steps take many row counts (its rows plus the tokens of the prompts joining), and built at
+        its start, no request waits for them."""
+        self.prepare_for_decoding()
+        gelu_ups = {id(m.up) for m in self.modules() if isinstance(m, FeedForward) and m.tanh_gelu}
+        for module in self.modules():
+            layout = getattr(module, "decode_layout", None)
+            if layout is None or layout.blocked is None:
+                continue
+            gelu = id(module) in gelu_ups  # the up projection's product has the GELU inside
+            for rows in range(BLOCKED_MIN_ROWS, most_rows + 1):
+                layout.product(layout.weight_t.new_zeros(rows, layout.weight_t.shape[0]), gelu_tanh=gelu)
 
     def new_kv_cache(self, batch_size: int, max_len: int | None = None) -> KVCache:
         p = self.tok_emb.weight

@@ -53,6 +53,8 @@ class Scheduler:
         self.after_pass: Callable[[], None] | None = None
         if compile and one_shape:
             self._compile_buckets()
+        elif not compile and hasattr(model, "warm_blocked_products"):
+            model.warm_blocked_products(2 * max_batch)  # a step's rows, and as many prompt tokens joining
         self._thread = threading.Thread(target=self._loop, name=f"tinylm-decode-{name}", daemon=True)
         self._thread.start()
 

@@ -1,0 +1,147 @@
+"""The decoding step with oneDNN's blocked products (``gpt.DecodeLayout.blocked``) against the same
+step with MKL's products alone, on the CPU, alternated (A B A B ...), medians reported.
+
+A step like a server's running batch (``bench_cpu_attention.step_runner``: ``batch`` rows in a cache
+filled to ``--filled`` slots, each row's leading slots hidden), timed two ways per batch size:
+
+    warm    the step again and again: the weights stay in the caches between steps
+    cold    a 32 MB buffer is written before each step (its own time measured apart and taken
+            off), as the server's other work does between steps: the weights come from memory
+
+Steps of fewer than ``gpt.BLOCKED_MIN_ROWS`` rows run MKL's products both ways (the two columns
+then time the same code).
+
+    python benchmarks/bench_blocked_products.py [--quick] [--checkpoint runs/demo] [--batches 1,8,16,32]
+                                                [--filled 64] [--json out.json]
+
+Without the checkpoint, a model of the demo's shape with random weights. ``--json PATH`` writes
+{"rows": [{"batch", "filled", "warm_blocked_us", "warm_mkl_us", "warm_speedup", "cold_blocked_us",
+"cold_mkl_us", "cold_speedup"}], "setup": {...}}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from bench_cpu_attention import DEMO_SHAPE, step_runner  # noqa: E402
+from bench_decode_step import time_alternately  # noqa: E402
+
+from tinylm.config import ModelConfig  # noqa: E402
+from tinylm.interop.loading import load_any_checkpoint  # noqa: E402
+from tinylm.models.gpt import GPT, Linear  # noqa: E402
+
+EVICT_FLOATS = 8 * 1024 * 1024  # 32 MB: the L3 cache of the machines this was measured on
+
+
+def with_layouts(run, layers: list[Linear], layouts: list):
+    """``run`` with ``layouts`` given to ``layers`` first (the blocked ones, or MKL's alone)."""
+
+    def call():
+        for layer, layout in zip(layers, layouts):
+            layer.decode_layout = layout
+        run()
+
+    return call
+
+
+def after_eviction(run, buffer: torch.Tensor):
+    def call():
+        buffer.mul_(1.0)
+        run()
+
+    return call
+
+
+def measure(model: GPT, batches: list[int], filled: int, steps: int, repeats: int) -> list[dict]:
+    model.prepare_for_decoding()
+    layers = [m for m in model.modules() if isinstance(m, Linear) and m.decode_layout is not None]
+    blocked = [m.decode_layout for m in layers]
+    mkl = [layout._replace(blocked=None) for layout in blocked]
+    buffer = torch.ones(EVICT_FLOATS)
+    rows = []
+    for batch in batches:
+        step, _ = step_runner(model, batch, filled)
+        runners = {
+            "warm_blocked": with_layouts(step, layers, blocked),
+            "warm_mkl": with_layouts(step, layers, mkl),
+            "evict": lambda: buffer.mul_(1.0),
+            "cold_blocked": with_layouts(after_eviction(step, buffer), layers, blocked),
+            "cold_mkl": with_layouts(after_eviction(step, buffer), layers, mkl),
+        }
+        for run in runners.values():  # warm allocators and oneDNN's kernels for this shape
+            for _ in range(3):
+                run()
+        us = time_alternately(runners, steps, repeats)
+        row = {"batch": batch, "filled": filled}
+        for way in ("warm", "cold"):
+            less = us["evict"] if way == "cold" else 0.0
+            row[f"{way}_blocked_us"] = round(us[f"{way}_blocked"] - less, 1)
+            row[f"{way}_mkl_us"] = round(us[f"{way}_mkl"] - less, 1)
+            row[f"{way}_speedup"] = round(row[f"{way}_mkl_us"] / row[f"{way}_blocked_us"], 3)
+        rows.append(row)
+    for layer, layout in zip(layers, blocked):
+        layer.decode_layout = layout
+    return rows
+
+
+def print_table(rows: list[dict]) -> None:
+    print(
+        "| batch | filled slots | warm: blocked us | warm: MKL us | speedup "
+        "| cold: blocked us | cold: MKL us | speedup |"
+    )
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        print(
+            f"| {r['batch']} | {r['filled']} | {r['warm_blocked_us']:,.0f} | {r['warm_mkl_us']:,.0f} | "
+            f"{r['warm_speedup']:.2f}x | {r['cold_blocked_us']:,.0f} | {r['cold_mkl_us']:,.0f} | "
+            f"{r['cold_speedup']:.2f}x |"
+        )
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--checkpoint", default=str(REPO / "runs" / "demo"), help="run directory or checkpoint")
+    p.add_argument("--batches", default="1,8,16,32", help="batch sizes, comma-separated")
+    p.add_argument("--filled", type=int, default=64, help="cache slots filled before the step")
+    p.add_argument("--threads", type=int, default=1, help="torch threads")
+    p.add_argument("--steps", type=int, default=100, help="calls per timed run")
+    p.add_argument("--repeats", type=int, default=9, help="alternating runs per batch size (median reported)")
+    p.add_argument("--quick", action="store_true", help="batches 1 and 16, 20 calls, 3 repeats (seconds)")
+    p.add_argument("--json", help="write the rows here")
+    a = p.parse_args(argv)
+    if a.quick:
+        a.batches, a.steps, a.repeats = "1,16", 20, 3
+    torch.set_num_threads(a.threads)
+    if Path(a.checkpoint).exists():
+        model, source = load_any_checkpoint(a.checkpoint)[0].eval(), a.checkpoint
+    else:
+        torch.manual_seed(0)
+        model, source = GPT(ModelConfig(**DEMO_SHAPE)).eval(), "random weights, the demo's shape (no checkpoint)"
+    if not 0 < a.filled < model.config.context_length:
+        p.error(f"--filled {a.filled}: between 1 and the context ({model.config.context_length}) minus one")
+    model.prepare_for_decoding()
+    if model.blocks[0].ffn.down.decode_layout.blocked is None:
+        print("no blocked weights here (torch without oneDNN, or a model not in float32): nothing to compare")
+        return 2
+    with torch.inference_mode():
+        rows = measure(model, [int(b) for b in a.batches.split(",")], a.filled, a.steps, a.repeats)
+    print(f"model: {source}; {platform.processor() or platform.machine()}, {a.threads} thread(s)")
+    print_table(rows)
+    if a.json:
+        setup = {"checkpoint": source, "threads": a.threads, "steps": a.steps, "repeats": a.repeats}
+        Path(a.json).write_text(json.dumps({"rows": rows, "setup": setup}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
