@@ -129,15 +129,20 @@ def _fits(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch
 def _fits_new(new: tuple[torch.Tensor, torch.Tensor, torch.Tensor], keys: torch.Tensor) -> bool:
     """The step's new keys and values (BH, D), float32 and contiguous, and one slot among the S read."""
     new_keys, new_values, slot = new
-    fits = all(
-        t.dtype is torch.float32
-        and t.is_cpu
-        and not t.requires_grad
-        and t.is_contiguous()
-        and t.shape == (keys.shape[0], keys.shape[2])
-        for t in (new_keys, new_values)
+    shape = (keys.shape[0], keys.shape[2])
+    return (
+        new_keys.dtype is torch.float32
+        and new_values.dtype is torch.float32
+        and new_keys.shape == shape
+        and new_values.shape == shape
+        and new_keys.is_contiguous()
+        and new_values.is_contiguous()
+        and new_keys.is_cpu
+        and new_values.is_cpu
+        and not (new_keys.requires_grad or new_values.requires_grad)
+        and slot.numel() == 1
+        and 0 <= int(slot) < keys.shape[1]
     )
-    return fits and slot.numel() == 1 and 0 <= int(slot) < keys.shape[1]
 
 
 def attend(

@@ -261,16 +261,17 @@ class DecodeLayout(NamedTuple):
 
     def product(self, x: torch.Tensor, gelu_tanh: bool = False) -> torch.Tensor:
         """x (rows, in) times the weight, plus the bias; then the tanh GELU where asked."""
+        weight_t, bias, blocked = self  # unpacked: a step makes a product per projection
         if (
-            self.blocked is not None
+            blocked is not None
             and x.shape[0] >= BLOCKED_MIN_ROWS
             and x.dtype is torch.float32
             and not x.requires_grad
             and not torch.compiler.is_compiling()
         ):
             post = ("gelu", "tanh") if gelu_tanh else ("none", "")
-            return torch.ops.mkldnn._linear_pointwise(x, self.blocked, self.bias, post[0], [], post[1])
-        y = x @ self.weight_t if self.bias is None else torch.addmm(self.bias, x, self.weight_t)
+            return torch.ops.mkldnn._linear_pointwise(x, blocked, bias, post[0], [], post[1])
+        y = x @ weight_t if bias is None else torch.addmm(bias, x, weight_t)
         return F.gelu(y, approximate="tanh") if gelu_tanh else y
 
 
@@ -440,7 +441,8 @@ class CausalSelfAttention(nn.Module):
         k_cache, v_cache = kv_cache.k[layer], kv_cache.v[layer]
         if B < k_cache.shape[0]:  # the first B rows (joining rows follow): still views that merge rows and heads
             k_cache, v_cache = k_cache[:B], v_cache[:B]
-        k, v = k.to(k_cache.dtype), v.to(v_cache.dtype)  # no copy where the dtypes match
+        if k.dtype != k_cache.dtype:
+            k, v = k.to(k_cache.dtype), v.to(v_cache.dtype)
         S = mask_bias.shape[-1]
         every_slot = k_cache, v_cache
         if S < k_cache.shape[2]:  # the first S slots of every row: still a view (rows and heads merge)
