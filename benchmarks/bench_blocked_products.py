@@ -21,9 +21,6 @@ Without the checkpoint, a model of the demo's shape with random weights. ``--jso
 
 from __future__ import annotations
 
-import argparse
-import json
-import platform
 import sys
 from pathlib import Path
 
@@ -33,11 +30,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from bench_cpu_attention import DEMO_SHAPE, step_runner  # noqa: E402
+from bench_cpu_attention import report, step_arguments, step_model, step_runner  # noqa: E402
 from bench_decode_step import time_alternately  # noqa: E402
 
-from tinylm.config import ModelConfig  # noqa: E402
-from tinylm.interop.loading import load_any_checkpoint  # noqa: E402
 from tinylm.models.gpt import GPT, Linear  # noqa: E402
 
 EVICT_FLOATS = 8 * 1024 * 1024  # 32 MB: the L3 cache of the machines this was measured on
@@ -109,37 +104,19 @@ def print_table(rows: list[dict]) -> None:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--checkpoint", default=str(REPO / "runs" / "demo"), help="run directory or checkpoint")
-    p.add_argument("--batches", default="1,8,16,32", help="batch sizes, comma-separated")
-    p.add_argument("--filled", type=int, default=64, help="cache slots filled before the step")
-    p.add_argument("--threads", type=int, default=1, help="torch threads")
-    p.add_argument("--steps", type=int, default=100, help="calls per timed run")
-    p.add_argument("--repeats", type=int, default=9, help="alternating runs per batch size (median reported)")
-    p.add_argument("--quick", action="store_true", help="batches 1 and 16, 20 calls, 3 repeats (seconds)")
-    p.add_argument("--json", help="write the rows here")
+    p = step_arguments(__doc__, batches="1,8,16,32", filled=64, steps=100, repeats=9)
     a = p.parse_args(argv)
     if a.quick:
         a.batches, a.steps, a.repeats = "1,16", 20, 3
     torch.set_num_threads(a.threads)
-    if Path(a.checkpoint).exists():
-        model, source = load_any_checkpoint(a.checkpoint)[0].eval(), a.checkpoint
-    else:
-        torch.manual_seed(0)
-        model, source = GPT(ModelConfig(**DEMO_SHAPE)).eval(), "random weights, the demo's shape (no checkpoint)"
-    if not 0 < a.filled < model.config.context_length:
-        p.error(f"--filled {a.filled}: between 1 and the context ({model.config.context_length}) minus one")
+    model, source = step_model(p, a)
     model.prepare_for_decoding()
     if model.blocks[0].ffn.down.decode_layout.blocked is None:
         print("no blocked weights here (torch without oneDNN, or a model not in float32): nothing to compare")
         return 2
     with torch.inference_mode():
         rows = measure(model, [int(b) for b in a.batches.split(",")], a.filled, a.steps, a.repeats)
-    print(f"model: {source}; {platform.processor() or platform.machine()}, {a.threads} thread(s)")
-    print_table(rows)
-    if a.json:
-        setup = {"checkpoint": source, "threads": a.threads, "steps": a.steps, "repeats": a.repeats}
-        Path(a.json).write_text(json.dumps({"rows": rows, "setup": setup}, indent=1))
+    report(rows, a, source, print_table)
     return 0
 
 

@@ -128,23 +128,24 @@ def print_table(rows: list[dict]) -> None:
         )
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def step_arguments(doc: str, batches: str, filled: int, steps: int, repeats: int) -> argparse.ArgumentParser:
+    """The arguments of a benchmark timing the decoding step two ways (this one's and
+    ``bench_blocked_products.py``'s); ``--quick``: batches 1 and 16, 20-30 calls, 3 repeats."""
+    p = argparse.ArgumentParser(description=doc.splitlines()[0])
     p.add_argument("--checkpoint", default=str(REPO / "runs" / "demo"), help="run directory or checkpoint")
-    p.add_argument("--batches", default="1,4,16,32", help="batch sizes, comma-separated")
-    p.add_argument("--filled", type=int, default=96, help="cache slots filled before the step")
+    p.add_argument("--batches", default=batches, help="batch sizes, comma-separated")
+    p.add_argument("--filled", type=int, default=filled, help="cache slots filled before the step")
     p.add_argument("--threads", type=int, default=1, help="torch threads")
-    p.add_argument("--steps", type=int, default=200, help="calls per timed run")
-    p.add_argument("--repeats", type=int, default=7, help="alternating runs per batch size (median reported)")
-    p.add_argument("--quick", action="store_true", help="batches 1 and 16, 30 calls, 3 repeats (seconds)")
+    p.add_argument("--steps", type=int, default=steps, help="calls per timed run")
+    p.add_argument("--repeats", type=int, default=repeats, help="alternating runs per batch size (median reported)")
+    p.add_argument("--quick", action="store_true", help="batches 1 and 16, a few calls, 3 repeats (seconds)")
     p.add_argument("--json", help="write the rows here")
-    a = p.parse_args(argv)
-    if a.quick:
-        a.batches, a.steps, a.repeats = "1,16", 30, 3
-    torch.set_num_threads(a.threads)
-    if cpu_attention.library() is None:
-        print("the C loops did not build on this machine (no C compiler?): nothing to compare")
-        return 2
+    return p
+
+
+def step_model(p: argparse.ArgumentParser, a: argparse.Namespace) -> tuple[GPT, str]:
+    """The checkpoint's model, or one of the demo's shape with random weights where there is none
+    (the time does not depend on the weights), and what it is; ``--filled`` checked against it."""
     if Path(a.checkpoint).exists():
         model, source = load_any_checkpoint(a.checkpoint)[0].eval(), a.checkpoint
     else:
@@ -152,13 +153,30 @@ def main(argv=None) -> int:
         model, source = GPT(ModelConfig(**DEMO_SHAPE)).eval(), "random weights, the demo's shape (no checkpoint)"
     if not 0 < a.filled < model.config.context_length:
         p.error(f"--filled {a.filled}: between 1 and the context ({model.config.context_length}) minus one")
-    with torch.inference_mode():
-        rows = measure(model, [int(b) for b in a.batches.split(",")], a.filled, a.steps, a.repeats)
+    return model, source
+
+
+def report(rows: list[dict], a: argparse.Namespace, source: str, print_table) -> None:
     print(f"model: {source}; {platform.processor() or platform.machine()}, {a.threads} thread(s)")
     print_table(rows)
     if a.json:
         setup = {"checkpoint": source, "threads": a.threads, "steps": a.steps, "repeats": a.repeats}
         Path(a.json).write_text(json.dumps({"rows": rows, "setup": setup}, indent=1))
+
+
+def main(argv=None) -> int:
+    p = step_arguments(__doc__, batches="1,4,16,32", filled=96, steps=200, repeats=7)
+    a = p.parse_args(argv)
+    if a.quick:
+        a.batches, a.steps, a.repeats = "1,16", 30, 3
+    torch.set_num_threads(a.threads)
+    if cpu_attention.library() is None:
+        print("the C loops did not build on this machine (no C compiler?): nothing to compare")
+        return 2
+    model, source = step_model(p, a)
+    with torch.inference_mode():
+        rows = measure(model, [int(b) for b in a.batches.split(",")], a.filled, a.steps, a.repeats)
+    report(rows, a, source, print_table)
     return 0
 
 
