@@ -126,23 +126,24 @@ def _fits(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch
     )
 
 
-def _fits_new(new: tuple[torch.Tensor, torch.Tensor, torch.Tensor], keys: torch.Tensor) -> bool:
-    """The step's new keys and values (BH, D), float32 and contiguous, and one slot among the S read."""
-    new_keys, new_values, slot = new
-    shape = (keys.shape[0], keys.shape[2])
-    return (
+def _new_rows(new: tuple[torch.Tensor, torch.Tensor, torch.Tensor], BH: int, D: int, S: int) -> tuple | None:
+    """The step's new keys and values as (BH, D) float32 rows, contiguous, and their slot as an
+    int; None where they do not fit (another dtype or device, gradients, another size, a slot
+    outside the S read)."""
+    new_keys, new_values, slot = new  # checked one by one: this runs in every layer of every step
+    if not (
         new_keys.dtype is torch.float32
         and new_values.dtype is torch.float32
-        and new_keys.shape == shape
-        and new_values.shape == shape
-        and new_keys.is_contiguous()
-        and new_values.is_contiguous()
         and new_keys.is_cpu
         and new_values.is_cpu
         and not (new_keys.requires_grad or new_values.requires_grad)
-        and slot.numel() == 1
-        and 0 <= int(slot) < keys.shape[1]
-    )
+        and new_keys.numel() == BH * D == new_values.numel()
+    ):
+        return None
+    at = int(slot) if slot.numel() == 1 else -1
+    if not 0 <= at < S:
+        return None
+    return new_keys.reshape(BH, D).contiguous(), new_values.reshape(BH, D).contiguous(), at
 
 
 def attend(
@@ -158,21 +159,22 @@ def attend(
     S); None where the C loops do not apply (another dtype or device, gradients, torch.compile
     tracing, no compiler), and then the caller computes it, having changed nothing.
 
-    ``new``, (new keys (BH, D), new values (BH, D), slot (1,)): the step's own keys and values,
+    ``new``, (new keys, new values, slot (1,)), BH D elements each: the step's own keys and values,
     written into slot ``slot`` of ``keys`` and ``values`` in the same pass (each row's write then
     costs no wait of its own: its line is asked for while the row before is worked on)."""
     # is_compiling first: a step being compiled traces none of the checks after it
     if torch.compiler.is_compiling() or not enabled() or not _fits(q, keys, values, bias):
         return None
-    if new is not None and not _fits_new(new, keys):
+    (BH, G, D), S = q.shape, keys.shape[1]
+    rows = None if new is None else _new_rows(new, BH, D, S)
+    if new is not None and rows is None:
         return None
     lib = library()
     if lib is None:
         return None
     q = q.contiguous()
-    (BH, G, D), S = q.shape, keys.shape[1]
     out = torch.empty(BH, G, D)
-    written = (new[0].data_ptr(), new[1].data_ptr(), int(new[2])) if new is not None else (None, None, -1)
+    written = (rows[0].data_ptr(), rows[1].data_ptr(), rows[2]) if rows is not None else (None, None, -1)
     args = (BH, G, S, D, keys.stride(0), bias.stride(0), scale, *written)
     if lib.decode_attention(q.data_ptr(), keys.data_ptr(), values.data_ptr(), bias.data_ptr(), out.data_ptr(), *args):
         raise MemoryError(f"no memory for the attention scores of {S} slots")

@@ -449,8 +449,7 @@ class CausalSelfAttention(nn.Module):
             k_cache, v_cache = k_cache[:, :, :S], v_cache[:, :, :S]
         # the query heads sharing a kv head are rows of one product: no copy of the cached keys
         q, keys, values = q.reshape(B * Hkv, H // Hkv, D), k_cache.view(B * Hkv, S, D), v_cache.view(B * Hkv, S, D)
-        new = k.reshape(B * Hkv, D), v.reshape(B * Hkv, D), slot
-        out = cpu_attention.attend(q, keys, values, mask_bias, D**-0.5, new)  # float32 on the CPU: C loops
+        out = cpu_attention.attend(q, keys, values, mask_bias, D**-0.5, (k, v, slot))  # float32 on the CPU: C loops
         if out is None:  # the C loops did not apply, and wrote nothing
             every_slot[0].index_copy_(2, slot, k)
             every_slot[1].index_copy_(2, slot, v)
