@@ -1,7 +1,8 @@
 """The decoding step's attention in C (models/cpu_attention.py): the same numbers as the batched
 products and as SDPA for every layout the step hands it (grouped heads, head sizes that are and
 are not multiples of eight, rows whose masks hide whole blocks of slots), the same decoding step
-and tokens as without it, and the batched products whenever it does not apply or cannot be built."""
+and tokens as without it (joining prompts too), and the batched products whenever it does not
+apply or cannot be built."""
 
 import logging
 import shutil
@@ -12,6 +13,7 @@ import torch.nn.functional as F
 
 from tinylm.config import ModelConfig
 from tinylm.generation import GenerationConfig, generate_many
+from tinylm.generation.batch import Batch, Row
 from tinylm.generation.core import prefill
 from tinylm.generation.decode import decode_step
 from tinylm.models import cpu_attention
@@ -159,4 +161,54 @@ def test_new_keys_the_loops_cannot_write_leave_the_cache_as_it_was():
     assert cpu_attention.attend(q, keys, values, bias, 0.2, (*new, torch.tensor([-1]))) is None
     assert cpu_attention.attend(q, keys, values, bias, 0.2, (new[0][:3], new[1][:3], torch.tensor([3]))) is None
     assert cpu_attention.attend(q, keys, values, bias, 0.2, (new[0].double(), new[1], torch.tensor([3]))) is None
+    assert torch.equal(keys, before)
+
+
+@needs_cc
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_prompts_joining_a_step_attend_in_the_loops_as_in_sdpa(monkeypatch, kv_heads):
+    """Two prompts of different lengths join a running row: in the loops each token writes its key
+    and value into its row's slot and attends over its own prompt up to itself, as SDPA's
+    left-padded grid does (the logits and every cache slot agree, and the loops did run)."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=64, context_length=48, d_model=64, n_layers=2, n_heads=4, n_kv_heads=kv_heads)
+    model = GPT(cfg).eval()
+    greedy = GenerationConfig(max_new_tokens=20, temperature=0)
+    attend, ran, out = cpu_attention.attend, [], {}
+
+    def spy(*args, rows=None, **kwargs):
+        result = attend(*args, rows=rows, **kwargs)
+        if rows is not None:
+            ran.append(result is not None)
+        return result
+
+    monkeypatch.setattr(cpu_attention, "attend", spy)
+    for switch in ("1", "0"):
+        monkeypatch.setenv(cpu_attention.SWITCH, switch)
+        batch = Batch(model, max_batch=4)
+        batch.step([Row([2, 7, 11, 5, 9, 4, 8, 3], greedy, lambda e: None)])
+        for _ in range(3):
+            batch.step()
+        joining = [Row([3, 4, 5], greedy, lambda e: None), Row([5, 6, 7, 8, 9, 10], greedy, lambda e: None)]
+        out[switch] = batch.forward(joining), [t.clone() for t in (*batch.cache.k, *batch.cache.v)]
+    assert ran == [True, True, False, False]  # both layers in the loops, then both without
+    torch.testing.assert_close(out["1"][0], out["0"][0], atol=2e-5, rtol=0)
+    for with_loops, without in zip(out["1"][1], out["0"][1]):
+        torch.testing.assert_close(with_loops, without, atol=2e-5, rtol=0)
+
+
+@needs_cc
+def test_prompt_rows_outside_the_cache_are_refused_and_write_nothing():
+    """The loops index raw memory with the tokens' rows and slots: one out of range and the call
+    returns None having written nothing (the caller's torch path runs)."""
+    q, keys, values, _ = step_case(rows=3, heads=2, groups=1, D=32, S=12)
+    bias = torch.zeros(2, 1, 12)
+    new, before = (torch.ones(4, 32), torch.ones(4, 32)), keys.clone()
+    good_rows, good_slots = torch.tensor([1, 1]), torch.tensor([4, 5])
+    assert cpu_attention.attend(q[:4], keys, values, bias, 0.2, (*new, good_slots), rows=good_rows) is not None
+    keys.copy_(before)
+    assert cpu_attention.attend(q[:4], keys, values, bias, 0.2, (*new, good_slots), rows=torch.tensor([1, 3])) is None
+    assert cpu_attention.attend(q[:4], keys, values, bias, 0.2, (*new, good_slots), rows=torch.tensor([-1, 0])) is None
+    assert cpu_attention.attend(q[:4], keys, values, bias, 0.2, (*new, torch.tensor([4, 12])), rows=good_rows) is None
+    assert cpu_attention.attend(q[:4], keys, values, bias, 0.2, (*new, torch.tensor([4])), rows=good_rows) is None
     assert torch.equal(keys, before)

@@ -48,6 +48,11 @@ class TokenEvent:
     logprob: float | None = None  # log p of the token under the model (before any decoding knob)
     top: list[tuple[int, float]] | None = None  # the ``Row.logprobs`` most likely (id, log p)
 
+    def __reduce__(self):
+        """Pickled as its fields: the engine process sends one per row per step, and a dataclass's
+        own pickling (its ``__dict__``) takes half again as long to write and twice to read."""
+        return TokenEvent, (self.token, self.logprob, self.top)
+
 
 @dataclass
 class PromptEvent:
@@ -88,10 +93,11 @@ def no_allowed_token(step: int) -> str:
 COMPACT_SLOTS = 16  # rows leaving drop the cache's unused leading slots once this many are unused
 
 
-def _token_event(t: int, logits: torch.Tensor, logprobs: int | None) -> TokenEvent:
+def _token_event(t: int, logits: torch.Tensor, row: int, logprobs: int | None) -> TokenEvent:
+    """Token ``t`` of row ``row`` of the step's ``logits`` (B, V), with its log p where asked."""
     event = TokenEvent(t)
     if logprobs is not None:
-        logp = torch.log_softmax(logits.float(), dim=-1)
+        logp = torch.log_softmax(logits[row].float(), dim=-1)
         event.logprob = float(logp[t])
         if logprobs > 0:
             values, ids = logp.topk(min(logprobs, logp.numel()))
@@ -310,8 +316,9 @@ class Batch:
     def _decode_joining(self, joining: list[Row]) -> torch.Tensor:
         """One step for the rows there and the ``joining`` rows' prompts together: a join costs a
         few more rows of the step's products, not a forward of its own. Each joining row takes a
-        cache row after the batch's, its prompt right-aligned with this step's slot."""
-        self.model.prepare_for_decoding()
+        cache row after the batch's, its prompt right-aligned with this step's slot. The model's
+        decoding layouts are those its rows began with (``prepare_for_decoding`` checks every weight:
+        at 32 rows a join comes every other step, and the rows there step without that check)."""
         n, slot = len(self.rows), self.cache.length
         self._make_room(joining, slot)
         firsts = torch.tensor([slot + 1 - len(r.prompt_ids) for r in joining], device=self.device)  # first slots
@@ -362,14 +369,13 @@ class Batch:
         if rules.seen is not None:
             rules.seen.scatter_(1, tokens[:, None], True)
         leaving = []
-        for i, t in enumerate(tokens.tolist()):
-            r = self.rows[i]
+        for i, (r, t) in enumerate(zip(self.rows, tokens.tolist())):  # per row: no tensor work unless asked
             if r.ngrams is not None:
                 r.ngrams.observe([t])
             if r.finished:  # riding along (``keep_finished``)
                 continue
             if not r.cancelled.is_set():
-                self._accept(r, t, logits[i : i + 1])
+                self._accept(r, t, logits, i)
             if r.cancelled.is_set():  # cancelled from outside, or finished here
                 leaving.append(r)
         self.pending = tokens
@@ -420,15 +426,16 @@ class Batch:
                 scores[i] = logits[i].float()  # any token: the row leaves at the end of this step
         return scores
 
-    def _accept(self, r: Row, t: int, row_logits: torch.Tensor) -> None:
+    def _accept(self, r: Row, t: int, logits: torch.Tensor, i: int) -> None:
+        """Row ``r`` (row ``i`` of the step's ``logits``) takes token ``t``, or ends on it."""
         cfg = r.cfg
         if t in cfg.stop_ids:
-            stop = _token_event(t, row_logits[0], r.logprobs) if r.logprobs is not None else None
+            stop = _token_event(t, logits, i, r.logprobs) if r.logprobs is not None else None
             return self._finish(r, "stop_token", t, stop)
         r.out.append(t)
         r.seq.append(t)
         if r.token_events:
-            r.emit(_token_event(t, row_logits[0], r.logprobs))
+            r.emit(_token_event(t, logits, i, r.logprobs))
         if cfg.stop_strings and r.decode is not None and hits_stop_string(r.decode, r.out, cfg.stop_strings):
             return self._finish(r, "stop_string")
         if len(r.out) >= cfg.max_new_tokens:
@@ -473,17 +480,23 @@ class Batch:
 
     def _compact(self, least: int = 1) -> None:
         """Drop the leading slots no row uses any more (every row's tokens are the last slots), if
-        there are at least ``least`` of them: compacting copies the whole cache, and the row that
-        leaves is usually the oldest, a few slots longer than the next."""
+        there are at least ``least`` of them: compacting copies the whole cache's filled slots, and
+        the row that leaves is usually the oldest, a few slots longer than the next."""
         cache = self.cache
         shift = cache.length - max(r.cached for r in self.rows)
         if shift < max(least, 1):
             return
         n = cache.length - shift
-        for tensors in (cache.k, cache.v):
-            for t in tensors:
-                t[:, :, :n] = t[:, :, shift : cache.length].clone()
-        cache.key_mask[:, :n] = cache.key_mask[:, shift : cache.length].clone()
+        tensors = [(t, 2) for t in (*cache.k, *cache.v)] + [(cache.key_mask, 1)]  # and their slot dimension
+        if n > 4 * shift:  # a few slots dropped: one copy through a temporary beats many short ones
+            for t, slots in tensors:
+                t.narrow(slots, 0, n).copy_(t.narrow(slots, shift, n).clone())
+        else:  # in runs of ``shift`` slots, first to last: each run's source lies past what is
+            # written so far (no run reads a slot already overwritten), and each slot is copied once
+            for start in range(0, n, shift):
+                size = min(shift, n - start)
+                for t, slots in tensors:
+                    t.narrow(slots, start, size).copy_(t.narrow(slots, start + shift, size))
         cache.key_mask[:, n:] = True
         cache.length = n
 

@@ -7,6 +7,12 @@
    A hidden slot scores -inf and weighs exactly 0 whatever its key holds, and its value is never
    read; slots are skipped eight hidden ones at a time.
 
+   The cache is read from memory, not from the CPU's caches (a step reads every layer's keys and
+   weights in turn), in short runs: a row's slots, a few kilobytes, then the next row's. The
+   hardware's prefetchers barely start on runs that short, and the loops wait on memory most of
+   the time. So while a row is worked on, each block of eight slots asks for the same block of
+   the next row (into the second-level cache: its queue of misses is deeper than the first's).
+
    Layouts (all float32): q (BH, G, D) contiguous, G query heads per key/value head; keys and
    values: row bh's slot s at k + bh * kv_stride + s * D; bias (BH, S) additive at
    bias + bh * bias_stride, -inf where a slot is hidden. */
@@ -20,6 +26,18 @@
 #endif
 
 static int hidden(float bias) { return isinf(bias) && bias < 0; }
+
+/* Asks for the lines from p to end into the second-level cache (the hint: prefetcht1). */
+static void ask(const float *p, const float *end) {
+    for (const char *c = (const char *)p; c < (const char *)end; c += 64) __builtin_prefetch(c, 0, 2);
+}
+
+/* The first slot of a row that is seen, S when none is. */
+static int64_t first_seen(const float *bias, int64_t S) {
+    int64_t s = 0;
+    while (s < S && hidden(bias[s])) s++;
+    return s;
+}
 
 #ifdef EIGHT_WIDE
 /* The sums of each of eight vectors' lanes, in order. */
@@ -86,16 +104,18 @@ static void eight_scores(const float *q, const float *k, const float *bias, floa
 }
 #endif
 
-/* One query row's scores over S slots into w: scale * (q . key) + bias, -inf where hidden. */
+/* One query row's scores over S slots into w: scale * (q . key) + bias, -inf where hidden. With
+   next_k (the next row's keys), each block of slots worked on asks for the same block there. */
 static void scores_of(const float *q, const float *k, const float *bias, float *w, int64_t S, int64_t D,
-                      float scale) {
+                      float scale, const float *next_k) {
     int64_t s = 0;
 #ifdef EIGHT_WIDE
     if (D % 8 == 0) {
         for (; s + 8 <= S; s += 8) {
-            if (any_seen(bias, s))
+            if (any_seen(bias, s)) {
+                if (next_k != NULL) ask(next_k + s * D, next_k + (s + 8) * D);
                 eight_scores(q, k, bias, w, s, D, scale);
-            else
+            } else
                 _mm256_storeu_ps(w + s, _mm256_set1_ps(-INFINITY));
         }
         for (; s < S; s++) { /* the last few slots, one at a time */
@@ -151,14 +171,15 @@ static float softmax_weights(float *w, int64_t S) {
 /* The weighted values for head sizes 8 n, n at most 16: n accumulators for each parity of the
    slot, so that one slot's fused multiply-adds do not wait for the slot's before it. Where n is a
    constant at the call (inlined), the accumulators stay in registers. Blocks of eight weights 0 are
-   skipped. */
+   skipped; with next_v, each other block asks for the same block of the next row's values. */
 static inline __attribute__((always_inline)) void mix_eights(const float *w, const float *v, float *out, int64_t S,
-                                                              float inv, const int n) {
+                                                              float inv, const int n, const float *next_v) {
     __m256 a[16], b[16], zero = _mm256_setzero_ps();
     for (int i = 0; i < n; i++) a[i] = b[i] = zero;
     int64_t s = 0;
     for (; s + 8 <= S; s += 8) {
         if (_mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(w + s), zero, _CMP_NEQ_OQ)) == 0) continue;
+        if (next_v != NULL) ask(next_v + s * 8 * n, next_v + (s + 8) * 8 * n);
         for (int64_t t = s; t < s + 8; t += 2) {
             const float *v0 = v + t * 8 * n, *v1 = v0 + 8 * n;
             __m256 w0 = _mm256_set1_ps(w[t]), w1 = _mm256_set1_ps(w[t + 1]);
@@ -178,14 +199,16 @@ static inline __attribute__((always_inline)) void mix_eights(const float *w, con
 }
 #endif
 
-/* out (D) = the slots' values weighted by w (S), over total; slots of weight 0 are not read. */
-static void mix_of(const float *w, const float *v, float *out, int64_t S, int64_t D, float total) {
+/* out (D) = the slots' values weighted by w (S), over total; slots of weight 0 are not read.
+   next_v: as in mix_eights (the plain loop asks for nothing). */
+static void mix_of(const float *w, const float *v, float *out, int64_t S, int64_t D, float total,
+                   const float *next_v) {
     float inv = 1.0f / total;
 #ifdef EIGHT_WIDE
-    if (D == 32) return mix_eights(w, v, out, S, inv, 4);
-    if (D == 64) return mix_eights(w, v, out, S, inv, 8);
-    if (D == 16) return mix_eights(w, v, out, S, inv, 2);
-    if (D % 8 == 0 && D <= 128) return mix_eights(w, v, out, S, inv, (int)(D / 8));
+    if (D == 32) return mix_eights(w, v, out, S, inv, 4, next_v);
+    if (D == 64) return mix_eights(w, v, out, S, inv, 8, next_v);
+    if (D == 16) return mix_eights(w, v, out, S, inv, 2, next_v);
+    if (D % 8 == 0 && D <= 128) return mix_eights(w, v, out, S, inv, (int)(D / 8), next_v);
 #endif
     for (int64_t d = 0; d < D; d++) out[d] = 0;
     for (int64_t s = 0; s < S; s++) {
@@ -193,17 +216,6 @@ static void mix_of(const float *w, const float *v, float *out, int64_t S, int64_
         for (int64_t d = 0; d < D; d++) out[d] += w[s] * v[s * D + d];
     }
     for (int64_t d = 0; d < D; d++) out[d] *= inv;
-}
-
-/* Asks the caches for the slots a row sees (keys and values), while the row before it is worked
-   on: each row's slots are a stream of their own, too short for the hardware to guess. */
-static void prefetch_seen(const float *k, const float *v, const float *bias, int64_t S, int64_t D) {
-    int64_t s = 0;
-    while (s < S && hidden(bias[s])) s++;
-    for (const char *p = (const char *)(k + s * D), *end = (const char *)(k + S * D); p < end; p += 64)
-        __builtin_prefetch(p, 0, 3);
-    for (const char *p = (const char *)(v + s * D), *end = (const char *)(v + S * D); p < end; p += 64)
-        __builtin_prefetch(p, 0, 3);
 }
 
 /* Asks for a row's slot to be written (its key and its value, D floats each) ahead of the write. */
@@ -214,31 +226,68 @@ static void prefetch_slot(const float *k, const float *v, int64_t D) {
     }
 }
 
+/* Asks for what of the next row (keys kn, values vn, bias bn) the blocks of the current row (bias
+   bc) will not ask for: its seen slots before the current row's first seen block, the last slots
+   after the last whole block (and the row's first row: all its seen slots, bc NULL). */
+static void ask_rest(const float *kn, const float *vn, const float *bn, const float *bc, int64_t S, int64_t D) {
+    int64_t from = first_seen(bn, S) / 8 * 8, to = bc == NULL ? S : first_seen(bc, S) / 8 * 8, tail = S / 8 * 8;
+    if (from < to) {
+        ask(kn + from * D, kn + to * D);
+        ask(vn + from * D, vn + to * D);
+    }
+    if (bc != NULL && tail < S) {
+        ask(kn + tail * D, kn + S * D);
+        ask(vn + tail * D, vn + S * D);
+    }
+}
+
+/* Which cache row query row i reads and writes (rows and heads merged, as bh). Without rows, the
+   cache's row i; with them (the joining prompts' tokens: one entry per token, `heads` query rows
+   each, token i / heads and kv head i % heads), the token's row's head. */
+typedef struct {
+    const int64_t *rows, *slots;
+    int64_t heads;
+} tokens_t;
+
+static int64_t cache_row(const tokens_t *t, int64_t i) {
+    return t->rows == NULL ? i : t->rows[i / t->heads] * t->heads + i % t->heads;
+}
+
 /* out (BH, G, D) = softmax(scale * q . keys + bias) . values for every query row of q (BH, G, D).
-   With new_k and new_v (BH, D), row bh's new key and value are first written into its slot
-   `slot` (the step's own token, among the S slots read): the write is the first touch of that
-   line of the cache, and it is asked for with the row's other slots, while the row before is
-   worked on. Returns 0, or -1 when scratch memory for the scores could not be had. */
+   With new_k and new_v (BH, D), row i's new key and value are first written into its slot (the
+   step's own token, among the S slots read): the write is the first touch of that line of the
+   cache, and it is asked for while the row before is worked on. Prompt tokens (rows, slots: see
+   tokens_t) come in order: a token reads the keys its prompt's tokens before it wrote. Returns 0,
+   or -1 when scratch memory for the scores could not be had. */
 int decode_attention(const float *q, float *k, float *v, const float *bias, float *out, int64_t BH, int64_t G,
                      int64_t S, int64_t D, int64_t kv_stride, int64_t bias_stride, float scale, const float *new_k,
-                     const float *new_v, int64_t slot) {
+                     const float *new_v, int64_t slot, const int64_t *rows, const int64_t *slots, int64_t heads) {
     float stack[1024], *w = S <= 1024 ? stack : malloc(S * sizeof(float));
     if (w == NULL) return -1;
+    const tokens_t t = {rows, slots, heads > 0 ? heads : 1};
+    const int64_t per_bias = rows == NULL ? 1 : t.heads; /* query rows per bias row */
+    ask_rest(k + cache_row(&t, 0) * kv_stride, v + cache_row(&t, 0) * kv_stride, bias, NULL, S, D);
     for (int64_t bh = 0; bh < BH; bh++) {
+        float *kb = k + cache_row(&t, bh) * kv_stride, *vb = v + cache_row(&t, bh) * kv_stride;
+        const float *mb = bias + bh / per_bias * bias_stride, *next_k = NULL, *next_v = NULL;
+        int64_t at = slots == NULL ? slot : slots[bh / t.heads];
         if (bh + 1 < BH) {
-            int64_t next = (bh + 1) * kv_stride;
-            prefetch_seen(k + next, v + next, bias + (bh + 1) * bias_stride, S, D);
-            if (new_k != NULL) prefetch_slot(k + next + slot * D, v + next + slot * D, D);
+            next_k = k + cache_row(&t, bh + 1) * kv_stride;
+            next_v = v + cache_row(&t, bh + 1) * kv_stride;
+            ask_rest(next_k, next_v, bias + (bh + 1) / per_bias * bias_stride, mb, S, D);
+            if (new_k != NULL) {
+                int64_t next_at = slots == NULL ? slot : slots[(bh + 1) / t.heads];
+                prefetch_slot(next_k + next_at * D, next_v + next_at * D, D);
+            }
         }
-        float *kb = k + bh * kv_stride, *vb = v + bh * kv_stride;
-        const float *mb = bias + bh * bias_stride;
         if (new_k != NULL) {
-            memcpy(kb + slot * D, new_k + bh * D, D * sizeof(float));
-            memcpy(vb + slot * D, new_v + bh * D, D * sizeof(float));
+            memcpy(kb + at * D, new_k + bh * D, D * sizeof(float));
+            memcpy(vb + at * D, new_v + bh * D, D * sizeof(float));
         }
         for (int64_t g = 0; g < G; g++) {
-            scores_of(q + (bh * G + g) * D, kb, mb, w, S, D, scale);
-            mix_of(w, vb, out + (bh * G + g) * D, S, D, softmax_weights(w, S));
+            const int first = g == 0; /* the next row is asked for once */
+            scores_of(q + (bh * G + g) * D, kb, mb, w, S, D, scale, first ? next_k : NULL);
+            mix_of(w, vb, out + (bh * G + g) * D, S, D, softmax_weights(w, S), first ? next_v : NULL);
         }
     }
     if (w != stack) free(w);

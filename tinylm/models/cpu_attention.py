@@ -97,14 +97,34 @@ def library() -> ctypes.CDLL | None:
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     f32 = ctypes.c_float
-    lib.decode_attention.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, f32, ptr, ptr, i64]
+    lib.decode_attention.argtypes = [
+        ptr,
+        ptr,
+        ptr,
+        ptr,
+        ptr,
+        i64,
+        i64,
+        i64,
+        i64,
+        i64,
+        i64,
+        f32,
+        ptr,
+        ptr,
+        i64,
+        ptr,
+        ptr,
+        i64,
+    ]
     lib.decode_attention.restype = ctypes.c_int
     return lib
 
 
-def _fits(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor) -> bool:
+def _fits(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor, per_bias: int) -> bool:
     """Float32 on the CPU, no gradient wanted, and the shapes and layouts the loops read (they
-    read raw memory: a shape that does not match would read past a tensor)."""
+    read raw memory: a shape that does not match would read past a tensor). ``per_bias``: query
+    rows per row of ``bias`` (1, or a prompt token's heads)."""
     f32 = torch.float32
     return (
         q.dtype is f32
@@ -118,18 +138,37 @@ def _fits(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch
         and not (q.requires_grad or keys.requires_grad or values.requires_grad)
         and q.dim() == 3
         and values.shape == keys.shape
-        and (q.shape[0], q.shape[2]) == (keys.shape[0], keys.shape[2])
+        and q.shape[2] == keys.shape[2]
         and keys.stride()[1:] == (keys.shape[2], 1)
         and values.stride() == keys.stride()
-        and bias.shape == (keys.shape[0], 1, keys.shape[1])
+        and bias.dim() == 3
+        and bias.shape == (q.shape[0] // per_bias, 1, keys.shape[1])
+        and q.shape[0] == bias.shape[0] * per_bias
         and bias.stride(-1) == 1
     )
 
 
-def _new_rows(new: tuple[torch.Tensor, torch.Tensor, torch.Tensor], BH: int, D: int, S: int) -> tuple | None:
-    """The step's new keys and values as (BH, D) float32 rows, contiguous, and their slot as an
-    int; None where they do not fit (another dtype or device, gradients, another size, a slot
-    outside the S read)."""
+def _index_fits(index: torch.Tensor, count: int, below: int) -> bool:
+    """An int64 CPU vector of ``count`` entries, each in [0, below): the loops index raw memory
+    with it."""
+    return (
+        index.dtype is torch.int64
+        and index.is_cpu
+        and index.dim() == 1
+        and index.numel() == count
+        and index.is_contiguous()
+        and count > 0
+        and int(index.min()) >= 0
+        and int(index.max()) < below
+    )
+
+
+def _new_rows(
+    new: tuple[torch.Tensor, torch.Tensor, torch.Tensor], BH: int, D: int, S: int, tokens: int
+) -> tuple | None:
+    """The new keys and values as (BH, D) float32 rows, contiguous, and their slot: an int (one
+    slot for every row), or with ``tokens`` prompt tokens, their slots (tokens,); None where they
+    do not fit (another dtype or device, gradients, another size, a slot outside the S read)."""
     new_keys, new_values, slot = new  # checked one by one: this runs in every layer of every step
     if not (
         new_keys.dtype is torch.float32
@@ -140,8 +179,12 @@ def _new_rows(new: tuple[torch.Tensor, torch.Tensor, torch.Tensor], BH: int, D: 
         and new_keys.numel() == BH * D == new_values.numel()
     ):
         return None
-    at = int(slot) if slot.numel() == 1 else -1
-    if not 0 <= at < S:
+    if tokens:
+        at = slot if _index_fits(slot, tokens, S) else None
+    else:
+        at = int(slot) if slot.numel() == 1 else -1
+        at = at if 0 <= at < S else None
+    if at is None:
         return None
     return new_keys.reshape(BH, D).contiguous(), new_values.reshape(BH, D).contiguous(), at
 
@@ -153,6 +196,7 @@ def attend(
     bias: torch.Tensor,
     scale: float,
     new: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    rows: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """softmax(scale q keys^T + bias) values for q (BH, G, D), keys and values (BH, S, D) (views
     whose slots are D floats apart: the cache's first S slots) and the additive ``bias`` (BH, 1,
@@ -161,21 +205,36 @@ def attend(
 
     ``new``, (new keys, new values, slot (1,)), BH D elements each: the step's own keys and values,
     written into slot ``slot`` of ``keys`` and ``values`` in the same pass (each row's write then
-    costs no wait of its own: its line is asked for while the row before is worked on)."""
+    costs no wait of its own: its line is asked for while the row before is worked on).
+
+    ``rows`` (P,): the query rows are P prompt tokens', token-major (BH = P kv heads, the heads
+    a kv head serves as G), and token i reads and writes cache row ``rows[i]`` (keys and values:
+    (cache rows kv heads, S, D)) with bias row i (bias (P, 1, S)); ``new``'s slot is then each
+    token's slot (P,). A prompt's tokens come in order: each reads the keys its earlier tokens
+    wrote in the same pass."""
     # is_compiling first: a step being compiled traces none of the checks after it
-    if torch.compiler.is_compiling() or not enabled() or not _fits(q, keys, values, bias):
+    if torch.compiler.is_compiling() or not enabled():
         return None
     (BH, G, D), S = q.shape, keys.shape[1]
-    rows = None if new is None else _new_rows(new, BH, D, S)
-    if new is not None and rows is None:
+    heads = 1 if rows is None else BH // max(rows.numel(), 1)  # query rows per bias row
+    if not _fits(q, keys, values, bias, heads):
+        return None
+    if rows is not None and not (keys.shape[0] % heads == 0 and _index_fits(rows, BH // heads, keys.shape[0] // heads)):
+        return None
+    written = None if new is None else _new_rows(new, BH, D, S, 0 if rows is None else rows.numel())
+    if new is not None and written is None:
         return None
     lib = library()
     if lib is None:
         return None
     q = q.contiguous()
     out = torch.empty(BH, G, D)
-    written = (rows[0].data_ptr(), rows[1].data_ptr(), rows[2]) if rows is not None else (None, None, -1)
-    args = (BH, G, S, D, keys.stride(0), bias.stride(0), scale, *written)
+    new_k, new_v, slot = (written[0].data_ptr(), written[1].data_ptr(), written[2]) if written else (None, None, -1)
+    slots = None
+    if isinstance(slot, torch.Tensor):
+        slot, slots = -1, slot.data_ptr()
+    tokens = (None, None, 0) if rows is None else (rows.data_ptr(), slots, heads)
+    args = (BH, G, S, D, keys.stride(0), bias.stride(0), scale, new_k, new_v, slot, *tokens)
     if lib.decode_attention(q.data_ptr(), keys.data_ptr(), values.data_ptr(), bias.data_ptr(), out.data_ptr(), *args):
         raise MemoryError(f"no memory for the attention scores of {S} slots")
     return out

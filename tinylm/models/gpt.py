@@ -172,7 +172,11 @@ class KVCache:
         if same_size:
             n = self.length
             moved = (rows != torch.arange(rows.numel(), device=rows.device)).nonzero().squeeze(1)
-            if moved.numel() and start < n:
+            if moved.numel() == 1 and start < n:  # a row leaving a batch: the last row takes its place
+                to, source = int(moved), int(rows[moved])  # one copy per tensor, no gather first
+                for t in (*self.k, *self.v):
+                    t[to, :, start:n].copy_(t[source, :, start:n])
+            elif moved.numel() and start < n:
                 sources = rows.index_select(0, moved)
                 for t in (*self.k, *self.v):
                     filled = t[:, :, start:n]
@@ -201,6 +205,7 @@ class StepPrompts:
     grid: torch.Tensor  # (P,) each token's place in the (prompts, width) grid, left-padded
     last: torch.Tensor  # (prompts,) where each prompt's last token is among the P
     mask: torch.Tensor  # (prompts, 1, width, width) True = may attend (causal, real keys, padding sees itself)
+    bias: torch.Tensor  # (P, 1, slot + 1) float32, 0 where a token may attend, -inf elsewhere (the C loops' mask)
     first_row: int
     slot: int  # the step's slot
 
@@ -220,14 +225,20 @@ def step_prompts(prompts: list[list[int]], first_row: int, slot: int, device) ->
     causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
     own = torch.eye(width, dtype=torch.bool, device=device)  # a padding query sees itself: no empty softmax
     as_long = partial(torch.tensor, dtype=torch.long, device=device)
+    slots = as_long([slot + 1 - width + g % width for g in grid])
+    # each token sees its own prompt's slots up to its own: from the prompt's first slot to its slot
+    firsts = as_long([slot + 1 - n for n in lengths for _ in range(n)])
+    every = torch.arange(slot + 1, device=device)
+    seen = (every >= firsts[:, None]) & (every <= slots[:, None])
     return StepPrompts(
         tokens=as_long([t for p in prompts for t in p]),
         positions=as_long(positions),
         rows=as_long(rows),
-        slots=as_long([slot + 1 - width + g % width for g in grid]),
+        slots=slots,
         grid=as_long(grid),
         last=as_long(list(itertools.accumulate(lengths))) - 1,
         mask=((causal & real[:, None, :]) | own)[:, None],
+        bias=torch.zeros(seen.shape, device=device).masked_fill_(~seen, float("-inf"))[:, None],
         first_row=first_row,
         slot=slot,
     )
@@ -459,9 +470,18 @@ class CausalSelfAttention(nn.Module):
     def _attend_prompts(self, q, k, v, kv_cache, layer, p: StepPrompts) -> torch.Tensor:
         """The joining prompts' attention in a step: q, k, v (P, H or Hkv, 1, D), one row per
         prompt token; their keys and values go into their rows' slots, then each prompt attends
-        causally over its own (a left-padded grid of prompts); returns (P, H D)."""
+        causally over its own: in the C loops (float32 on the CPU), one query row per token and
+        kv head, else as a left-padded grid of prompts; returns (P, H D)."""
         H, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
         k_cache, v_cache = kv_cache.k[layer], kv_cache.v[layer]
+        S, P = p.slot + 1, q.shape[0]
+        if S <= k_cache.shape[2] and k.dtype == k_cache.dtype:  # the slots up to the step's: still views
+            R = k_cache.shape[0]
+            keys, values = k_cache[:, :, :S].view(R * Hkv, S, D), v_cache[:, :, :S].view(R * Hkv, S, D)
+            queries = q.reshape(P * Hkv, H // Hkv, D)
+            out = cpu_attention.attend(queries, keys, values, p.bias, D**-0.5, (k, v, p.slots), rows=p.rows)
+            if out is not None:
+                return out.view(P, H * D)
         k_cache[p.rows, :, p.slots] = k[:, :, 0].to(k_cache.dtype)
         v_cache[p.rows, :, p.slots] = v[:, :, 0].to(v_cache.dtype)
         J, _, W, _ = p.mask.shape  # prompts, the longest prompt
