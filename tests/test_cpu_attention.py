@@ -212,3 +212,22 @@ def test_prompt_rows_outside_the_cache_are_refused_and_write_nothing():
     assert cpu_attention.attend(q[:4], keys, values, bias, 0.2, (*new, torch.tensor([4, 12])), rows=good_rows) is None
     assert cpu_attention.attend(q[:4], keys, values, bias, 0.2, (*new, torch.tensor([4])), rows=good_rows) is None
     assert torch.equal(keys, before)
+
+
+@needs_cc
+def test_asking_for_the_next_row_ahead_changes_no_number():
+    """The loops ask for the next row's slots while working on a row (a hint to the caches):
+    switched off for a comparison (``set_asking``), every output and written slot is the same."""
+    q, keys, values, bias = step_case(rows=5, heads=2, groups=2, D=32, S=43, seed=5)
+    g = torch.Generator().manual_seed(6)
+    new = torch.randn(10, 32, generator=g), torch.randn(10, 32, generator=g), torch.tensor([42])
+    lib, results = cpu_attention.library(), []
+    try:
+        for on in (1, 0):
+            lib.set_asking(on)
+            k, v = keys.clone(), values.clone()
+            results.append((cpu_attention.attend(q, k, v, bias, 0.2, new), k, v))
+    finally:
+        lib.set_asking(1)
+    for with_asks, without in zip(*results):
+        assert torch.equal(with_asks, without)

@@ -300,8 +300,9 @@ def blocked_weight(weight: torch.Tensor) -> torch.Tensor | None:
 class Linear(nn.Linear):
     """``nn.Linear`` with an optional decoding layout, ``decode_layout`` (``DecodeLayout``). A
     (rows, in) input -- the decoding step's shape; training and prefill pass (B, T, in) -- uses it
-    when set. ``GPT.prepare_for_decoding``, which the decoding core calls before every generation
-    and whenever rows join, sets it and renews it when a weight changed since."""
+    when set. ``GPT.prepare_for_decoding``, which the decoding core calls whenever it prefills rows
+    (a generation's first step; rows joining a running batch step with the layouts it began with),
+    sets it and renews it when a weight changed since."""
 
     decode_layout: DecodeLayout | None = None
 
