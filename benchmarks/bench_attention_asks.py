@@ -32,7 +32,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 from bench_blocked_products import EVICT_FLOATS, after_eviction  # noqa: E402
-from bench_cpu_attention import attention_runner, report, step_arguments, step_model, step_runner  # noqa: E402
+from bench_cpu_attention import attention_runner, no_c_loops, run_step_benchmark, step_runner  # noqa: E402
 from bench_decode_step import time_alternately  # noqa: E402
 
 from tinylm.models import cpu_attention  # noqa: E402
@@ -74,34 +74,16 @@ def measure(model: GPT, batches: list[int], filled: int, steps: int, repeats: in
     return rows
 
 
-def print_table(rows: list[dict]) -> None:
-    print(
-        "| batch | filled slots | step: asking us | step: not asking us | speedup "
-        "| attention: asking us | attention: not asking us | speedup |"
-    )
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for r in rows:
-        print(
-            f"| {r['batch']} | {r['filled']} | {r['step_asking_us']:,.0f} | {r['step_not_asking_us']:,.0f} | "
-            f"{r['step_speedup']:.2f}x | {r['attention_asking_us']:,.0f} | {r['attention_not_asking_us']:,.0f} | "
-            f"{r['attention_speedup']:.2f}x |"
-        )
+PAIRS = [
+    ("step", "asking", "asking", "not_asking", "not asking"),
+    ("attention", "asking", "asking", "not_asking", "not asking"),
+]
 
 
 def main(argv=None) -> int:
-    p = step_arguments(__doc__, batches="1,8,16,32", filled=48, steps=100, repeats=9)
-    a = p.parse_args(argv)
-    if a.quick:
-        a.batches, a.steps, a.repeats = "1,16", 20, 3
-    torch.set_num_threads(a.threads)
-    if cpu_attention.library() is None:
-        print("the C loops did not build on this machine (no C compiler?): nothing to compare")
-        return 2
-    model, source = step_model(p, a)
-    with torch.inference_mode():
-        rows = measure(model, [int(b) for b in a.batches.split(",")], a.filled, a.steps, a.repeats)
-    report(rows, a, source, print_table)
-    return 0
+    return run_step_benchmark(
+        argv, __doc__, measure, PAIRS, no_c_loops, batches="1,8,16,32", filled=48, steps=100, repeats=9, quick_steps=20
+    )
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from bench_cpu_attention import report, step_arguments, step_model, step_runner  # noqa: E402
+from bench_cpu_attention import run_step_benchmark, step_runner  # noqa: E402
 from bench_decode_step import time_alternately  # noqa: E402
 
 from tinylm.models.gpt import GPT, Linear  # noqa: E402
@@ -89,35 +89,29 @@ def measure(model: GPT, batches: list[int], filled: int, steps: int, repeats: in
     return rows
 
 
-def print_table(rows: list[dict]) -> None:
-    print(
-        "| batch | filled slots | warm: blocked us | warm: MKL us | speedup "
-        "| cold: blocked us | cold: MKL us | speedup |"
-    )
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for r in rows:
-        print(
-            f"| {r['batch']} | {r['filled']} | {r['warm_blocked_us']:,.0f} | {r['warm_mkl_us']:,.0f} | "
-            f"{r['warm_speedup']:.2f}x | {r['cold_blocked_us']:,.0f} | {r['cold_mkl_us']:,.0f} | "
-            f"{r['cold_speedup']:.2f}x |"
-        )
+PAIRS = [("warm", "blocked", "blocked", "mkl", "MKL"), ("cold", "blocked", "blocked", "mkl", "MKL")]
+
+
+def no_blocked_weights(model: GPT) -> str | None:
+    model.prepare_for_decoding()
+    if model.blocks[0].ffn.down.decode_layout.blocked is None:
+        return "no blocked weights here (torch without oneDNN, or a model not in float32)"
+    return None
 
 
 def main(argv=None) -> int:
-    p = step_arguments(__doc__, batches="1,8,16,32", filled=64, steps=100, repeats=9)
-    a = p.parse_args(argv)
-    if a.quick:
-        a.batches, a.steps, a.repeats = "1,16", 20, 3
-    torch.set_num_threads(a.threads)
-    model, source = step_model(p, a)
-    model.prepare_for_decoding()
-    if model.blocks[0].ffn.down.decode_layout.blocked is None:
-        print("no blocked weights here (torch without oneDNN, or a model not in float32): nothing to compare")
-        return 2
-    with torch.inference_mode():
-        rows = measure(model, [int(b) for b in a.batches.split(",")], a.filled, a.steps, a.repeats)
-    report(rows, a, source, print_table)
-    return 0
+    return run_step_benchmark(
+        argv,
+        __doc__,
+        measure,
+        PAIRS,
+        no_blocked_weights,
+        batches="1,8,16,32",
+        filled=64,
+        steps=100,
+        repeats=9,
+        quick_steps=20,
+    )
 
 
 if __name__ == "__main__":

@@ -114,20 +114,6 @@ def measure(model: GPT, batches: list[int], filled: int, steps: int, repeats: in
     return rows
 
 
-def print_table(rows: list[dict]) -> None:
-    print(
-        "| batch | filled slots | step: C loops us | step: batched products us | speedup | attention: C loops us "
-        "| attention: batched products us | speedup |"
-    )
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for r in rows:
-        print(
-            f"| {r['batch']} | {r['filled']} | {r['step_loops_us']:,.0f} | {r['step_products_us']:,.0f} | "
-            f"{r['step_speedup']:.2f}x | {r['attention_loops_us']:,.0f} | {r['attention_products_us']:,.0f} | "
-            f"{r['attention_speedup']:.2f}x |"
-        )
-
-
 def step_arguments(doc: str, batches: str, filled: int, steps: int, repeats: int) -> argparse.ArgumentParser:
     """The arguments of a benchmark timing the decoding step two ways (this one's and
     ``bench_blocked_products.py``'s); ``--quick``: batches 1 and 16, 20-30 calls, 3 repeats."""
@@ -156,28 +142,63 @@ def step_model(p: argparse.ArgumentParser, a: argparse.Namespace) -> tuple[GPT, 
     return model, source
 
 
-def report(rows: list[dict], a: argparse.Namespace, source: str, print_table) -> None:
+PAIRS = [
+    ("step", "loops", "C loops", "products", "batched products"),
+    ("attention", "loops", "C loops", "products", "batched products"),
+]
+
+
+def print_pairs(rows: list[dict], pairs: list[tuple[str, str, str, str, str]]) -> None:
+    """The rows as a markdown table: the batch, the filled slots, then for each (prefix, a, a's
+    label, b, b's label) of ``pairs`` the columns ``{prefix}_{a}_us``, ``{prefix}_{b}_us`` and
+    ``{prefix}_speedup`` (b's time over a's)."""
+    print(
+        "| batch | filled slots |" + "".join(f" {p}: {la} us | {p}: {lb} us | speedup |" for p, _, la, _, lb in pairs)
+    )
+    print("|---:|---:|" + "---:|---:|---:|" * len(pairs))
+    for r in rows:
+        cells = "".join(
+            f" {r[f'{p}_{a}_us']:,.0f} | {r[f'{p}_{b}_us']:,.0f} | {r[f'{p}_speedup']:.2f}x |"
+            for p, a, _, b, _ in pairs
+        )
+        print(f"| {r['batch']} | {r['filled']} |{cells}")
+
+
+def run_step_benchmark(argv, doc: str, measure, pairs, unavailable, **defaults) -> int:
+    """The main of a benchmark timing the decoding step two ways (this one, ``bench_blocked_products.py``,
+    ``bench_attention_asks.py``): its arguments (``step_arguments`` with ``defaults``: batches, filled,
+    steps, repeats, and quick_steps for ``--quick``), the model (``step_model``), ``unavailable(model)``
+    (why there is nothing to compare here, or None), ``measure(model, batches, filled, steps,
+    repeats)``'s rows, their table (``print_pairs``) and ``--json``; 2 when nothing is compared."""
+    quick_steps = defaults.pop("quick_steps")
+    p = step_arguments(doc, **defaults)
+    a = p.parse_args(argv)
+    if a.quick:
+        a.batches, a.steps, a.repeats = "1,16", quick_steps, 3
+    torch.set_num_threads(a.threads)
+    model, source = step_model(p, a)
+    reason = unavailable(model)
+    if reason:
+        print(f"{reason}: nothing to compare")
+        return 2
+    with torch.inference_mode():
+        rows = measure(model, [int(b) for b in a.batches.split(",")], a.filled, a.steps, a.repeats)
     print(f"model: {source}; {platform.processor() or platform.machine()}, {a.threads} thread(s)")
-    print_table(rows)
+    print_pairs(rows, pairs)
     if a.json:
         setup = {"checkpoint": source, "threads": a.threads, "steps": a.steps, "repeats": a.repeats}
         Path(a.json).write_text(json.dumps({"rows": rows, "setup": setup}, indent=1))
+    return 0
+
+
+def no_c_loops(_model: GPT) -> str | None:
+    return None if cpu_attention.library() is not None else "the C loops did not build on this machine (no C compiler?)"
 
 
 def main(argv=None) -> int:
-    p = step_arguments(__doc__, batches="1,4,16,32", filled=96, steps=200, repeats=7)
-    a = p.parse_args(argv)
-    if a.quick:
-        a.batches, a.steps, a.repeats = "1,16", 30, 3
-    torch.set_num_threads(a.threads)
-    if cpu_attention.library() is None:
-        print("the C loops did not build on this machine (no C compiler?): nothing to compare")
-        return 2
-    model, source = step_model(p, a)
-    with torch.inference_mode():
-        rows = measure(model, [int(b) for b in a.batches.split(",")], a.filled, a.steps, a.repeats)
-    report(rows, a, source, print_table)
-    return 0
+    return run_step_benchmark(
+        argv, __doc__, measure, PAIRS, no_c_loops, batches="1,4,16,32", filled=96, steps=200, repeats=7, quick_steps=30
+    )
 
 
 if __name__ == "__main__":
