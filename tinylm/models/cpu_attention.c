@@ -249,15 +249,19 @@ static void ask_rest(const float *kn, const float *vn, const float *bn, const fl
 
 /* Which cache row query row i reads and writes (rows and heads merged, as bh). Without rows, the
    cache's row i; with them (the joining prompts' tokens: one entry per token, `heads` query rows
-   each, token i / heads and kv head i % heads), the token's row's head. */
+   each, token i / heads and kv head i % heads), the token's row's head. `slot`: every row's write
+   slot where there are no per-token slots. */
 typedef struct {
     const int64_t *rows, *slots;
-    int64_t heads;
+    int64_t heads, slot;
 } tokens_t;
 
 static int64_t cache_row(const tokens_t *t, int64_t i) {
     return t->rows == NULL ? i : t->rows[i / t->heads] * t->heads + i % t->heads;
 }
+
+/* The slot query row i writes its new key and value to: `slot`, or its token's. */
+static int64_t slot_of(const tokens_t *t, int64_t i) { return t->slots == NULL ? t->slot : t->slots[i / t->heads]; }
 
 /* out (BH, G, D) = softmax(scale * q . keys + bias) . values for every query row of q (BH, G, D).
    With new_k and new_v (BH, D), row i's new key and value are first written into its slot (the
@@ -270,25 +274,23 @@ int decode_attention(const float *q, float *k, float *v, const float *bias, floa
                      const float *new_v, int64_t slot, const int64_t *rows, const int64_t *slots, int64_t heads) {
     float stack[1024], *w = S <= 1024 ? stack : malloc(S * sizeof(float));
     if (w == NULL) return -1;
-    const tokens_t t = {rows, slots, heads > 0 ? heads : 1};
+    const tokens_t t = {rows, slots, heads > 0 ? heads : 1, slot};
     const int64_t per_bias = rows == NULL ? 1 : t.heads; /* query rows per bias row */
-    ask_rest(k + cache_row(&t, 0) * kv_stride, v + cache_row(&t, 0) * kv_stride, bias, NULL, S, D);
+    int64_t row = cache_row(&t, 0);
+    ask_rest(k + row * kv_stride, v + row * kv_stride, bias, NULL, S, D);
     for (int64_t bh = 0; bh < BH; bh++) {
-        float *kb = k + cache_row(&t, bh) * kv_stride, *vb = v + cache_row(&t, bh) * kv_stride;
+        float *kb = k + row * kv_stride, *vb = v + row * kv_stride;
         const float *mb = bias + bh / per_bias * bias_stride, *next_k = NULL, *next_v = NULL;
-        int64_t at = slots == NULL ? slot : slots[bh / t.heads];
         if (bh + 1 < BH) {
-            next_k = k + cache_row(&t, bh + 1) * kv_stride;
-            next_v = v + cache_row(&t, bh + 1) * kv_stride;
+            row = cache_row(&t, bh + 1);
+            next_k = k + row * kv_stride;
+            next_v = v + row * kv_stride;
             ask_rest(next_k, next_v, bias + (bh + 1) / per_bias * bias_stride, mb, S, D);
-            if (new_k != NULL) {
-                int64_t next_at = slots == NULL ? slot : slots[(bh + 1) / t.heads];
-                prefetch_slot(next_k + next_at * D, next_v + next_at * D, D);
-            }
+            if (new_k != NULL) prefetch_slot(next_k + slot_of(&t, bh + 1) * D, next_v + slot_of(&t, bh + 1) * D, D);
         }
         if (new_k != NULL) {
-            memcpy(kb + at * D, new_k + bh * D, D * sizeof(float));
-            memcpy(vb + at * D, new_v + bh * D, D * sizeof(float));
+            memcpy(kb + slot_of(&t, bh) * D, new_k + bh * D, D * sizeof(float));
+            memcpy(vb + slot_of(&t, bh) * D, new_v + bh * D, D * sizeof(float));
         }
         for (int64_t g = 0; g < G; g++) {
             const int first = g == 0; /* the next row is asked for once */

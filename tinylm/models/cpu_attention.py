@@ -97,26 +97,8 @@ def library() -> ctypes.CDLL | None:
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     f32 = ctypes.c_float
-    lib.decode_attention.argtypes = [
-        ptr,
-        ptr,
-        ptr,
-        ptr,
-        ptr,
-        i64,
-        i64,
-        i64,
-        i64,
-        i64,
-        i64,
-        f32,
-        ptr,
-        ptr,
-        i64,
-        ptr,
-        ptr,
-        i64,
-    ]
+    # q, keys, values, bias, out; BH, G, S, D, strides; scale; new keys, values, slot; rows, slots, heads
+    lib.decode_attention.argtypes = [ptr] * 5 + [i64] * 6 + [f32, ptr, ptr, i64, ptr, ptr, i64]
     lib.decode_attention.restype = ctypes.c_int
     return lib
 
@@ -158,8 +140,7 @@ def _index_fits(index: torch.Tensor, count: int, below: int) -> bool:
         and index.numel() == count
         and index.is_contiguous()
         and count > 0
-        and int(index.min()) >= 0
-        and int(index.max()) < below
+        and 0 <= int((bounds := torch.aminmax(index)).min) <= int(bounds.max) < below
     )
 
 
@@ -229,10 +210,10 @@ def attend(
         return None
     q = q.contiguous()
     out = torch.empty(BH, G, D)
-    new_k, new_v, slot = (written[0].data_ptr(), written[1].data_ptr(), written[2]) if written else (None, None, -1)
-    slots = None
-    if isinstance(slot, torch.Tensor):
-        slot, slots = -1, slot.data_ptr()
+    new_k, new_v, slot, slots = None, None, -1, None
+    if written is not None:  # one slot for every row, or each prompt token's own
+        new_k, new_v = written[0].data_ptr(), written[1].data_ptr()
+        slot, slots = (-1, written[2].data_ptr()) if rows is not None else (written[2], None)
     tokens = (None, None, 0) if rows is None else (rows.data_ptr(), slots, heads)
     args = (BH, G, S, D, keys.stride(0), bias.stride(0), scale, new_k, new_v, slot, *tokens)
     if lib.decode_attention(q.data_ptr(), keys.data_ptr(), values.data_ptr(), bias.data_ptr(), out.data_ptr(), *args):

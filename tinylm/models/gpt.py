@@ -475,14 +475,13 @@ class CausalSelfAttention(nn.Module):
         kv head, else as a left-padded grid of prompts; returns (P, H D)."""
         H, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
         k_cache, v_cache = kv_cache.k[layer], kv_cache.v[layer]
-        S, P = p.slot + 1, q.shape[0]
-        if S <= k_cache.shape[2] and k.dtype == k_cache.dtype:  # the slots up to the step's: still views
-            R = k_cache.shape[0]
-            keys, values = k_cache[:, :, :S].view(R * Hkv, S, D), v_cache[:, :, :S].view(R * Hkv, S, D)
-            queries = q.reshape(P * Hkv, H // Hkv, D)
-            out = cpu_attention.attend(queries, keys, values, p.bias, D**-0.5, (k, v, p.slots), rows=p.rows)
-            if out is not None:
-                return out.view(P, H * D)
+        S, P, R = p.slot + 1, q.shape[0], k_cache.shape[0]
+        # the slots up to the step's, every cache row's: still views (rows and heads merge)
+        keys, values = k_cache[:, :, :S].view(R * Hkv, S, D), v_cache[:, :, :S].view(R * Hkv, S, D)
+        queries = q.reshape(P * Hkv, H // Hkv, D)
+        out = cpu_attention.attend(queries, keys, values, p.bias, D**-0.5, (k, v, p.slots), rows=p.rows)
+        if out is not None:  # else the C loops did not apply, and wrote nothing
+            return out.view(P, H * D)
         k_cache[p.rows, :, p.slots] = k[:, :, 0].to(k_cache.dtype)
         v_cache[p.rows, :, p.slots] = v[:, :, 0].to(v_cache.dtype)
         J, _, W, _ = p.mask.shape  # prompts, the longest prompt
