@@ -666,15 +666,38 @@ def test_a_missing_adapter_or_an_unknown_part_is_a_one_line_error(tmp_path, caps
 
 
 @pytest.mark.slow
-def test_the_reference_adapter_passes_every_part_through_the_command(tmp_path, capsys):
+def test_a_student_adapter_passes_every_part_through_the_command_on_a_seed_of_its_own(tmp_path, capsys):
     out = tmp_path / "check.json"
-    assert main(["check", reference_adapter.__file__, "--json", str(out)]) == 0
-    lines = capsys.readouterr().out.splitlines()
+    assert main(["check", str(STUDENT), "--seed", "20261207", "--json", str(out)]) == 0
+    captured = capsys.readouterr()
+    lines = captured.out.splitlines()
     assert len(lines) == len(PARTS) + 1
     assert all(line.split(maxsplit=1)[1].split(" (")[0] == "ok" for line in lines[:-1]), lines
     assert lines[-1] == f"{len(PARTS)} ok"
+    assert "seed 20261207 (--seed 20261207 repeats these inputs)" in captured.err
     data = json.loads(out.read_text())
-    assert data["passed"] and [p["part"] for p in data["parts"]] == [part.name for part in PARTS]
+    assert data["passed"] and data["seed"] == 20261207
+    assert [p["part"] for p in data["parts"]] == [part.name for part in PARTS]
+
+
+def test_a_run_draws_its_own_inputs_and_a_seed_repeats_them():
+    part = PARTS_BY_NAME["linear"]
+    first, again, other = make_case(part, 5), make_case(part, 5), make_case(part, 6)
+    assert torch.equal(first.calls[0]["x"], again.calls[0]["x"])
+    assert not torch.equal(first.calls[0]["x"], other.calls[0]["x"])
+    assert torch.equal(first.expected["output"], again.expected["output"])
+
+
+@pytest.mark.slow
+def test_tinylm_cannot_be_imported_by_the_student_and_the_template_alone_is_no_pass(tmp_path, capsys):
+    """tinylm's own reference adapter is what a cheating student would call: it cannot load."""
+    assert main(["check", reference_adapter.__file__, "--parts", "linear,softmax", "--seed", "1"]) == 1
+    lines = capsys.readouterr().out.splitlines()
+    assert all("ModuleNotFoundError: No module named 'tinylm'" in line for line in lines[:2]), lines
+    template = tmp_path / "adapter.py"
+    template.write_text(Path(adapter_template.__file__).read_text(encoding="utf-8"), encoding="utf-8")
+    assert main(["check", str(template), "--parts", "linear,softmax", "--seed", "1"]) == 1
+    assert capsys.readouterr().out.splitlines()[-1] == "2 not implemented"
 
 
 @pytest.mark.slow

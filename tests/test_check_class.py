@@ -2,7 +2,7 @@
 the kit for students, and a student's whole model scored on tinylm's protocol.
 
 The class is tests/fixtures_check/class/: each student's adapter.py runs the shared answer
-(tests/fixtures_check/student_adapter.py, torch primitives) and overrides a few definitions: one
+(tests/fixtures_check/student_adapter.py, torch primitives, copied beside it) and overrides a few definitions: one
 is right everywhere, the others hold usual mistakes, a part that hangs, one that raises and one
 that allocates without bound.
 """
@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -43,15 +46,16 @@ def test_check_takes_one_of_an_adapter_a_class_or_init(tmp_path, capsys):
     assert "give one of ADAPTER, --class DIR or --init DIR" in capsys.readouterr().err
     assert main(["check", "--class", str(tmp_path), "--init", str(tmp_path)]) == 2
     assert main(["check", "--class", str(tmp_path)]) == 2
-    assert "no DIR/*/adapter.py" in capsys.readouterr().err
+    assert "no student in" in capsys.readouterr().err
 
 
-def class_copy(tmp_path: Path) -> Path:
-    """The fixture class where its report may be written (the adapters find the shared answer two
-    folders up, as in tests/fixtures_check)."""
-    shutil.copy(FIXTURES / "student_adapter.py", tmp_path / "student_adapter.py")
-    shutil.copytree(FIXTURES / "class", tmp_path / "class")
-    return tmp_path / "class"
+def class_copy(tmp_path: Path, fixture: str = "class") -> Path:
+    """A fixture class where its report may be written, the shared answer copied into each
+    student's folder (the sandbox shows a student its own folder only)."""
+    shutil.copytree(FIXTURES / fixture, tmp_path / fixture)
+    for folder in (tmp_path / fixture).iterdir():
+        shutil.copy(FIXTURES / "student_adapter.py", folder / "student_adapter.py")
+    return tmp_path / fixture
 
 
 PARTS = [
@@ -85,7 +89,7 @@ EXPECTED = {  # student -> part -> (status, mistake); every other cell is ok
 def test_class_writes_one_table_with_each_students_mistakes_named(tmp_path, capsys):
     directory = class_copy(tmp_path)
     argv = ["check", "--class", str(directory), "--parts", ",".join(PARTS), "--timeout", "3", "--memory-gb", "0.5"]
-    assert main(argv) == 1
+    assert main([*argv, "--seed", "0", "--jobs", "2"]) == 1
     data = json.loads((directory / "check.json").read_text())
     assert data["parts"] == PARTS
     students = {s["name"]: s for s in data["students"]}
@@ -103,9 +107,49 @@ def test_class_writes_one_table_with_each_students_mistakes_named(tmp_path, caps
         in table
     )
     assert "| carol | 8/10 |" in table and "timeout" in table
+    # per part, the students passing it (alice passes all); per mistake, the students making it
+    assert "| students passing | 1/5 pass all | 4/5 | 4/5 | 4/5 | 4/5 | 3/5 | 3/5 | 4/5 | 4/5 | 4/5 | 4/5 |" in table
+    assert "| no_scale | scaled_dot_product_attention, gradient_checkpointing | 1 |" in table
     assert table in capsys.readouterr().out
     page = (directory / "check.html").read_text()
-    assert page.count("<tr>") == 6 and "x not_checkpointed" in page
+    assert page.count("<tr>") == 7 and "x not_checkpointed" in page
+    rows = (directory / "check.csv").read_text().splitlines()
+    assert rows[0] == "student,parts ok," + ",".join(PARTS) and rows[2].startswith("bob,4/10,ok,x no_scale,ok,")
+    graded = json.loads((directory / "check-results" / "gradescope" / "bob" / "results.json").read_text())
+    assert (graded["score"], graded["max_score"]) == (4.0, 10.0)
+    assert [t["score"] for t in graded["tests"]] == [1.0, 0.0, 1.0, 0.0, 0.0, 0.0, 1.0, 0.0, 1.0, 0.0]
+    assert graded["tests"][1]["output"].startswith("scaled_dot_product_attention   differs: yours equals")
+
+
+def run_in_a_process(argv: list[str]) -> subprocess.Popen:
+    code = "import sys\nfrom tinylm.cli import main\nsys.exit(main(sys.argv[1:]))"
+    return subprocess.Popen([sys.executable, "-c", code, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+@pytest.mark.slow
+def test_a_class_run_killed_half_way_keeps_its_verdicts_and_resume_finishes_it(tmp_path):
+    """A folder of files this time (DIR/NAME.py): one file per student, the shared answer beside."""
+    directory = tmp_path / "files"
+    directory.mkdir()
+    shared = (FIXTURES / "student_adapter.py").read_text(encoding="utf-8")
+    for name in ("ann", "ben", "cat", "dan"):
+        (directory / f"{name}.py").write_text(shared, encoding="utf-8")
+    argv = ["check", "--class", str(directory), "--parts", "linear,softmax", "--jobs", "1", "--seed", "3"]
+    first = run_in_a_process(argv)
+    done = directory / "check-results"
+    deadline = time.monotonic() + 120
+    while len(list(done.glob("*.json"))) < 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    first.kill()
+    first.communicate()
+    kept = {p.name: p.stat().st_mtime_ns for p in done.glob("*.json")}
+    assert 1 <= len(kept) < 4 and not (directory / "check.md").exists()
+    second = run_in_a_process([*argv, "--resume"])
+    out, err = second.communicate(timeout=300)
+    assert second.returncode == 0, err.decode()
+    assert f"resume: {len(kept)} student(s) already checked, {4 - len(kept)} to go" in err.decode()
+    assert {p.name: p.stat().st_mtime_ns for p in done.glob("*.json") if p.name in kept} == kept  # not checked again
+    assert "| students passing | 4/4 pass all | 4/4 | 4/4 |" in (directory / "check.md").read_text()
 
 
 @pytest.fixture(scope="module")

@@ -37,8 +37,8 @@ from tinylm.config import (
     option,
     preset_names,
 )
-from tinylm.courses.check import PASSING, check_adapter, summary, write_json
-from tinylm.courses.classroom import check_class, markdown, write_kit, write_reports
+from tinylm.courses.check import check_adapter, fresh_seed, passed, summary, write_json
+from tinylm.courses.classroom import ClassRun, check_class, markdown, write_kit, write_reports
 from tinylm.courses.evaluate import evaluate_adapter, finite, format_report
 from tinylm.data.corpora import load_text_file
 from tinylm.data.prepare import prepare as prepare_data
@@ -883,10 +883,15 @@ class CheckOptions:
     timeout: float = opt("seconds each part may run before it counts as timed out", 30.0, gt=0)
     memory_gb: float = opt("memory the adapter's process may take beyond what torch maps, in GiB", 4.0, gt=0)
     class_dir: str | None = opt(
-        "check every DIR/*/adapter.py and write one table: DIR/check.md, check.html, check.json",
+        "check every student of DIR (DIR/NAME/adapter.py or DIR/NAME.py) and write one table: DIR/check.md, "
+        "check.html, check.json, check.csv, and each student's verdicts in DIR/check-results/",
         flag="--class",
         metavar="DIR",
     )
+    jobs: int = opt("with --class: students checked at once (default: the number of CPUs)", 0, ge=0)
+    budget: float | None = opt("with --class: seconds each student may take, all parts together", gt=0)
+    resume: bool = opt("with --class: keep the verdicts DIR/check-results already holds (same parts and seed)", False)
+    seed: int | None = opt("the inputs' seed, to repeat a run (default: a fresh one, printed)", ge=0)
     data: str | None = opt(
         "with --class: also score each student's model (its model_* functions) on this text file", metavar="FILE"
     )
@@ -911,21 +916,24 @@ def check(opts: CheckOptions) -> int:
         for path in write_kit(opts.init):
             print(f"wrote {path}")
         return 0
+    seed = fresh_seed() if opts.seed is None else opts.seed
+    print(f"seed {seed} (--seed {seed} repeats these inputs)", file=sys.stderr)
     if opts.class_dir:
         texts = load_text_file(opts.data) if opts.data else None
-        students = check_class(opts.class_dir, parts, opts.timeout, memory, texts)
+        run = ClassRun(parts, opts.timeout, memory, texts, opts.jobs, opts.budget, opts.resume, seed)
+        students = check_class(opts.class_dir, run)
         paths = write_reports(opts.class_dir, students, bool(texts))
         print(markdown(students, bool(texts)))
         print(f"wrote {', '.join(str(p) for p in paths)}")
-        return 0 if all(r.status in PASSING for s in students for r in s.results) else 1
+        return 0 if all(passed(s.results) for s in students) else 1
     results = []
-    for result in check_adapter(opts.adapter, parts, opts.timeout, memory):
+    for result in check_adapter(opts.adapter, parts, opts.timeout, memory, output=sys.stderr.buffer, seed=seed):
         print(result.line(), flush=True)  # one line per part as it is judged: a slow part shows where it is
         results.append(result)
     print(summary(results))
     if opts.json:
-        write_json(opts.json, opts.adapter, results)
-    return 0 if all(r.status in PASSING for r in results) else 1
+        write_json(opts.json, opts.adapter, results, seed)
+    return 0 if passed(results) else 1
 
 
 if __name__ == "__main__":

@@ -20,7 +20,10 @@ from typing import Any, Callable
 
 import torch
 
-from tinylm.training.memory import ActivationMeter
+if __package__:  # tinylm.courses.calls, in tinylm's process
+    from tinylm.training.memory import ActivationMeter
+else:  # the sandbox's copy (sandbox.RUNNER_FILES): tinylm is not importable there, memory.py lies beside it
+    from memory import ActivationMeter
 
 Calls = list[dict[str, Any]]
 
@@ -137,7 +140,8 @@ def send(conn, message: dict) -> None:
     conn.send_bytes(buffer.getvalue())
 
 
-def receive(conn) -> dict:
+def receive(conn, max_bytes: int | None = None) -> dict:
     """The next message; ``weights_only`` loading, so bytes from the student's process cannot run
-    code in tinylm's."""
-    return torch.load(io.BytesIO(conn.recv_bytes()), weights_only=True)
+    code in tinylm's. A message over ``max_bytes`` is refused from its length header, before it is
+    read (OSError), so that a huge reply cannot fill tinylm's memory."""
+    return torch.load(io.BytesIO(conn.recv_bytes(max_bytes)), weights_only=True)

@@ -9,18 +9,20 @@ from __future__ import annotations
 
 import json
 import math
+import secrets
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, BinaryIO, Iterator
 
 import torch
 
 from tinylm.courses.calls import Calls, run_call
 from tinylm.courses.parts import MEMORY_RATIO, NOT_CHECKPOINTED, PARTS, PARTS_BY_NAME, Mistake, Part, Tolerance
-from tinylm.courses.sandbox import DEFAULT_MEMORY_BYTES, STARTUP_SECONDS, Sandbox
+from tinylm.courses.sandbox import DEFAULT_MEMORY_BYTES, STARTUP_SECONDS, Limits, Sandbox
 from tinylm.errors import TinyLMError
 
-PASSING = ("ok", "not implemented")  # what lets `tinylm check` exit 0
+PASSING = ("ok", "not implemented")  # the statuses that let `tinylm check` exit 0 (with one ok at least)
 
 
 @dataclass
@@ -69,8 +71,10 @@ def canonical_output(part: Part, calls: Calls, output: Any) -> Any:
     return [part.canonical(o) for o in output]
 
 
-def make_case(part: Part) -> Case:
-    gen = torch.Generator().manual_seed(part.seed)
+def make_case(part: Part, seed: int = 0) -> Case:
+    """The part's inputs drawn with the run's ``seed`` (each run draws its own: answers recorded
+    on one run fail the next; 0 gives the inputs the tests know)."""
+    gen = torch.Generator().manual_seed((part.seed + seed) % 2**63)
     calls = part.inputs(gen)
     projection = None
     if part.grad:  # a fixed random direction of the output's shape (calls.py says why not a plain sum)
@@ -261,22 +265,40 @@ def check_adapter(
     parts: list[str] | None = None,
     timeout: float = 30.0,
     memory_bytes: int = DEFAULT_MEMORY_BYTES,
+    visible: Path | None = None,
+    output: BinaryIO | None = None,
+    budget: float | None = None,
+    seed: int = 0,
 ) -> Iterator[PartResult]:
     """Each chosen part's verdict, as soon as it is known. The adapter runs in its own process
-    (``sandbox``): ``timeout`` seconds per part, ``memory_bytes`` of memory."""
+    (``sandbox``): ``timeout`` seconds per part and ``budget`` seconds in all, ``memory_bytes`` of
+    memory; it sees ``visible`` (default: its folder) and prints to ``output`` (None: dropped).
+    ``seed``: the run's inputs (``make_case``)."""
     path = Path(adapter)
     if not path.is_file():
         raise TinyLMError(f"adapter file {path} does not exist" if not path.exists() else f"{path} is not a file")
     chosen = select_parts(parts)
     cpu_seconds = int(STARTUP_SECONDS + timeout * len(chosen)) + 1  # a budget no honest run reaches
-    return _verdicts(Sandbox(path.resolve(), timeout, memory_bytes, cpu_seconds), chosen)
+    limits = Limits(timeout=timeout, memory_bytes=memory_bytes, cpu_seconds=cpu_seconds)
+    return _verdicts(Sandbox(path.resolve(), limits, visible, output), chosen, budget, seed)
 
 
-def _verdicts(sandbox: Sandbox, parts: list[Part]) -> Iterator[PartResult]:
+def _verdicts(sandbox: Sandbox, parts: list[Part], budget: float | None, seed: int) -> Iterator[PartResult]:
+    deadline = math.inf if budget is None else time.monotonic() + budget
     with sandbox:
         for part in parts:
-            case = make_case(part)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                yield PartResult(part.name, "timed out", f"(the student's {budget:g} s ran out before this part)")
+                continue
+            sandbox.timeout = min(sandbox.limits.timeout, left)
+            case = make_case(part, seed)
             yield judge(part, case, sandbox.call(case.request))
+
+
+def passed(results: list[PartResult]) -> bool:
+    """Every part ok or not implemented, and one ok at least: a template left as it is fails."""
+    return all(r.status in PASSING for r in results) and any(r.status == "ok" for r in results)
 
 
 def summary(results: list[PartResult]) -> str:
@@ -286,10 +308,16 @@ def summary(results: list[PartResult]) -> str:
     return ", ".join(f"{n} {s}" for s, n in counts.items() if n) or "no parts checked"
 
 
-def write_json(path: str | Path, adapter: str | Path, results: list[PartResult]) -> None:
+def fresh_seed() -> int:
+    """A run's seed, from the operating system's randomness (not torch's, which tests seed)."""
+    return secrets.randbelow(2**31)
+
+
+def write_json(path: str | Path, adapter: str | Path, results: list[PartResult], seed: int = 0) -> None:
     data = {
         "adapter": str(adapter),
-        "passed": all(r.status in PASSING for r in results),
+        "seed": seed,
+        "passed": passed(results),
         "parts": [r.as_json() for r in results],
     }
     Path(path).write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")

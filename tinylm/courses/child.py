@@ -1,24 +1,35 @@
-"""The student's process: ``python -m tinylm.courses.child FD ADAPTER MEMORY_BYTES CPU_SECONDS``.
+"""The student's process: ``python -S child.py FD SETTINGS_JSON``, run from a copy of this file
+(``sandbox.RUNNER_FILES``) in a folder where tinylm cannot be imported.
 
-It limits its own memory and CPU time, loads the adapter, says "ready" (or why it could not load)
-on the socket ``FD``, then answers one request per part until tinylm closes the socket. The
-student's exceptions become replies ("error", with the type, message and the adapter's line);
-a hang or a crash is seen by ``sandbox`` from outside. The student's prints go to stderr (the
-sandbox starts this process with stdout on it), so that ``tinylm check``'s stdout holds results.
+It puts the folders holding torch and numpy on its path (``-S`` loads no site-packages, so no
+``.pth`` file and no editable install of tinylm is on it), imports torch, sets its limits (hard:
+soft = hard, so the student cannot lift them), loads the adapter, says "ready" (or why it could not
+load) on the socket ``FD``, then answers one request per part until tinylm closes the socket. The
+student's exceptions become replies ("error", with the type, message and the adapter's line); a
+hang or a crash is seen by ``sandbox`` from outside.
+
+Tests import ``answer`` from ``tinylm.courses.child`` to judge an adapter in their own process.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import resource
 import sys
 from multiprocessing.connection import Connection
 from pathlib import Path
 from types import ModuleType
 
-import torch
+if __name__ == "__main__":  # the runner: the site-packages folders it is given, before torch is imported
+    sys.path.extend(json.loads(sys.argv[2])["site"])
 
-from tinylm.courses.calls import describe_exception, receive, run_call, send
+import torch  # noqa: E402  (after the path is set, above)
+
+if __package__:  # imported from tinylm, by tests
+    from tinylm.courses.calls import describe_exception, receive, run_call, send
+else:  # the runner's copy: calls.py lies beside it
+    from calls import describe_exception, receive, run_call, send
 
 
 def address_space_in_use() -> int:
@@ -30,23 +41,32 @@ def address_space_in_use() -> int:
         return 0
 
 
-def limit_resources(memory_bytes: int, cpu_seconds: int) -> None:
-    """Address space: what torch has mapped already plus ``memory_bytes`` (a CPU build of torch
-    maps a few hundred MB at import, whatever the student does); CPU time: ``cpu_seconds`` in
-    all, then the kernel ends the process (SIGXCPU); no core file. A limit the platform refuses
-    (macOS has no RLIMIT_AS) is left as it was."""
-    wanted = (
-        (resource.RLIMIT_AS, address_space_in_use() + memory_bytes),
-        (resource.RLIMIT_CPU, cpu_seconds),
-        (resource.RLIMIT_CORE, 0),
-    )
-    for which, value in wanted:
+def limit_resources(settings: dict) -> list[str]:
+    """Hard limits (soft = hard: a process can lower its hard limit, never raise it back without
+    CAP_SYS_RESOURCE, which the namespace sandbox drops): address space, what torch has mapped
+    already plus ``memory_bytes`` (a CPU build of torch maps a few hundred MB at import, whatever
+    the student does); CPU seconds in all (then SIGXCPU ends the process); the size of a file it
+    writes; open files; processes and threads (``processes``, 0 for none: RLIMIT_NPROC counts every
+    process of the user, so it is set only inside the sandbox's own user namespace); no core file.
+    Returns the limits the platform refused (macOS has no RLIMIT_AS)."""
+    wanted = [
+        ("memory", resource.RLIMIT_AS, address_space_in_use() + settings["memory_bytes"]),
+        ("CPU time", resource.RLIMIT_CPU, settings["cpu_seconds"]),
+        ("file size", resource.RLIMIT_FSIZE, settings["file_bytes"]),
+        ("open files", resource.RLIMIT_NOFILE, settings["open_files"]),
+        ("core files", resource.RLIMIT_CORE, 0),
+    ]
+    if settings["processes"]:
+        wanted.append(("processes", resource.RLIMIT_NPROC, settings["processes"]))
+    refused = []
+    for name, which, value in wanted:
         _, hard = resource.getrlimit(which)
-        soft = value if hard == resource.RLIM_INFINITY else min(value, hard)
+        value = value if hard == resource.RLIM_INFINITY else min(value, hard)
         try:
-            resource.setrlimit(which, (soft, hard))
+            resource.setrlimit(which, (value, value))
         except (ValueError, OSError):
-            pass
+            refused.append(name)
+    return refused
 
 
 def load_adapter(path: str) -> ModuleType:
@@ -76,10 +96,12 @@ def answer(module, request: dict, adapter: str) -> dict:
 
 
 def main(argv: list[str]) -> int:
-    fd, adapter, memory_bytes, cpu_seconds = int(argv[0]), argv[1], int(argv[2]), int(argv[3])
-    conn = Connection(fd)
+    conn, settings = Connection(int(argv[0])), json.loads(argv[1])
+    adapter = settings["adapter"]
     torch.set_num_threads(1)  # parts are small; one thread keeps CPU time close to wall time
-    limit_resources(memory_bytes, cpu_seconds)
+    refused = limit_resources(settings)
+    if refused:
+        print(f"tinylm check: this platform refused the limits on {', '.join(refused)}", file=sys.stderr)
     try:
         module = load_adapter(adapter)
     except BaseException as exc:  # a syntax error, a failing import, exit() at the top of the file

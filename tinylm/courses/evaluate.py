@@ -1,7 +1,8 @@
 """`tinylm evaluate --adapter ADAPTER.py`: a student's whole model scored on tinylm's protocol.
 
 The adapter's ``model_info``, ``model_encode``, ``model_decode``, ``model_logits`` and
-``model_generate`` run in the student's own process (``sandbox``), and tinylm's own scoring drives
+``model_generate`` run in the student's own process (``sandbox``; the plain process, with tinylm
+importable and the environment kept, since the adapter may wrap a tinylm checkpoint), and tinylm's own scoring drives
 them: the student's logits become a module that ``evaluation.perplexity.evaluate_texts`` scores
 exactly as it scores a tinylm checkpoint (each document alone from the start id, the same windows,
 the same batches, the loss in float32), so an adapter wrapping a tinylm checkpoint gives that
@@ -17,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import statistics
+import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -26,12 +28,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from tinylm.constants import IGNORE_INDEX
-from tinylm.courses.sandbox import DEFAULT_MEMORY_BYTES, STARTUP_SECONDS, Sandbox
+from tinylm.courses.sandbox import DEFAULT_MEMORY_BYTES, STARTUP_SECONDS, Limits, Sandbox
 from tinylm.errors import TinyLMError
 from tinylm.evaluation.perplexity import evaluate_texts
 from tinylm.evaluation.protocol import BleuProtocol, Decoding, run_bleu
 
 CALL_SECONDS = 300.0  # one batch of logits, or one generation, on a slow student model
+REPLY_BYTES = 4 << 30  # a batch of logits over a large vocabulary: 32 x 256 x 50,257 float32 is 1.6 GB
 CPU_SECONDS = 6 * 3600  # the whole evaluation: a guard against a runaway process, not a budget
 ENCODE_CHUNK = 64  # documents encoded per request
 SPEEDUP_PROMPT, SPEEDUP_TOKENS, SPEEDUP_ROUNDS = 16, 64, 3
@@ -145,7 +148,8 @@ def evaluate_adapter(
     if not path.is_file():
         raise TinyLMError(f"adapter file {path} does not exist" if not path.exists() else f"{path} is not a file")
     memory = DEFAULT_MEMORY_BYTES if memory_bytes is None else memory_bytes
-    with Sandbox(path.resolve(), CALL_SECONDS, memory, int(STARTUP_SECONDS + CPU_SECONDS)) as sandbox:
+    limits = Limits(CALL_SECONDS, memory, int(STARTUP_SECONDS + CPU_SECONDS), reply_bytes=REPLY_BYTES)
+    with Sandbox(path.resolve(), limits, output=sys.stderr.buffer, trusted=True) as sandbox:
         info = call(sandbox, "model_info", [{}])
         if not isinstance(info, dict) or "context_length" not in info:
             raise TinyLMError('the adapter\'s model_info must return {"context_length": int, "bos_id": int or None}')

@@ -1,30 +1,68 @@
 """The student's process seen from tinylm: started on the first part, given one request at a time,
 and ended and started afresh after a part hangs or kills it, so that the other parts still run.
 
-The process is ``python -m tinylm.courses.child`` (not multiprocessing's spawn, which would first
-re-run the ``tinylm`` script and import every command), joined to tinylm by a socket pair. Its
-limits: a wall-clock ``timeout`` per part (seconds), ``memory_bytes`` of address space beyond what
-importing torch maps, and a CPU-time budget for the whole process. These limits keep a hang or a
-runaway allocation from stopping a class's checks; they are not a security boundary (the student's
-code can read and write files as the user running ``tinylm check``).
+Where bubblewrap works (Linux with user namespaces; ``make test`` installs it), the process runs in
+a namespace sandbox: its own user, PID, network, IPC and UTS namespaces, no capabilities, and a
+file system holding only the system's libraries, the Python install, the folders holding torch
+and numpy (read-only, tinylm masked), the student's adapter (read-only) and a private /tmp that is
+deleted with it. It cannot see tinylm, the teacher's files or other students, signal tinylm, reach
+the network, or leave a process behind (the PID namespace dies with it). Elsewhere the same
+process runs without the namespaces (``boundary`` says so once, in plain words): the limits still
+hold, but it can read and write what the user running tinylm can, and signal tinylm.
+
+Either way the process is ``python -S child.py`` from a copy of the runner's three files
+(``RUNNER_FILES``), so tinylm is not on its path, joined to tinylm by a socket pair. Its limits
+(``Limits``): a wall-clock ``timeout`` per part, and hard rlimits set before the student's code
+loads (``child.limit_resources``); a pids cgroup caps its processes where one can be made (root),
+a reply over ``reply_bytes`` is refused unread, and its prints are kept up to ``output_bytes``.
 """
 
 from __future__ import annotations
 
+import functools
+import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import sysconfig
+import tempfile
+import threading
+import uuid
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
+from typing import BinaryIO
 
-import tinylm
+from tinylm.courses import calls as calls_module
+from tinylm.courses import child as child_module
 from tinylm.courses.calls import receive, send
+from tinylm.training import memory as memory_module
 
 STARTUP_SECONDS = 60.0  # importing torch and the adapter, on a busy machine, beside the part's own timeout
 DEFAULT_MEMORY_BYTES = 4 << 30
-TIMED_OUT, DIED = object(), object()  # what _receive returns instead of a message
+TIMED_OUT, DIED, TOO_BIG = object(), object(), object()  # what _receive returns instead of a message
+RUNNER_FILES = {  # the files the student's process runs (each imports only torch and its neighbours)
+    "child.py": Path(child_module.__file__),
+    "calls.py": Path(calls_module.__file__),
+    "memory.py": Path(memory_module.__file__),
+}
+SANDBOX_ENV = "TINYLM_CHECK_SANDBOX"  # "process": skip the namespace sandbox (its tests, a machine without it)
+PIDS_ROOTS = (Path("/sys/fs/cgroup/pids"), Path("/sys/fs/cgroup"))  # cgroup v1's pids hierarchy, then v2's
+
+
+@dataclass(frozen=True)
+class Limits:
+    timeout: float = 30.0  # wall-clock seconds per request
+    memory_bytes: int = DEFAULT_MEMORY_BYTES  # address space beyond what importing torch maps
+    cpu_seconds: int = 3600  # CPU time of the whole process
+    file_bytes: int = 64 << 20  # the largest file it may write
+    open_files: int = 256
+    processes: int = 64  # processes and threads (torch's pool included)
+    reply_bytes: int = 64 << 20  # the largest reply tinylm reads
+    output_bytes: int = 1 << 20  # the student's prints kept; the rest is read and dropped
 
 
 def process_end(code: int | None) -> str:
@@ -37,19 +75,159 @@ def process_end(code: int | None) -> str:
         name = signal.Signals(-code).name
     except ValueError:
         return f"signal {-code}"
-    reason = {"SIGXCPU": ": its CPU time ran out", "SIGKILL": ": killed, out of memory?"}.get(name, "")
+    reason = {
+        "SIGXCPU": ": its CPU time ran out",
+        "SIGKILL": ": killed, by its own code or for want of memory",
+        "SIGXFSZ": ": it wrote a file over the size limit",
+    }.get(name, "")
     return f"signal {name}{reason}"
 
 
-class Sandbox:
-    """One adapter's process; ``call`` returns the child's reply, or a reply saying it timed out or
-    died. A context manager: the process ends with the block."""
+# ------------------------------------------------------------------------------ the boundary
+def system_binds() -> list[str]:
+    """bubblewrap arguments for the system's libraries and the Python install, read-only."""
+    argv = []
+    for top in ("/usr", "/lib", "/lib64", "/lib32", "/bin", "/sbin"):
+        if os.path.islink(top):
+            argv += ["--symlink", os.readlink(top), top]
+        elif os.path.isdir(top):
+            argv += ["--ro-bind", top, top]
+    python = Path(os.path.realpath(sys.executable))
+    for folder in {sys.base_prefix, str(python.parent)}:
+        if not folder.startswith("/usr/"):
+            argv += ["--ro-bind", folder, folder]
+    return argv
 
-    def __init__(self, adapter: Path, timeout: float, memory_bytes: int, cpu_seconds: int):
-        self.adapter, self.timeout = adapter, timeout
-        self.memory_bytes, self.cpu_seconds = memory_bytes, cpu_seconds
+
+def site_folders() -> list[str]:
+    """The folders holding torch and numpy (this environment's site-packages)."""
+    paths = sysconfig.get_paths()
+    return sorted({paths["purelib"], paths["platlib"]})
+
+
+def bwrap_argv(visible: Path, runner: Path, tmp: Path) -> list[str]:
+    """bubblewrap's command line up to the program: what the student's process sees."""
+    argv = ["bwrap", "--unshare-all", "--unshare-user", "--die-with-parent", "--new-session", "--cap-drop", "ALL"]
+    argv += ["--clearenv", "--setenv", "OMP_NUM_THREADS", "1", "--setenv", "HOME", "/tmp"]
+    argv += ["--setenv", "TMPDIR", "/tmp", "--setenv", "PATH", "/usr/bin:/bin"]
+    argv += ["--proc", "/proc", "--dev", "/dev", *system_binds()]
+    for folder in site_folders():
+        argv += ["--ro-bind", folder, folder]
+        if os.path.isdir(os.path.join(folder, "tinylm")):  # a non-editable install of tinylm: hidden
+            argv += ["--tmpfs", os.path.join(folder, "tinylm")]
+    argv += ["--ro-bind", str(runner), "/runner", "--bind", str(tmp), "/tmp"]
+    folder = visible if visible.is_dir() else visible.parent
+    argv += ["--ro-bind", str(visible), str(visible), "--chdir", str(folder)]
+    return argv
+
+
+@functools.cache
+def boundary() -> str:
+    """ "bubblewrap" where the namespace sandbox starts here, else "process" (said once on stderr,
+    with the reason)."""
+    reason = None
+    if os.environ.get(SANDBOX_ENV) == "process":
+        reason = f"{SANDBOX_ENV}=process asks for no namespace sandbox"
+    elif shutil.which("bwrap") is None:
+        reason = "bubblewrap (bwrap) is not installed"
+    else:
+        with tempfile.TemporaryDirectory(prefix="tinylm-probe-") as root:
+            argv = bwrap_argv(Path(root), Path(root), Path(root)) + [os.path.realpath(sys.executable), "-S", "-c", ""]
+            probe = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+            if probe.returncode != 0:
+                reason = f"bubblewrap does not start here ({probe.stderr.strip()[:200] or probe.returncode})"
+    if reason is None:
+        return "bubblewrap"
+    print(
+        f"tinylm check: {reason}. Each student's code runs in a plain process with hard limits on memory, "
+        "CPU time, file size and open files, but it can read and write your files and signal tinylm: "
+        "install bubblewrap (apt-get install bubblewrap) for the sandbox.",
+        file=sys.stderr,
+    )
+    return "process"
+
+
+def pids_cgroup(processes: int) -> Path | None:
+    """A new pids cgroup capped at ``processes`` (its folder), or None where none can be made
+    (not root, no pids controller). RLIMIT_NPROC does not bind a root user's processes, hence this."""
+    for root in PIDS_ROOTS:
+        group = root / f"tinylm-check-{uuid.uuid4().hex[:12]}"
+        try:
+            group.mkdir()
+        except OSError:
+            continue
+        try:
+            (group / "pids.max").write_text(str(processes))
+            return group
+        except OSError:
+            group.rmdir()
+    return None
+
+
+def remove_cgroup(group: Path) -> None:
+    """Kill what is left in ``group`` (the sandbox's processes only) and remove it."""
+    for _ in range(50):
+        try:
+            for pid in (group / "cgroup.procs").read_text().split():
+                os.kill(int(pid), signal.SIGKILL)
+            group.rmdir()
+            return
+        except (OSError, ValueError):
+            threading.Event().wait(0.1)
+
+
+def relay(pipe: BinaryIO, sink: BinaryIO | None, limit: int) -> None:
+    """Copy the student's prints to ``sink`` up to ``limit`` bytes, then read and drop the rest
+    (a process that prints without end neither blocks nor fills tinylm's memory or disk)."""
+    kept = 0
+    while chunk := pipe.read1(65536):
+        if sink is not None and kept < limit:
+            sink.write(chunk[: limit - kept])
+            kept += len(chunk)
+            if kept >= limit:
+                sink.write(b"\n[tinylm check: the adapter's further output is dropped]\n")
+            sink.flush()
+    pipe.close()
+
+
+def remove_tree(root: Path) -> None:
+    """Remove the sandbox's folder, even where the student took the permissions off its files."""
+
+    def unlock(function, path, _):
+        os.chmod(os.path.dirname(path), 0o700)
+        if os.path.isdir(path) and not os.path.islink(path):
+            os.chmod(path, 0o700)
+        function(path)
+
+    shutil.rmtree(root, onerror=unlock)
+
+
+# ------------------------------------------------------------------------------ the process
+class Sandbox:
+    """One adapter's process; ``call`` returns the child's reply, or a reply saying it timed out,
+    died or answered too much. A context manager: the process, its processes and its folder end
+    with the block. ``visible``: what of the teacher's files it sees (default: the adapter's
+    folder); ``output``: where its prints go (None: dropped); ``trusted``: tinylm importable and
+    the environment kept, in the plain process (``tinylm evaluate --adapter``, whose adapter may
+    wrap a tinylm checkpoint)."""
+
+    def __init__(
+        self,
+        adapter: Path,
+        limits: Limits,
+        visible: Path | None = None,
+        output: BinaryIO | None = None,
+        trusted: bool = False,
+    ):
+        self.adapter, self.limits, self.output, self.trusted = adapter, limits, output, trusted
+        self.visible = visible or adapter.parent
+        self.kind = "process" if trusted else boundary()
+        self.timeout = limits.timeout
         self.process: subprocess.Popen | None = None
         self.conn: Connection | None = None
+        self.root: Path | None = None  # the runner's files and the student's /tmp
+        self.cgroup: Path | None = None
+        self.relay: threading.Thread | None = None
         self.load_error: str | None = None  # an adapter that cannot load fails every part the same way
 
     def __enter__(self) -> "Sandbox":
@@ -71,32 +249,71 @@ class Sandbox:
         if reply is TIMED_OUT:
             self.close()
             return {"status": "timed out", "error": f"after {self.timeout:g} s"}
+        if reply is TOO_BIG:
+            self.close()
+            return {"status": "error", "error": f"the reply is over the limit of {self.limits.reply_bytes:,} bytes"}
         if reply is DIED:
             return {"status": "error", "error": f"the adapter's process died ({process_end(self.close(grace=5))})"}
         return reply
 
-    def _start(self) -> None:
-        ours, theirs = socket.socketpair()
-        package_root = str(Path(tinylm.__file__).resolve().parents[1])  # the child imports this same tinylm
-        env = {
-            **os.environ,
-            "OMP_NUM_THREADS": "1",
-            "PYTHONPATH": os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p),
+    def _command(self, runner: Path, fd: int) -> tuple[list[str], dict, dict]:
+        """The command line, its environment and the runner's settings."""
+        limits, python = self.limits, os.path.realpath(sys.executable)
+        site = site_folders()
+        if self.trusted:  # the child imports this same tinylm
+            site.append(str(Path(calls_module.__file__).resolve().parents[2]))
+        settings = {
+            "adapter": str(self.adapter),
+            "memory_bytes": limits.memory_bytes,
+            "cpu_seconds": limits.cpu_seconds,
+            "file_bytes": limits.file_bytes,
+            "open_files": limits.open_files,
+            "processes": limits.processes if self.kind == "bubblewrap" else 0,
+            "site": site,
         }
-        argv = [str(theirs.fileno()), str(self.adapter), str(self.memory_bytes), str(self.cpu_seconds)]
+        if self.kind == "process":
+            env = dict(os.environ) if self.trusted else {"PATH": os.environ.get("PATH", "/usr/bin:/bin")}
+            env.update(OMP_NUM_THREADS="1", TMPDIR=str(self.root / "tmp"), HOME=str(self.root / "tmp"))
+            return [python, "-S", str(runner / "child.py"), str(fd)], env, settings
+        command = bwrap_argv(self.visible, runner, self.root / "tmp") + [python, "-S", "/runner/child.py", str(fd)]
+        self.cgroup = pids_cgroup(limits.processes)
+        if self.cgroup is not None:  # the shell joins the cgroup, then becomes bubblewrap: every process is in it
+            procs = str(self.cgroup / "cgroup.procs")
+            command = ["/bin/sh", "-c", 'echo $$ > "$0" && exec "$@"', procs, *command]
+        return command, {"PATH": os.environ.get("PATH", "/usr/bin:/bin")}, settings
+
+    def _start(self) -> None:
+        self.root = Path(tempfile.mkdtemp(prefix="tinylm-check-"))
+        runner = self.root / "runner"
+        runner.mkdir()
+        (self.root / "tmp").mkdir()
+        for name, source in RUNNER_FILES.items():
+            shutil.copyfile(source, runner / name)
+        ours, theirs = socket.socketpair()
+        command, env, settings = self._command(runner, theirs.fileno())
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "tinylm.courses.child", *argv],
+            [*command, json.dumps(settings)],
             pass_fds=(theirs.fileno(),),
             stdin=subprocess.DEVNULL,
-            stdout=2,  # the student's prints go to stderr: stdout holds tinylm check's results
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
             env=env,
+            cwd=self.visible if self.visible.is_dir() else self.visible.parent,
+            start_new_session=True,  # its process group is killed with it
         )
         theirs.close()
+        self.relay = threading.Thread(
+            target=relay, args=(self.process.stdout, self.output, self.limits.output_bytes), daemon=True
+        )
+        self.relay.start()
         self.conn = Connection(ours.detach())
+        self._hello()
+
+    def _hello(self) -> None:
         hello = self._receive(STARTUP_SECONDS + self.timeout)
         if hello is TIMED_OUT:
             self.load_error = f"the adapter did not load within {STARTUP_SECONDS + self.timeout:g} s"
-        elif hello is DIED:
+        elif hello is DIED or hello is TOO_BIG:
             self.load_error = f"the adapter's process died while loading ({process_end(self.close(grace=5))})"
         elif hello["status"] != "ready":
             self.load_error = f"the adapter failed to load: {hello['error']}"
@@ -104,17 +321,20 @@ class Sandbox:
             self.close()
 
     def _receive(self, timeout: float):
-        """The next message, TIMED_OUT, or DIED (the socket closed, or bytes that are no message)."""
+        """The next message, TIMED_OUT, TOO_BIG, or DIED (the socket closed, or bytes that are no message)."""
         if not self.conn.poll(timeout):
             return TIMED_OUT
         try:
-            return receive(self.conn)
-        except (EOFError, OSError, RuntimeError, ValueError):
+            return receive(self.conn, self.limits.reply_bytes)
+        except OSError as exc:
+            return TOO_BIG if "bad message length" in str(exc) else DIED  # CPython's words for an oversized one
+        except (EOFError, RuntimeError, ValueError):
             return DIED
 
     def close(self, grace: float = 0.0) -> int | None:
-        """End the process and return how it ended: one whose socket closed gets ``grace`` seconds
-        to finish dying of its own cause (a signal, an exit code) before it is killed."""
+        """End the process, everything it started and its folder, and return how it ended: one
+        whose socket closed gets ``grace`` seconds to finish dying of its own cause (a signal, an
+        exit code) before it is killed."""
         if self.conn is not None:
             self.conn.close()
             self.conn = None
@@ -122,7 +342,19 @@ class Sandbox:
             return None
         process, self.process = self.process, None
         try:
-            return process.wait(timeout=grace)
+            code = process.wait(timeout=grace)
         except subprocess.TimeoutExpired:
-            process.kill()
-            return process.wait(timeout=30)
+            code = None
+        try:  # the session it was started in: what the student started and left behind, in the plain process
+            os.killpg(process.pid, signal.SIGKILL)
+        except OSError:
+            pass
+        code = process.wait(timeout=30) if code is None else code
+        if self.kind == "bubblewrap" and code > 128:  # bubblewrap exits 128 + the signal that ended the program
+            code = 128 - code
+        self.relay.join(timeout=5)
+        if self.cgroup is not None:
+            remove_cgroup(self.cgroup)
+            self.cgroup = None
+        remove_tree(self.root)
+        return code
