@@ -4,7 +4,7 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: demo test test-fast lint setup browser clean
+.PHONY: demo test test-fast lint setup browser sandbox clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -33,9 +33,21 @@ browser:
 	  fi; \
 	fi
 
+# `tinylm check` runs each student's code in a bubblewrap sandbox (tinylm/courses/sandbox.py), and
+# its tests run that path: installed when missing and run as root, otherwise the command is printed.
+sandbox:
+	@if ! command -v bwrap >/dev/null; then \
+	  if [ "$$(id -u)" = 0 ]; then \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends bubblewrap; \
+	  else \
+	    echo "tinylm check's sandbox needs bubblewrap: run  sudo apt-get install -y bubblewrap  then make test again" >&2; \
+	    exit 1; \
+	  fi; \
+	fi
+
 # ruff first (seconds): the code as formatted and linted; then every test. -rs lists every skipped
 # test with its reason: on a fresh machine only the CUDA ones may skip.
-test: $(STAMP) browser lint
+test: $(STAMP) browser sandbox lint
 	$(BIN)/python -m pytest tests -rs $(ARGS)
 
 lint: $(STAMP)
