@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import resource
+import signal
 import sys
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -80,6 +82,39 @@ def load_adapter(path: str) -> ModuleType:
     return module
 
 
+def leftover_processes() -> list[int]:
+    """In the sandbox's own PID namespace (where bubblewrap's init is 1 and this process 2), the
+    processes still running beside this one: what a part started and did not wait for."""
+    found = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) in (1, os.getpid()):
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue  # it ended meanwhile
+        if state != "Z":  # a zombie has ended; only its exit status is left
+            found.append(int(name))
+    return found
+
+
+def end_leftovers(reply: dict) -> dict:
+    """The reply, or an error when the part left processes running (they are killed)."""
+    left = leftover_processes()
+    for pid in left:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    if not left:
+        return reply
+    return {
+        "status": "error",
+        "error": f"the part left {len(left)} process(es) running; a part must wait for what it starts",
+    }
+
+
 def answer(module, request: dict, adapter: str) -> dict:
     """The reply to one request: "ok" with the output and gradients, "not implemented" (no such
     function, or it raises NotImplementedError, as the template's do), or "error"."""
@@ -113,7 +148,8 @@ def main(argv: list[str]) -> int:
             request = receive(conn)
         except EOFError:  # tinylm is done
             return 0
-        send(conn, answer(module, request, adapter))
+        reply = answer(module, request, adapter)
+        send(conn, end_leftovers(reply) if settings["own_pids"] else reply)
 
 
 if __name__ == "__main__":

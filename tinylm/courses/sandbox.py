@@ -269,6 +269,7 @@ class Sandbox:
             "file_bytes": limits.file_bytes,
             "open_files": limits.open_files,
             "processes": limits.processes if self.kind == "bubblewrap" else 0,
+            "own_pids": self.kind == "bubblewrap",  # its own PID namespace: any other process is the student's
             "site": site,
         }
         if self.kind == "process":
