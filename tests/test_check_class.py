@@ -220,10 +220,12 @@ def test_class_with_data_adds_each_students_protocol_numbers(checkpoint, tmp_pat
     model, data = checkpoint
     monkeypatch.setenv("TINYLM_CHECKPOINT", str(model))
     directory = class_copy(tmp_path)
-    shutil.copy(reference_adapter.__file__, directory / "alice" / "adapter.py")  # alice hands in a whole model
+    # alice hands in a whole model wrapping a tinylm checkpoint: its parts cannot import tinylm in the
+    # sandbox, but the protocol scores it (tinylm evaluate --adapter runs the plain process, tinylm importable)
+    shutil.copy(reference_adapter.__file__, directory / "alice" / "adapter.py")
     for name in ("carol", "dave", "erin"):
         shutil.rmtree(directory / name)
-    assert main(["check", "--class", str(directory), "--parts", "linear", "--data", str(data)]) == 0
+    assert main(["check", "--class", str(directory), "--parts", "linear", "--data", str(data), "--seed", "0"]) == 1
     assert main(["evaluate", "--checkpoint", str(model), "--data", str(data), "--json"]) == 0
     direct = json.loads(capsys.readouterr().out.splitlines()[-1])
     students = {s["name"]: s for s in json.loads((directory / "check.json").read_text())["students"]}
@@ -231,4 +233,5 @@ def test_class_with_data_adds_each_students_protocol_numbers(checkpoint, tmp_pat
     assert "model_info not implemented" in students["bob"]["protocol_error"]
     table = (directory / "check.md").read_text()
     assert "| student | parts ok | linear | bits/byte | token ppl | word ppl | KV speed-up |" in table
-    assert f"| alice | 1/1 | ok | {direct['bpb']:.4f} |" in table
+    assert f"| alice | 0/1 | error | {direct['bpb']:.4f} |" in table
+    assert "No module named 'tinylm'" in students["alice"]["parts"][0]["detail"]
