@@ -471,6 +471,19 @@ def run_checkpointed_blocks(x, weights, n_heads, n_layers):
         x = run_block(x, weights_under(weights, f"blocks.{i}."), n_heads)
     return x
 """,
+    ("gradient_accumulation", "one_batch"): """
+def run_accumulated_gradients(x, targets, weight, bias, micro_batches, ignore_index):
+    weight = weight.clone().requires_grad_()
+    bias = bias.clone().requires_grad_()
+    n_targets = (targets != ignore_index).sum()
+    micro_batch_loss(x, targets, weight, bias, ignore_index, n_targets, 1).backward()
+    return {"weight": weight.grad, "bias": bias.grad}
+""",
+    ("kv_cache", "prefix_recomputed"): """
+def run_kv_cached_logits(tokens, weights, config):
+    steps = [run_transformer_lm(tokens[:, : t + 1], weights, config)[:, -1] for t in range(tokens.shape[1])]
+    return torch.stack(steps, dim=1)
+""",
     ("kv_cache", "position_off_by_one"): """
 def cache_position(cache_length):
     return cache_length + 1

@@ -12,6 +12,7 @@ hide every mistake in it.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import numbers
 import traceback
@@ -19,6 +20,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import FlopCounterMode
 
 if __package__:  # tinylm.courses.calls, in tinylm's process
     from tinylm.training.memory import ActivationMeter
@@ -91,22 +94,62 @@ def gradients(output: Any, projection: torch.Tensor, leaves: dict[str, torch.Ten
     return {name: None if g is None else g.detach() for name, g in zip(leaves, found)}
 
 
+class ProductRows(TorchDispatchMode):
+    """The largest row or inner dimension of any matrix product's left operand inside the block: a
+    product over a whole batch's rows at once shows gradient accumulation that was not done."""
+
+    PRODUCTS = {"mm", "bmm", "addmm", "baddbmm"}
+
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name in self.PRODUCTS:
+            left = args[1] if name.startswith(("addmm", "baddbmm")) else args[0]
+            self.largest = max(self.largest, *left.shape[-2:])
+        return func(*args, **(kwargs or {}))
+
+
+def meters(count: bool, rows: bool) -> tuple[contextlib.AbstractContextManager, Callable[[], dict]]:
+    """The context that measures a call without gradients, and what it measured: "flops" (with
+    ``count``), "rows" (with ``rows``: ``ProductRows``), as float64 tensors."""
+    flops, largest = FlopCounterMode(display=False) if count else None, ProductRows() if rows else None
+    stack = contextlib.ExitStack()
+    for meter in (flops, largest):
+        if meter is not None:
+            stack.enter_context(meter)
+
+    def found() -> dict:
+        values = {"flops": flops.get_total_flops() if flops else None, "rows": largest.largest if largest else None}
+        return {k: torch.tensor(float(v), dtype=torch.float64) for k, v in values.items() if v is not None}
+
+    return stack, found
+
+
 def run_call(
     fn: Callable,
     calls: Calls,
     grad: list[str] = (),
     projection: torch.Tensor | None = None,
     measure: bool = False,
+    count: bool = False,
+    rows: bool = False,
 ) -> dict:
     """``fn`` on each call's arguments: {"output": the output (a list of outputs for several
     calls), "grads": {argument: gradient}} (gradients only with ``grad``, for a single call).
     With ``measure``, also "saved_bytes": what autograd keeps for backward once the forward is
-    done, the inputs and weights not counted (gradient checkpointing keeps less)."""
+    done, the inputs and weights not counted (gradient checkpointing keeps less). With ``count``
+    (a part without ``grad``), also "flops": the floating-point operations of its matrix products
+    (torch's FlopCounterMode), all calls together (a KV cache does fewer than a forward over the
+    whole prefix at each step). With ``rows``, also "rows": ``ProductRows``' largest dimension."""
     calls = clone_tree(calls)
     if not grad:
-        with torch.enable_grad():  # a part may differentiate inside (gradient accumulation)
+        context, measured = meters(count, rows)
+        with torch.enable_grad(), context:  # a part may differentiate inside (gradient accumulation)
             outputs = [to_plain(fn(**kwargs)) for kwargs in calls]
-        return {"output": outputs if len(outputs) > 1 else outputs[0], "grads": {}}
+        return {"output": outputs if len(outputs) > 1 else outputs[0], "grads": {}, **measured()}
     (kwargs,) = calls
     leaves = mark_leaves(kwargs, list(grad))
     with torch.enable_grad():

@@ -18,7 +18,18 @@ from typing import Any, BinaryIO, Iterator
 import torch
 
 from tinylm.courses.calls import Calls, run_call
-from tinylm.courses.parts import MEMORY_RATIO, NOT_CHECKPOINTED, PARTS, PARTS_BY_NAME, Mistake, Part, Tolerance
+from tinylm.courses.parts import (
+    FLOPS_RATIO,
+    MEMORY_RATIO,
+    NOT_CHECKPOINTED,
+    ONE_BATCH,
+    PARTS,
+    PARTS_BY_NAME,
+    PREFIX_RECOMPUTED,
+    Mistake,
+    Part,
+    Tolerance,
+)
 from tinylm.courses.sandbox import DEFAULT_MEMORY_BYTES, STARTUP_SECONDS, Limits, Sandbox
 from tinylm.errors import TinyLMError
 
@@ -59,6 +70,7 @@ class Case:
     request: dict
     expected: dict
     baseline_bytes: float | None = None  # activations the same computation keeps without checkpointing
+    baseline_flops: float | None = None  # matrix-product flops of tinylm's own computation (Part.flops_baseline)
 
 
 def canonical_output(part: Part, calls: Calls, output: Any) -> Any:
@@ -82,18 +94,21 @@ def make_case(part: Part, seed: int = 0) -> Case:
         projection = torch.randn(shape, generator=gen)
     expected = run_call(part.reference, calls, list(part.grad), projection)
     expected["output"] = canonical_output(part, calls, expected["output"])
-    measure = part.memory_baseline is not None
+    measure, count = part.memory_baseline is not None, part.flops_baseline is not None
     request = {
         "function": part.function,
         "calls": calls,
         "grad": list(part.grad),
         "projection": projection,
         "measure": measure,
+        "count": count,
+        "rows": part.batch_rows is not None,
     }
     baseline = None
     if measure:
         baseline = float(run_call(part.memory_baseline, calls, list(part.grad), projection, True)["saved_bytes"])
-    return Case(calls, request, expected, baseline)
+    flops = float(run_call(part.flops_baseline, calls, count=True)["flops"]) if count else None
+    return Case(calls, request, expected, baseline, flops)
 
 
 # ------------------------------------------------------------------------------ comparing
@@ -207,9 +222,37 @@ def named_gradient_mistake(part: Part, case: Case, grads: dict) -> Mistake | Non
     return None
 
 
+def flops_verdict(part: Part, case: Case, reply: dict) -> PartResult:
+    """For a part that must not redo work (``Part.flops_baseline``), ok only when its matrix
+    products take at most FLOPS_RATIO of tinylm's flops."""
+    done, baseline = float(reply.get("flops", math.inf)), case.baseline_flops
+    ratio = done / baseline if baseline else math.inf
+    measured = f"{done:,.0f} flops in matrix products, {ratio:.2f}x tinylm's {baseline:,.0f}"
+    if ratio <= FLOPS_RATIO:
+        return PartResult(part.name, "ok", measured)
+    key, says = PREFIX_RECOMPUTED
+    return PartResult(part.name, "differs", f"yours equals {says} ({measured})", key, ratio)
+
+
+def rows_verdict(part: Part, reply: dict) -> PartResult:
+    """For a part that accumulates (``Part.batch_rows``), ok only when no matrix product took the
+    whole batch's rows at once."""
+    largest = int(float(reply.get("rows", math.inf)))
+    if largest < part.batch_rows:
+        return PartResult(part.name, "ok")
+    key, says = ONE_BATCH
+    detail = f"yours equals {says} (a matrix product took {largest} rows; the whole batch has {part.batch_rows})"
+    return PartResult(part.name, "differs", detail, key, float(largest))
+
+
 def memory_verdict(part: Part, case: Case, reply: dict) -> PartResult:
     """ok, or for a part that must recompute (``Part.memory_baseline``), ok only when it keeps at
-    most MEMORY_RATIO of the activations the plain computation keeps for backward."""
+    most MEMORY_RATIO of the activations the plain computation keeps for backward; for a part that
+    must not redo work or must accumulate, see ``flops_verdict`` and ``rows_verdict``."""
+    if case.baseline_flops is not None:
+        return flops_verdict(part, case, reply)
+    if part.batch_rows is not None:
+        return rows_verdict(part, reply)
     if case.baseline_bytes is None:
         return PartResult(part.name, "ok")
     kept, baseline = float(reply.get("saved_bytes", math.inf)), case.baseline_bytes

@@ -122,7 +122,8 @@ def answer(module, request: dict, adapter: str) -> dict:
     if not callable(fn):
         return {"status": "not implemented"}
     try:
-        reply = run_call(fn, request["calls"], request["grad"], request["projection"], request.get("measure", False))
+        measure, count, rows = (request.get(k, False) for k in ("measure", "count", "rows"))
+        reply = run_call(fn, request["calls"], request["grad"], request["projection"], measure, count, rows)
         return {"status": "ok", **reply}
     except NotImplementedError:
         return {"status": "not implemented"}

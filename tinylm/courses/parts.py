@@ -29,6 +29,9 @@ B, T, C, HEADS, D_FF = 2, 5, 16, 4, 32
 KV_HEADS = 2
 LM_CONFIG = {"vocab_size": 12, "context_length": 16, "d_model": C, "n_layers": 2, "n_heads": HEADS, "d_ff": D_FF}
 MEMORY_RATIO = 0.5
+# a cached decoding may do this many times the matrix-product flops of tinylm's: a forward over the
+# whole prefix at each of the kv_cache part's 7 steps does 4x (28 token-passes instead of 7)
+FLOPS_RATIO = 2.0
 
 
 @dataclass(frozen=True)
@@ -64,6 +67,12 @@ class Part:
     # a part that must keep fewer activations for backward than this function (same arguments)
     # keeps: at most MEMORY_RATIO of its bytes
     memory_baseline: Callable | None = None
+    # a part that must not redo work (a KV cache): at most FLOPS_RATIO of this function's
+    # matrix-product flops (same arguments)
+    flops_baseline: Callable | None = None
+    # a part that accumulates over micro-batches: no matrix product may take this many rows (the
+    # whole batch's) at once
+    batch_rows: int | None = None
 
     @property
     def seed(self) -> int:
@@ -197,6 +206,9 @@ def lm_inputs(gen):
 def gqa_inputs(gen):
     weights = random_weights(ref.attention_module(C, HEADS, n_kv_heads=KV_HEADS), gen)
     return [{"x": randn(gen, B, T, C), "weights": weights, "n_heads": HEADS, "n_kv_heads": KV_HEADS}]
+
+
+ACCUMULATION_ROWS = 4 * 6  # the batch's sequences x positions: the rows of its linear map
 
 
 def accumulation_inputs(gen):
@@ -652,6 +664,15 @@ CHECKPOINT_MISTAKES = (
     ),
     *(inside(m, "blocks", wrong.checkpointed_blocks) for m in ATTENTION_MISTAKES),
 )
+ONE_BATCH = (
+    "one_batch",
+    "the gradients of the whole batch in one forward and backward: they are right, but nothing was "
+    "accumulated over micro-batches",
+)
+PREFIX_RECOMPUTED = (
+    "prefix_recomputed",
+    "a decoding that runs the whole prefix through the model at each step: the logits are right, but nothing is cached",
+)
 NOT_CHECKPOINTED = (
     "not_checkpointed",
     "a forward that keeps every activation for backward: the gradients are right, but nothing is recomputed",
@@ -940,6 +961,7 @@ PARTS: tuple[Part, ...] = (
         (),
         ACCUMULATION_MISTAKES,
         function="run_accumulated_gradients",
+        batch_rows=ACCUMULATION_ROWS,
     ),
     _part(
         "gradient_checkpointing",
@@ -951,7 +973,16 @@ PARTS: tuple[Part, ...] = (
         function="run_checkpointed_blocks",
         memory_baseline=wrong.checkpointed_blocks,
     ),
-    _part("kv_cache", kv_inputs, uncached_logits, LM, (), KV_MISTAKES, function="run_kv_cached_logits"),
+    _part(
+        "kv_cache",
+        kv_inputs,
+        uncached_logits,
+        LM,
+        (),
+        KV_MISTAKES,
+        function="run_kv_cached_logits",
+        flops_baseline=ref.run_kv_cached_logits,
+    ),
     _part("greedy_decode", greedy_inputs, ref.run_greedy_decode, EXACT, (), GREEDY_MISTAKES, canonical=as_ids),
     _part("beam_search", beam_inputs, ref.run_beam_search, DECODED, (), BEAM_MISTAKES, canonical=as_hypotheses),
     _part(
