@@ -19,6 +19,7 @@ import os
 import resource
 import signal
 import sys
+import time
 from multiprocessing.connection import Connection
 from pathlib import Path
 from types import ModuleType
@@ -100,15 +101,20 @@ def leftover_processes() -> list[int]:
 
 
 def end_leftovers(reply: dict) -> dict:
-    """The reply, or an error when the part left processes running (they are killed)."""
+    """The reply, or an error when the part left processes running: they are killed, and waited
+    for (a killed process takes a moment to end), so that the next part starts alone."""
     left = leftover_processes()
+    if not left:
+        return reply
     for pid in left:
         try:
             os.kill(pid, signal.SIGKILL)
         except OSError:
             pass
-    if not left:
-        return reply
+    for _ in range(100):
+        if not leftover_processes():
+            break
+        time.sleep(0.02)
     return {
         "status": "error",
         "error": f"the part left {len(left)} process(es) running; a part must wait for what it starts",
