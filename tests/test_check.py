@@ -20,7 +20,7 @@ import torch
 from tinylm.cli import main
 from tinylm.courses import adapter_template, reference_adapter
 from tinylm.courses import mistakes as wrong
-from tinylm.courses.check import PartResult, check_adapter, judge, make_case, mismatch
+from tinylm.courses.check import PartResult, check_adapter, explained, judge, make_case, mismatch
 from tinylm.courses.child import answer
 from tinylm.courses.parts import PARTS, PARTS_BY_NAME, Tolerance, random_weights
 
@@ -600,16 +600,20 @@ AS_WRITTEN["multihead_attention_rope", "heads_by_view"] = AS_WRITTEN["multihead_
 
 
 LARGER_PARTS = ("multihead_attention", "multihead_attention_rope", "block", "transformer_lm", "gradient_checkpointing")
+NORM_LARGER_PARTS = ("block", "transformer_lm", "gradient_checkpointing")
 
 
 def test_every_mistake_has_a_student_version():
-    """Except the attention mistakes inside larger parts (multi-head, block, LM, checkpointed
-    blocks): a student writes those once, in scaled_dot_product_attention, and
-    test_an_attention_mistake_is_named_in_larger_parts_too checks them there."""
+    """Except the attention and LayerNorm mistakes inside larger parts (multi-head, block, LM,
+    checkpointed blocks): a student writes those once, in scaled_dot_product_attention or
+    layernorm, and test_an_attention_mistake_is_named_in_larger_parts_too and
+    test_a_layernorm_mistake_is_named_in_larger_parts_too check them there."""
+    attention = {"no_scale", "scale_by_d", "sees_next", "no_mask", "softmax_over_queries"}
+    norms = {"unbiased_variance", "no_affine", "no_centering"}
     assert {(part.name, m.key) for part in PARTS for m in part.mistakes} - set(AS_WRITTEN) == {
-        (name, key)
-        for name in LARGER_PARTS
-        for key in ("no_scale", "scale_by_d", "sees_next", "no_mask", "softmax_over_queries")
+        *((name, key) for name in LARGER_PARTS for key in attention),
+        *((name, key) for name in NORM_LARGER_PARTS for key in norms),
+        ("transformer_lm", "eps_outside_sqrt"),
     }
 
 
@@ -627,6 +631,41 @@ def test_an_attention_mistake_is_named_in_larger_parts_too(key):
     module = student(AS_WRITTEN["scaled_dot_product_attention", key])
     for name in LARGER_PARTS:
         assert verdict(module, name).mistake == key, name
+
+
+@pytest.mark.parametrize("key", ["unbiased_variance", "no_affine", "no_centering", "eps_outside_sqrt"])
+def test_a_layernorm_mistake_is_named_in_larger_parts_too(key):
+    """eps outside the root shows only in the whole LM's gradients (at the blocks' eps of 1e-5)."""
+    module = student(AS_WRITTEN["layernorm", key])
+    parts = ["transformer_lm"] if key == "eps_outside_sqrt" else NORM_LARGER_PARTS
+    for name in parts:
+        if (key, name) == ("no_affine", "gradient_checkpointing"):  # the student's own backward raises there
+            continue
+        assert verdict(module, name).mistake == key, name
+
+
+BASE_MISTAKES = [(n, k) for n, k in sorted(AS_WRITTEN) if n in ("layernorm", "scaled_dot_product_attention")]
+
+
+@pytest.mark.parametrize("base, key", BASE_MISTAKES, ids=[f"{n}-{k}" for n, k in BASE_MISTAKES])
+def test_one_mistake_is_one_red_cell_the_parts_built_on_it_say_which_to_fix_first(base, key):
+    """As `tinylm check` judges the parts in order: each part that differs through the mistake
+    says it differs because the part holding it does (the one exception: the student's own
+    checkpointing raises when a LayerNorm without weights leaves them out of the graph)."""
+    module = student(AS_WRITTEN[base, key])
+    so_far = {}
+    for part in PARTS:
+        so_far[part.name] = explained(verdict(module, part.name), so_far)
+    red = {name: r for name, r in so_far.items() if r.status != "ok" and r.because is None}
+    expected = {base, "gradient_checkpointing"} if key == "no_affine" else {base}
+    assert set(red) == expected, [r.line() for r in red.values()]
+    assert red[base].mistake == key
+    followers = [r for r in so_far.values() if r.because is not None]
+    assert followers and all(r.because == base for r in followers)
+    assert all(
+        r.line().split(maxsplit=1)[1].startswith(f"differs because `{base}` differs: fix that first (")
+        for r in followers
+    )
 
 
 def test_an_unnamed_difference_says_where_and_a_wrong_gradient_is_named():

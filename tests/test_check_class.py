@@ -71,7 +71,7 @@ PARTS = [
     "ngram_kneser_ney",
 ]
 EXPECTED = {  # student -> part -> (status, mistake); every other cell is ok
-    "bob": {
+    "bob": {  # one mistake in attention: the parts built on it differ because of it (one red cell)
         "scaled_dot_product_attention": ("differs", "no_scale"),
         "gradient_checkpointing": ("differs", "no_scale"),  # its blocks hold the same attention
         "kv_cache": ("differs", None),  # ... and so does its cached step, where no mistake is named
@@ -103,13 +103,16 @@ def test_class_writes_one_table_with_each_students_mistakes_named(tmp_path, caps
     assert dave["cross_entropy"]["detail"].startswith("ValueError: targets and logits disagree (adapter.py line ")
     table = (directory / "check.md").read_text()
     assert (
-        "| bob | 4/10 | ok | x no_scale | ok | x not_divided_by_k | x no_scale | x | ok | - | ok | x no_discount |"
-        in table
+        "| bob | 4/10 | ok | x no_scale | ok | x not_divided_by_k | -> scaled_dot_product_attention "
+        "| -> scaled_dot_product_attention | ok | - | ok | x no_discount |" in table
     )
     assert "| carol | 8/10 |" in table and "timeout" in table
     # per part, the students passing it (alice passes all); per mistake, the students making it
     assert "| students passing | 1/5 pass all | 4/5 | 4/5 | 4/5 | 4/5 | 3/5 | 3/5 | 4/5 | 4/5 | 4/5 | 4/5 |" in table
     assert "| no_scale | scaled_dot_product_attention, gradient_checkpointing | 1 |" in table
+    bob = {p["part"]: p for p in students["bob"]["parts"]}
+    assert bob["kv_cache"]["because"] == bob["gradient_checkpointing"]["because"] == "scaled_dot_product_attention"
+    assert bob["kv_cache"]["detail"].startswith("because `scaled_dot_product_attention` differs: fix that first (")
     assert table in capsys.readouterr().out
     page = (directory / "check.html").read_text()
     assert page.count("<tr>") == 7 and "x not_checkpointed" in page

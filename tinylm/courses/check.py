@@ -10,8 +10,9 @@ from __future__ import annotations
 import json
 import math
 import secrets
+import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, BinaryIO, Iterator
 
@@ -19,6 +20,7 @@ import torch
 
 from tinylm.courses.calls import Calls, run_call
 from tinylm.courses.parts import (
+    BUILDS_ON,
     FLOPS_RATIO,
     MEMORY_RATIO,
     NOT_CHECKPOINTED,
@@ -33,6 +35,9 @@ from tinylm.courses.parts import (
 from tinylm.courses.sandbox import DEFAULT_MEMORY_BYTES, STARTUP_SECONDS, Limits, Sandbox
 from tinylm.errors import TinyLMError
 
+# tinylm's side of a part (its reference, the mistakes it tries) runs one student at a time: torch's
+# checkpointing and autograd hooks keep global state that two threads of --jobs would share
+REFERENCE_LOCK = threading.Lock()
 PASSING = ("ok", "not implemented")  # the statuses that let `tinylm check` exit 0 (with one ok at least)
 
 
@@ -43,12 +48,15 @@ class PartResult:
     detail: str = ""
     mistake: str | None = None  # the key of the named mistake
     max_error: float | None = None
+    because: str | None = None  # the part it builds on whose difference explains this one (BUILDS_ON)
 
     def line(self, width: int = 30) -> str:
         if self.status == "ok" and self.detail:
             verdict = f"ok ({self.detail})"
         elif self.status in ("ok", "not implemented"):
             verdict = self.status
+        elif self.because:
+            verdict = f"differs {self.detail}"
         elif self.status == "timed out":
             verdict = f"timed out {self.detail}"
         else:
@@ -328,6 +336,7 @@ def check_adapter(
 
 def _verdicts(sandbox: Sandbox, parts: list[Part], budget: float | None, seed: int) -> Iterator[PartResult]:
     deadline = math.inf if budget is None else time.monotonic() + budget
+    so_far: dict[str, PartResult] = {}
     with sandbox:
         for part in parts:
             left = deadline - time.monotonic()
@@ -335,8 +344,37 @@ def _verdicts(sandbox: Sandbox, parts: list[Part], budget: float | None, seed: i
                 yield PartResult(part.name, "timed out", f"(the student's {budget:g} s ran out before this part)")
                 continue
             sandbox.timeout = min(sandbox.limits.timeout, left)
-            case = make_case(part, seed)
-            yield judge(part, case, sandbox.call(case.request))
+            with REFERENCE_LOCK:
+                case = make_case(part, seed)
+            reply = sandbox.call(case.request)  # the student's side: several students' at once
+            with REFERENCE_LOCK:
+                so_far[part.name] = explained(judge(part, case, reply), so_far)
+            yield so_far[part.name]
+
+
+def root_cause(name: str, so_far: dict[str, PartResult]) -> PartResult | None:
+    """The first part ``name`` builds on (through parts not checked this run too) that did not
+    pass while everything it builds on did: where a student should look first."""
+    for base in BUILDS_ON.get(name, ()):
+        result = so_far.get(base)
+        if result is not None and result.status in PASSING:
+            continue
+        deeper = root_cause(base, so_far)
+        if deeper is not None or result is not None:
+            return deeper or result
+    return None
+
+
+def explained(result: PartResult, so_far: dict[str, PartResult]) -> PartResult:
+    """A part that differs with no mistake of its own (none named, or the one named in a part it
+    builds on) says which part to fix first, so that one mistake is one red cell."""
+    if result.status != "differs":
+        return result
+    root = root_cause(result.part, so_far)
+    if root is None or result.mistake not in (None, root.mistake):
+        return result
+    detail = f"because `{root.part}` differs: fix that first ({result.detail})"
+    return replace(result, detail=detail, because=root.part)
 
 
 def passed(results: list[PartResult]) -> bool:

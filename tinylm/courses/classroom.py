@@ -20,6 +20,7 @@ import json
 import os
 import sys
 import time
+import traceback
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
@@ -64,7 +65,10 @@ class ClassRun:
 
 
 def cell(result: PartResult) -> str:
-    """One table cell: ok, the named mistake (x key), x for an unnamed difference, error, timeout, -."""
+    """One table cell: ok, the named mistake (x key), x for an unnamed difference, -> part for a
+    difference that follows from another part's, error, timeout, -."""
+    if result.because:
+        return f"-> {result.because}"
     if result.status == "differs":
         return f"x {result.mistake}" if result.mistake else "x"
     return CELL[result.status]
@@ -162,7 +166,12 @@ def check_student(student: Student, run: ClassRun, parts: list[str], results_dir
             budget=run.budget,
             seed=run.seed,
         )
-        student.results = list(verdicts)
+        try:
+            student.results = list(verdicts)
+        except Exception as exc:  # a fault in tinylm's own code: this student's cells say so, the class goes on
+            traceback.print_exc()
+            detail = f"tinylm failed on this student ({type(exc).__name__}: {exc}); please report it"
+            student.results = [PartResult(name, "error", detail) for name in parts]
     if run.texts:
         try:
             student.numbers = evaluate_adapter(student.adapter, run.texts, **memory)
@@ -262,7 +271,8 @@ def markdown(students: list[Student], with_numbers: bool) -> str:
     lines += [
         "",
         "ok: within tinylm's tolerance; x key: differs, equal to the usual mistake named; x: differs "
-        "(no known mistake); error, timeout; -: not implemented.",
+        "(no known mistake); -> part: differs where that part, which it builds on, differs (fix that first); "
+        "error, timeout; -: not implemented.",
         "",
     ]
     counted = mistake_counts(students)

@@ -111,14 +111,16 @@ def identity(x):
     return x
 
 
-def block(x, weights, n_heads, *, layout="pre", scaled=None):
+def block(x, weights, n_heads, *, layout="pre", scaled=None, normed=None):
     """A transformer block from tinylm's own norms, attention and feed-forward, put together as
     ``layout`` says: "pre" (tinylm), "post", "parallel", "no_residual", "one_norm"; ``scaled``, a
-    scaled dot-product attention with a mistake, replaces tinylm's inside the attention."""
+    scaled dot-product attention with a mistake, replaces tinylm's inside the attention, and
+    ``normed``, a LayerNorm with a mistake (``normalize`` with switches), tinylm's norms."""
     attn, ffn = ref.weights_under(weights, "attn."), ref.weights_under(weights, "ffn.")
+    layernorm = normed or ref.run_layernorm
 
     def norm(name, t):
-        return ref.run_layernorm(t, weights[f"{name}.weight"], weights[f"{name}.bias"], ref.BLOCK_NORM_EPS)
+        return layernorm(t, weights[f"{name}.weight"], weights[f"{name}.bias"], ref.BLOCK_NORM_EPS)
 
     def attend(t):
         if scaled is not None:
@@ -236,19 +238,30 @@ def top_p(logits, p, *, descending=True, keep_crossing=True):
 
 # ------------------------------------------------------------------------- the whole model
 def lm_logits(
-    tokens, weights, config, *, positions=True, final_norm=True, layout="pre", head="lm_head.weight", scaled=None
+    tokens,
+    weights,
+    config,
+    *,
+    positions=True,
+    final_norm=True,
+    layout="pre",
+    head="lm_head.weight",
+    scaled=None,
+    normed=None,
 ):
     """The LM by hand from tinylm's blocks: ``positions=False`` adds no position embedding,
     ``final_norm=False`` skips ``norm_f``, ``layout`` is the blocks' (``block``), ``head`` the
     matrix that reads the logits out (``tok_emb.weight``: an LM that assumes tied weights),
-    ``scaled`` a scaled dot-product attention with a mistake (``block``)."""
+    ``scaled`` and ``normed`` an attention and a LayerNorm with a mistake (``block``; ``normed``
+    is the final norm too)."""
     x = weights["tok_emb.weight"][tokens]
     if positions:
         x = x + weights["pos_emb.weight"][: tokens.shape[1]]
     for i in range(config["n_layers"]):
-        x = block(x, ref.weights_under(weights, f"blocks.{i}."), config["n_heads"], layout=layout, scaled=scaled)
+        w = ref.weights_under(weights, f"blocks.{i}.")
+        x = block(x, w, config["n_heads"], layout=layout, scaled=scaled, normed=normed)
     if final_norm:
-        x = ref.run_layernorm(x, weights["norm_f.weight"], weights["norm_f.bias"], ref.BLOCK_NORM_EPS)
+        x = (normed or ref.run_layernorm)(x, weights["norm_f.weight"], weights["norm_f.bias"], ref.BLOCK_NORM_EPS)
     return x @ weights[head].T
 
 
@@ -286,15 +299,15 @@ def accumulated_gradients(x, targets, weight, bias, micro_batches, ignore_index,
     return {"weight": w.grad, "bias": b.grad}
 
 
-def checkpointed_blocks(x, weights, n_heads, n_layers, *, detach_inputs=False, scaled=None):
+def checkpointed_blocks(x, weights, n_heads, n_layers, *, detach_inputs=False, scaled=None, normed=None):
     """The blocks one after the other without checkpointing (what a student's version that keeps
     every activation computes); ``detach_inputs`` cuts the gradient between blocks, as a
-    recomputation from a detached input whose gradient is not returned does; ``scaled`` as in
-    ``block``."""
+    recomputation from a detached input whose gradient is not returned does; ``scaled`` and
+    ``normed`` as in ``block``."""
     h = x
     for i in range(n_layers):
         w = ref.weights_under(weights, f"blocks.{i}.")
-        h = block(h.detach() if detach_inputs and i else h, w, n_heads, scaled=scaled)
+        h = block(h.detach() if detach_inputs and i else h, w, n_heads, scaled=scaled, normed=normed)
     return h
 
 

@@ -371,6 +371,11 @@ def inside(m: Mistake, what: str, fn: Callable) -> Mistake:
     return Mistake(m.key, f"tinylm's {what} with {attention}", partial(fn, scaled=m.fn))
 
 
+def norm_inside(m: Mistake, what: str, fn: Callable) -> Mistake:
+    """A LayerNorm mistake inside a larger part (a block, the LM): ``fn`` takes ``normed``."""
+    return Mistake(m.key, f"tinylm's {what} with its norms computed as {m.says}", partial(fn, normed=m.fn))
+
+
 MULTIHEAD_MISTAKES = (
     *(in_multihead(m) for m in ATTENTION_MISTAKES),
     mistake(
@@ -415,6 +420,11 @@ LAYERNORM_MISTAKES = (
         "no_centering", "LayerNorm without the mean subtracted (RMSNorm with a bias)", wrong.normalize, center=False
     ),
 )
+
+
+# inside a block (eps 1e-5) eps outside the root is within the tolerance of the block's output and
+# gradients; the whole LM's gradients still show it
+BLOCK_NORM_MISTAKES = tuple(m for m in LAYERNORM_MISTAKES if m.key != "eps_outside_sqrt")
 
 
 def rms(fn: Callable) -> Callable:
@@ -497,6 +507,7 @@ BLOCK_MISTAKES = (
         layout="one_norm",
     ),
     *(inside(m, "block", wrong.block) for m in ATTENTION_MISTAKES),
+    *(norm_inside(m, "block", wrong.block) for m in BLOCK_NORM_MISTAKES),
 )
 CROSS_ENTROPY_MISTAKES = (
     mistake(
@@ -621,6 +632,7 @@ LM_MISTAKES = (
         head="tok_emb.weight",
     ),
     *(inside(m, "LM", wrong.lm_logits) for m in ATTENTION_MISTAKES),
+    *(norm_inside(m, "LM", wrong.lm_logits) for m in LAYERNORM_MISTAKES),
 )
 GQA_MISTAKES = (
     mistake(
@@ -663,6 +675,7 @@ CHECKPOINT_MISTAKES = (
         detach_inputs=True,
     ),
     *(inside(m, "blocks", wrong.checkpointed_blocks) for m in ATTENTION_MISTAKES),
+    *(norm_inside(m, "blocks", wrong.checkpointed_blocks) for m in BLOCK_NORM_MISTAKES),
 )
 ONE_BATCH = (
     "one_batch",
@@ -1027,3 +1040,21 @@ PARTS: tuple[Part, ...] = (
     ),
 )
 PARTS_BY_NAME = {part.name: part for part in PARTS}
+# the parts each part is built from in the contract (a student's block calls its own LayerNorm and
+# attention): a part that differs where one of these differs is reported as following from it
+ATTENTION_PARTS = ("linear", "softmax", "scaled_dot_product_attention")
+BUILDS_ON: dict[str, tuple[str, ...]] = {
+    "multihead_attention": ATTENTION_PARTS,
+    "multihead_attention_rope": ATTENTION_PARTS,
+    "grouped_query_attention": ATTENTION_PARTS,
+    "feed_forward_gelu": ("linear",),
+    "feed_forward_relu": ("linear",),
+    "feed_forward_swiglu": ("linear",),
+    "block": ("layernorm", "multihead_attention", "feed_forward_gelu"),
+    "transformer_lm": ("embedding", "block", "layernorm", "linear"),
+    "gradient_checkpointing": ("block",),
+    "gradient_accumulation": ("linear", "cross_entropy"),
+    "kv_cache": ("transformer_lm",),
+    "greedy_decode": ("transformer_lm",),
+    "beam_search": ("transformer_lm",),
+}
