@@ -283,6 +283,36 @@ def glu(gate, up):
 def glu(gate, up):
     return torch.sigmoid(gate) * up
 """,
+    ("block", "normed_residual"): """
+def run_block(x, weights, n_heads):
+    n = block_norm(weights, "norm1", x)
+    h = n + run_multihead_attention(n, weights_under(weights, "attn."), n_heads, False)
+    m = block_norm(weights, "norm2", h)
+    return m + run_feed_forward(m, weights_under(weights, "ffn."), "gelu")
+""",
+    ("multihead_attention_rope", "rope_base"): """
+def rotate(x):
+    n, d = x.shape[-2], x.shape[-1]
+    inv_freq = 1.0 / 500000.0 ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
+    angles = torch.arange(n, dtype=torch.float32)[:, None] * inv_freq
+    cos, sin = angles.cos(), angles.sin()
+    x0, x1 = x[..., 0::2], x[..., 1::2]
+    return torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(-2)
+""",
+    ("scaled_dot_product_attention", "mask_after_softmax"): """
+def run_scaled_dot_product_attention(q, k, v, causal):
+    weights = run_softmax(attention_scores(q, k), -1)
+    if causal:
+        weights = weights.masked_fill(~causal_mask(q.shape[-2]), 0.0)
+    return weights @ v
+""",
+    ("scaled_dot_product_attention", "mask_value_zero"): """
+def run_scaled_dot_product_attention(q, k, v, causal):
+    scores = attention_scores(q, k)
+    if causal:
+        scores = scores.masked_fill(~causal_mask(q.shape[-2]), 0.0)
+    return run_softmax(scores, -1) @ v
+""",
     ("block", "post_norm"): """
 def run_block(x, weights, n_heads):
     attn, ffn = weights_under(weights, "attn."), weights_under(weights, "ffn.")
@@ -609,6 +639,7 @@ def test_every_mistake_has_a_student_version():
     layernorm, and test_an_attention_mistake_is_named_in_larger_parts_too and
     test_a_layernorm_mistake_is_named_in_larger_parts_too check them there."""
     attention = {"no_scale", "scale_by_d", "sees_next", "no_mask", "softmax_over_queries"}
+    attention |= {"mask_after_softmax", "mask_value_zero"}
     norms = {"unbiased_variance", "no_affine", "no_centering"}
     assert {(part.name, m.key) for part in PARTS for m in part.mistakes} - set(AS_WRITTEN) == {
         *((name, key) for name in LARGER_PARTS for key in attention),

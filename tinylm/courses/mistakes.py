@@ -39,16 +39,33 @@ def softmax(x, dim, *, axis=None, subtract_max=True):
     return e / e.sum(dim, keepdim=True)
 
 
-def attention(q, k, v, causal, *, scale_power=-0.5, mask_diagonal=0, masked=True, softmax_dim=-1):
+def attention(
+    q,
+    k,
+    v,
+    causal,
+    *,
+    scale_power=-0.5,
+    mask_diagonal=0,
+    masked=True,
+    softmax_dim=-1,
+    mask_value=NEG_INF,
+    mask_after=False,
+):
     """Scaled dot-product attention by hand: the scores scaled by d ** ``scale_power`` (0: not
-    scaled, -1: by 1/d), the causal mask as ``tril(mask_diagonal)`` (1: each position also sees
-    the next one)."""
+    scaled, -1: by 1/d), the causal mask as ``tril(mask_diagonal)`` (1:
+    each position also sees the next one), masked scores set to ``mask_value`` (0: the masked
+    positions still take weight), or with ``mask_after`` the softmax's weights zeroed after it
+    (the rows then sum to less than 1)."""
     T, S, D = q.shape[-2], k.shape[-2], q.shape[-1]
     scores = (q @ k.transpose(-2, -1)) * D**scale_power
-    if causal and masked:
-        keep = torch.ones(T, S, dtype=torch.bool).tril(S - T + mask_diagonal)
-        scores = scores.masked_fill(~keep, NEG_INF)
-    return torch.softmax(scores, dim=softmax_dim) @ v
+    keep = torch.ones(T, S, dtype=torch.bool).tril(S - T + mask_diagonal)
+    if causal and masked and not mask_after:
+        scores = scores.masked_fill(~keep, mask_value)
+    weights = torch.softmax(scores, dim=softmax_dim)
+    if causal and mask_after:
+        weights = weights.masked_fill(~keep, 0.0)
+    return weights @ v
 
 
 def rotate_halves(x, cos, sin):
@@ -57,10 +74,12 @@ def rotate_halves(x, cos, sin):
     return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
 
 
-def multihead(x, weights, n_heads, rope, *, attend=attention, split="transpose", rotate=apply_rope, keys=True):
+def multihead(
+    x, weights, n_heads, rope, *, attend=attention, split="transpose", rotate=apply_rope, keys=True, theta=None
+):
     """Multi-head causal self-attention by hand: ``split="view"`` cuts heads by reshaping (B, T, C)
     straight to (B, H, T, D); ``rotate`` is the RoPE rotation (None: none), ``keys=False`` leaves
-    the keys unrotated."""
+    the keys unrotated, ``theta`` RoPE's base (default tinylm's)."""
     B, T, C = x.shape
     D = C // n_heads
 
@@ -70,7 +89,7 @@ def multihead(x, weights, n_heads, rope, *, attend=attention, split="transpose",
 
     q, k, v = heads("q_proj"), heads("k_proj"), heads("v_proj")
     if rope and rotate is not None:
-        cos, sin = rope_tables(T, D, ref.ROPE_THETA)
+        cos, sin = rope_tables(T, D, theta or ref.ROPE_THETA)
         q = rotate(q, cos, sin)
         k = rotate(k, cos, sin) if keys else k
     y = attend(q, k, v, True)
@@ -113,7 +132,8 @@ def identity(x):
 
 def block(x, weights, n_heads, *, layout="pre", scaled=None, normed=None):
     """A transformer block from tinylm's own norms, attention and feed-forward, put together as
-    ``layout`` says: "pre" (tinylm), "post", "parallel", "no_residual", "one_norm"; ``scaled``, a
+    ``layout`` says: "pre" (tinylm), "post", "normed_residual" (the residual stream carries the
+    norm's output), "parallel", "no_residual", "one_norm"; ``scaled``, a
     scaled dot-product attention with a mistake, replaces tinylm's inside the attention, and
     ``normed``, a LayerNorm with a mistake (``normalize`` with switches), tinylm's norms."""
     attn, ffn = ref.weights_under(weights, "attn."), ref.weights_under(weights, "ffn.")
@@ -133,6 +153,11 @@ def block(x, weights, n_heads, *, layout="pre", scaled=None, normed=None):
     if layout == "post":
         h = norm("norm1", x + attend(x))
         return norm("norm2", h + mlp(h))
+    if layout == "normed_residual":
+        h = norm("norm1", x)
+        h = h + attend(h)
+        m = norm("norm2", h)
+        return m + mlp(m)
     if layout == "parallel":
         return x + attend(norm("norm1", x)) + mlp(norm("norm2", x))
     if layout == "no_residual":

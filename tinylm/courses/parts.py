@@ -357,6 +357,19 @@ ATTENTION_MISTAKES = (
         wrong.attention,
         softmax_dim=-2,
     ),
+    mistake(
+        "mask_after_softmax",
+        "tinylm's attention with the causal mask applied after the softmax (weights zeroed, so each row sums "
+        "to less than 1); mask the scores with -inf before it",
+        wrong.attention,
+        mask_after=True,
+    ),
+    mistake(
+        "mask_value_zero",
+        "tinylm's attention with the masked scores set to 0, not -inf: exp(0) = 1 gives the future positions weight",
+        wrong.attention,
+        mask_value=0.0,
+    ),
 )
 
 
@@ -401,6 +414,12 @@ ROPE_MISTAKES = (
         keys=False,
     ),
     mistake("no_rope", "tinylm's attention without RoPE: rope=True was ignored", wrong.multihead, rotate=None),
+    mistake(
+        "rope_base",
+        "tinylm's attention with RoPE's base 500,000 (Llama 3's); tinylm's is 10,000 (ModelConfig.rope_theta)",
+        wrong.multihead,
+        theta=500000.0,
+    ),
 )
 LAYERNORM_MISTAKES = (
     mistake(
@@ -486,6 +505,13 @@ SWIGLU_MISTAKES = (
     ),
 )
 BLOCK_MISTAKES = (
+    mistake(
+        "normed_residual",
+        "a block whose residual stream carries the norm's output, n = norm1(x), h = n + attn(n); tinylm adds "
+        "to x itself: h = x + attn(norm1(x))",
+        wrong.block,
+        layout="normed_residual",
+    ),
     mistake(
         "post_norm",
         "a post-norm block, norm1(x + attn(x)) then norm2(h + ffn(h)); tinylm's block is pre-norm: "
