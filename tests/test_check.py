@@ -541,6 +541,10 @@ def run_greedy_decode(prompt, weights, config, max_new_tokens):
 def hypothesis_score(total, length, length_penalty):
     return total
 """,
+    ("beam_search", "eos_at_any_rank"): """
+def may_finish(rank, k):
+    return True
+""",
     ("beam_search", "beams_start_equal"): """
 def start_scores(k):
     return [0.0] * k
@@ -697,6 +701,23 @@ def test_one_mistake_is_one_red_cell_the_parts_built_on_it_say_which_to_fix_firs
         r.line().split(maxsplit=1)[1].startswith(f"differs because `{base}` differs: fix that first (")
         for r in followers
     )
+
+
+CHEATS = [("kv_cache", "prefix_recomputed"), ("gradient_accumulation", "one_batch"), ("beam_search", "eos_at_any_rank")]
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_a_part_that_skips_its_work_is_caught_on_other_seeds_too(seed):
+    """A KV cache that recomputes the prefix, accumulation done as one batch, a beam that lets
+    <eos> finish at any rank: right on the plain inputs, named on each run's own."""
+    for name, key in CHEATS:
+        part, case = PARTS_BY_NAME[name], make_case(PARTS_BY_NAME[name], seed)
+        honest = judge(part, case, answer(student(), case.request, "adapter.py"))
+        cheat = judge(part, case, answer(student(AS_WRITTEN[name, key]), case.request, "adapter.py"))
+        assert honest.status == "ok" and (cheat.status, cheat.mistake) == ("differs", key), (
+            honest.line(),
+            cheat.line(),
+        )
 
 
 def test_an_unnamed_difference_says_where_and_a_wrong_gradient_is_named():

@@ -346,6 +346,11 @@ def start_scores(k):
     return [0.0] + [-1e9] * (k - 1)
 
 
+def may_finish(rank, k):
+    """Only the first k of the 2k candidates may end a hypothesis."""
+    return rank < k
+
+
 def run_beam_search(prompt, weights, config, beam_width, max_new_tokens, eos_id, length_penalty):
     k = beam_width
     beams = [(s, []) for s in start_scores(k)]
@@ -360,7 +365,7 @@ def run_beam_search(prompt, weights, config, beam_width, max_new_tokens, eos_id,
         for rank, (score, i) in enumerate(zip(top.tolist(), index.tolist())):
             beam, token = divmod(i, totals.shape[1])
             if token == eos_id or step == max_new_tokens - 1:
-                if rank < k:
+                if may_finish(rank, k):
                     toks = beams[beam][1] + ([] if token == eos_id else [token])
                     finished.append((hypothesis_score(score, step + 1, length_penalty), toks))
                     finished = sorted(finished, key=lambda h: -h[0])[:k]

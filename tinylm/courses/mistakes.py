@@ -393,11 +393,22 @@ def greedy_decode(prompt, weights, config, max_new_tokens, *, position=-1, feed_
 
 
 def beam_search(
-    prompt, weights, config, beam_width, max_new_tokens, eos_id, length_penalty, *, normalise=True, one_start=True
+    prompt,
+    weights,
+    config,
+    beam_width,
+    max_new_tokens,
+    eos_id,
+    length_penalty,
+    *,
+    normalise=True,
+    one_start=True,
+    any_rank=False,
 ):
     """Beam search by hand with tinylm's (Hugging Face's) rules (``generation.beam``): without
     ``normalise`` a finished hypothesis scores its plain sum of log-probabilities; without
-    ``one_start`` every beam starts at score 0, so the first step picks one token k times."""
+    ``one_start`` every beam starts at score 0, so the first step picks one token k times; with
+    ``any_rank`` an ending candidate finishes at any of the 2k ranks, not only the first k."""
     k, V = beam_width, config["vocab_size"]
     scores = torch.full((k,), 0.0 if not one_start else -1e9)
     scores[0] = 0.0
@@ -411,7 +422,7 @@ def beam_search(
         for rank, (score, i) in enumerate(zip(top.tolist(), index.tolist())):
             beam, token = divmod(i, V)
             if token == eos_id or step == max_new_tokens - 1:
-                if rank < k:
+                if rank < k or any_rank:
                     finished.append((score / norm, beams[beam] + ([] if token == eos_id else [token])))
                     finished = sorted(finished, key=lambda h: -h[0])[:k]
             elif len(running) < k:

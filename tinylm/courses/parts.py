@@ -243,10 +243,36 @@ def greedy_inputs(gen):
     return [{"prompt": prompt, "weights": decoding_weights(gen), "config": LM_CONFIG, "max_new_tokens": 8}]
 
 
+BEAM_DRAWS = 40  # draws of beam_inputs until the rank at which <eos> may finish decides the answer
+
+
+def eos_at_rank(prompt, weights, rank: int) -> bool:
+    """Scale the <eos> row of the head so that, after the prompt, <eos> is the ``rank``-th most
+    likely token (from 0); False when its logit is too near 0 to be scaled there."""
+    logits = ref.run_transformer_lm(prompt[None], weights, LM_CONFIG)[0, -1]
+    others = torch.cat([logits[:EOS_ID], logits[EOS_ID + 1 :]]).sort(descending=True).values
+    target, current = float(others[rank - 1]) - 0.01, float(logits[EOS_ID])  # just below: as likely as can be
+    if abs(current) < 1e-3:
+        return False
+    weights["lm_head.weight"][EOS_ID] *= target / current  # the head has no bias: the logit scales with the row
+    return True
+
+
 def beam_inputs(gen):
-    prompt = torch.randint(4, LM_CONFIG["vocab_size"], (4,), generator=gen)
-    call = {"prompt": prompt, "weights": decoding_weights(gen), "config": LM_CONFIG, "max_new_tokens": 6}
-    return [{**call, "beam_width": k, "eos_id": EOS_ID, "length_penalty": 1.0} for k in (1, 3)]
+    """Drawn until a beam search that lets a candidate end at any of its 2k ranks (not only the
+    first k, the contract's rule) gives other hypotheses: <eos> is placed 4th after the prompt,
+    between the k = 3 candidates that may finish and the k that may not."""
+    for _ in range(BEAM_DRAWS):
+        prompt = torch.randint(4, LM_CONFIG["vocab_size"], (4,), generator=gen)
+        weights = decoding_weights(gen)
+        if not eos_at_rank(prompt, weights, 3):
+            continue
+        call = {"prompt": prompt, "weights": weights, "config": LM_CONFIG, "max_new_tokens": 6}
+        settings = ((1, 1.0), (3, 1.0), (3, 0.0))  # length penalty 0: an early <eos> scores high
+        calls = [{**call, "beam_width": k, "eos_id": EOS_ID, "length_penalty": lp} for k, lp in settings]
+        if any(wrong.beam_search(**c) != wrong.beam_search(**c, any_rank=True) for c in calls[1:]):
+            break
+    return calls
 
 
 BPE_TEXT = (
@@ -758,6 +784,13 @@ BEAM_MISTAKES = (
         "the generated length (the stop token counted) ** length_penalty",
         wrong.beam_search,
         normalise=False,
+    ),
+    mistake(
+        "eos_at_any_rank",
+        "beam search that lets a candidate ending in <eos> finish at any of the 2k ranks; only the first k "
+        "candidates may finish (Hugging Face's rule, tinylm's)",
+        wrong.beam_search,
+        any_rank=True,
     ),
     mistake(
         "beams_start_equal",
