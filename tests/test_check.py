@@ -844,6 +844,16 @@ def test_a_hanging_part_times_out_an_unbounded_allocation_fails_and_the_rest_sti
 
 
 @pytest.mark.slow
+def test_a_students_budget_ends_its_check_and_the_parts_left_say_so(tmp_path):
+    adapter = write_adapter(tmp_path, "def run_softmax(x, dim):\n    while True:\n        pass")
+    results = list(check_adapter(adapter, ["softmax", "linear", "embedding"], timeout=30.0, budget=3.0, seed=4))
+    assert results[0].status == "timed out" and float(results[0].detail.split()[1]) <= 3.0
+    assert [r.line().split(maxsplit=1)[1] for r in results[1:]] == [
+        "timed out (the student's 3 s ran out before this part)"
+    ] * 2
+
+
+@pytest.mark.slow
 def test_an_adapter_that_does_not_load_fails_every_part_with_the_reason(tmp_path):
     adapter = write_adapter(tmp_path, "def run_linear(x, weight, bias)\n    return x")
     results = list(check_adapter(adapter, ["linear", "softmax"]))

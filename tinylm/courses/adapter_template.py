@@ -18,8 +18,11 @@ is (out_features, in_features), as in ``torch.nn.Linear``, and a linear map is
 ``x @ weight.T + bias``. Shapes: B batch, T positions, C model width, H heads, D = C / H head
 width, V vocabulary, F feed-forward width.
 
-The adapter runs in its own process, each function with a time limit (30 s by default), under a
-memory limit; printing is fine (it goes to stderr). tinylm's own answers to this contract are in
+The adapter runs in its own sandboxed process, each function with a time limit (30 s by default),
+under hard limits on memory, CPU time, processes and file size. It can import torch, numpy, regex
+and Python's standard library (not tinylm), read its own folder and write to /tmp, and has no
+network; printing is fine (it goes to stderr). Each run draws its own inputs (the seed is printed;
+``--seed`` repeats them). tinylm's own answers to this contract are in
 ``tinylm/courses/reference_adapter.py``.
 """
 
@@ -240,7 +243,9 @@ def run_accumulated_gradients(x, targets, weight, bias, micro_batches, ignore_in
 
     The model is a linear map to logits, logits = x @ weight.T + bias, and the loss the mean
     cross-entropy over every target of the batch that is not ``ignore_index`` (the micro-batches
-    may hold different numbers of them). Start from zero gradients.
+    may hold different numbers of them). Start from zero gradients. Each micro-batch goes through
+    the model on its own: a matrix product over the whole batch's rows at once is reported (the
+    gradients are right, but nothing was accumulated).
 
     x: (B, T, C); targets: (B, T) int64; weight: (V, C); bias: (V,); micro_batches: k, dividing B;
     ignore_index: int. Returns {"weight": gradient (V, C), "bias": gradient (V,)}.
@@ -267,6 +272,8 @@ def run_kv_cached_logits(tokens, weights, config):
     and values: step t feeds tokens[:, t] alone, at position t, its key and value added to the
     cache before it attends (it sees itself and every earlier token). Returns the logits of every
     step stacked, (B, T, V), which must equal ``run_transformer_lm`` on the whole sequence.
+    The checker counts the floating-point operations of its matrix products: a step that runs the
+    whole prefix through the model again (no cache) does about 4x tinylm's here and is reported.
     """
     raise NotImplementedError
 
