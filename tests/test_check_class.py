@@ -86,9 +86,10 @@ EXPECTED = {  # student -> part -> (status, mistake); every other cell is ok
 
 
 @pytest.mark.slow
-def test_class_writes_one_table_with_each_students_mistakes_named(tmp_path, capsys):
+def test_class_writes_one_table_with_each_students_mistakes_named(tmp_path, capsys, monkeypatch):
     directory = class_copy(tmp_path)
-    argv = ["check", "--class", str(directory), "--parts", ",".join(PARTS), "--timeout", "3", "--memory-gb", "0.5"]
+    monkeypatch.chdir(tmp_path)  # the class given as a relative path, as a teacher types it
+    argv = ["check", "--class", "class", "--parts", ",".join(PARTS), "--timeout", "3", "--memory-gb", "0.5"]
     assert main([*argv, "--seed", "0", "--jobs", "2"]) == 1
     data = json.loads((directory / "check.json").read_text())
     assert data["parts"] == PARTS

@@ -220,7 +220,7 @@ class Sandbox:
         trusted: bool = False,
     ):
         self.adapter, self.limits, self.output, self.trusted = adapter, limits, output, trusted
-        self.visible = visible or adapter.parent
+        self.visible = (visible or adapter.parent).resolve()  # bubblewrap binds absolute paths
         self.kind = "process" if trusted else boundary()
         self.timeout = limits.timeout
         self.process: subprocess.Popen | None = None
