@@ -148,10 +148,11 @@ def test_a_class_run_killed_half_way_keeps_its_verdicts_and_resume_finishes_it(t
     first.communicate()
     kept = {p.name: p.stat().st_mtime_ns for p in done.glob("*.json")}
     assert 1 <= len(kept) < 4 and not (directory / "check.md").exists()
-    second = run_in_a_process([*argv, "--resume"])
+    second = run_in_a_process([*argv[:-2], "--resume"])  # the stopped run's seed, from its verdicts
     out, err = second.communicate(timeout=300)
     assert second.returncode == 0, err.decode()
     assert f"resume: {len(kept)} student(s) already checked, {4 - len(kept)} to go" in err.decode()
+    assert "seed 3 (--seed 3 repeats these inputs)" in err.decode()
     assert {p.name: p.stat().st_mtime_ns for p in done.glob("*.json") if p.name in kept} == kept  # not checked again
     assert "| students passing | 4/4 pass all | 4/4 | 4/4 |" in (directory / "check.md").read_text()
 

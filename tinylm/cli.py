@@ -38,7 +38,7 @@ from tinylm.config import (
     preset_names,
 )
 from tinylm.courses.check import check_adapter, fresh_seed, passed, summary, write_json
-from tinylm.courses.classroom import ClassRun, check_class, markdown, write_kit, write_reports
+from tinylm.courses.classroom import ClassRun, check_class, markdown, saved_seed, write_kit, write_reports
 from tinylm.courses.evaluate import evaluate_adapter, finite, format_report
 from tinylm.data.corpora import load_text_file
 from tinylm.data.prepare import prepare as prepare_data
@@ -890,7 +890,9 @@ class CheckOptions:
     )
     jobs: int = opt("with --class: students checked at once (default: the number of CPUs)", 0, ge=0)
     budget: float | None = opt("with --class: seconds each student may take, all parts together", gt=0)
-    resume: bool = opt("with --class: keep the verdicts DIR/check-results already holds (same parts and seed)", False)
+    resume: bool = opt(
+        "with --class: keep the verdicts DIR/check-results already holds (same parts; their seed unless --seed)", False
+    )
     seed: int | None = opt("the inputs' seed, to repeat a run (default: a fresh one, printed)", ge=0)
     data: str | None = opt(
         "with --class: also score each student's model (its model_* functions) on this text file", metavar="FILE"
@@ -916,7 +918,10 @@ def check(opts: CheckOptions) -> int:
         for path in write_kit(opts.init):
             print(f"wrote {path}")
         return 0
-    seed = fresh_seed() if opts.seed is None else opts.seed
+    seed = opts.seed
+    if seed is None and opts.resume and opts.class_dir:
+        seed = saved_seed(opts.class_dir)  # the stopped run's inputs
+    seed = fresh_seed() if seed is None else seed
     print(f"seed {seed} (--seed {seed} repeats these inputs)", file=sys.stderr)
     if opts.class_dir:
         texts = load_text_file(opts.data) if opts.data else None

@@ -109,6 +109,17 @@ def saved_verdicts(path: Path, parts: list[str], seed: int) -> list[PartResult] 
     ]
 
 
+def saved_seed(directory: str | Path) -> int | None:
+    """The seed of the verdicts an earlier run left in ``DIR/check-results`` (what --resume
+    continues without --seed), or None."""
+    for path in sorted((Path(directory) / RESULTS).glob("*.json")):
+        try:
+            return int(json.loads(path.read_text(encoding="utf-8"))["seed"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return None
+
+
 def gradescope(student: Student, seed: int) -> dict:
     """Gradescope's autograder results.json: one test per part, 1 point each."""
     tests = [
