@@ -10,6 +10,7 @@ that allocates without bound.
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import subprocess
 import sys
@@ -220,23 +221,41 @@ def test_evaluate_takes_a_checkpoint_or_an_adapter(tmp_path, capsys):
     assert "does not exist" in capsys.readouterr().err
 
 
+UNIFORM = """
+import torch
+
+
+def model_info():
+    return {"context_length": 32, "bos_id": 256}
+
+
+def model_encode(text):
+    return list(text.encode("utf-8"))
+
+
+def model_logits(tokens):
+    return torch.zeros(*tokens.shape, 257)  # every byte and the start id equally likely
+"""
+
+
 @pytest.mark.slow
-def test_class_with_data_adds_each_students_protocol_numbers(checkpoint, tmp_path, monkeypatch, capsys):
+def test_class_with_data_adds_each_students_protocol_numbers_from_the_sandbox(checkpoint, tmp_path, monkeypatch):
+    """A model of uniform logits over 257 ids scores log2(257) bits per byte; alice's model wraps a
+    tinylm checkpoint (the reference adapter): it cannot import tinylm in the sandbox, and says so."""
     model, data = checkpoint
     monkeypatch.setenv("TINYLM_CHECKPOINT", str(model))
     directory = class_copy(tmp_path)
-    # alice hands in a whole model wrapping a tinylm checkpoint: its parts cannot import tinylm in the
-    # sandbox, but the protocol scores it (tinylm evaluate --adapter runs the plain process, tinylm importable)
     shutil.copy(reference_adapter.__file__, directory / "alice" / "adapter.py")
     for name in ("carol", "dave", "erin"):
         shutil.rmtree(directory / name)
+    uniform = (FIXTURES / "student_adapter.py").read_text(encoding="utf-8") + UNIFORM
+    (directory / "uniform.py").write_text(uniform, encoding="utf-8")  # a student handed in as one file
     assert main(["check", "--class", str(directory), "--parts", "linear", "--data", str(data), "--seed", "0"]) == 1
-    assert main(["evaluate", "--checkpoint", str(model), "--data", str(data), "--json"]) == 0
-    direct = json.loads(capsys.readouterr().out.splitlines()[-1])
     students = {s["name"]: s for s in json.loads((directory / "check.json").read_text())["students"]}
-    assert students["alice"]["protocol"]["bpb"] == pytest.approx(direct["bpb"], rel=1e-6)
+    assert students["uniform"]["protocol"]["bpb"] == pytest.approx(math.log2(257), rel=1e-6)
+    assert "No module named 'tinylm'" in students["alice"]["protocol_error"]
+    assert "No module named 'tinylm'" in students["alice"]["parts"][0]["detail"]
     assert "model_info not implemented" in students["bob"]["protocol_error"]
     table = (directory / "check.md").read_text()
     assert "| student | parts ok | linear | bits/byte | token ppl | word ppl | KV speed-up |" in table
-    assert f"| alice | 0/1 | error | {direct['bpb']:.4f} |" in table
-    assert "No module named 'tinylm'" in students["alice"]["parts"][0]["detail"]
+    assert f"| uniform | 1/1 | ok | {math.log2(257):.4f} |" in table

@@ -183,11 +183,13 @@ def check_student(student: Student, run: ClassRun, parts: list[str], results_dir
             traceback.print_exc()
             detail = f"tinylm failed on this student ({type(exc).__name__}: {exc}); please report it"
             student.results = [PartResult(name, "error", detail) for name in parts]
-    if run.texts:
-        try:
-            student.numbers = evaluate_adapter(student.adapter, run.texts, **memory)
-        except TinyLMError as exc:
-            student.numbers_error = str(exc)
+        if run.texts:  # the student's model, in the sandbox too
+            try:
+                student.numbers = evaluate_adapter(
+                    student.adapter, run.texts, **memory, trusted=False, visible=student.visible, output=log
+                )
+            except TinyLMError as exc:
+                student.numbers_error = str(exc)
     student.seconds = time.monotonic() - start
     write_student(results_dir, student, run.seed)
     return student

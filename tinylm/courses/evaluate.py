@@ -1,8 +1,9 @@
 """`tinylm evaluate --adapter ADAPTER.py`: a student's whole model scored on tinylm's protocol.
 
 The adapter's ``model_info``, ``model_encode``, ``model_decode``, ``model_logits`` and
-``model_generate`` run in the student's own process (``sandbox``; the plain process, with tinylm
-importable and the environment kept, since the adapter may wrap a tinylm checkpoint), and tinylm's own scoring drives
+``model_generate`` run in the student's own process (``sandbox``: for `tinylm evaluate --adapter`
+the plain process, with tinylm importable and the environment kept, since the adapter may wrap a
+tinylm checkpoint; for a class's students the namespace sandbox), and tinylm's own scoring drives
 them: the student's logits become a module that ``evaluation.perplexity.evaluate_texts`` scores
 exactly as it scores a tinylm checkpoint (each document alone from the start id, the same windows,
 the same batches, the loss in float32), so an adapter wrapping a tinylm checkpoint gives that
@@ -22,6 +23,7 @@ import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
+from typing import BinaryIO
 
 import torch
 import torch.nn.functional as F
@@ -140,16 +142,23 @@ def evaluate_adapter(
     speedup: bool = True,
     memory_bytes: int | None = None,
     bleu: tuple[BleuProtocol, list[Decoding], Path | None] | None = None,
+    trusted: bool = True,
+    visible: Path | None = None,
+    output: BinaryIO | None = None,
 ) -> dict:
     """The protocol's numbers for the adapter's model on ``texts``: tinylm's metrics (token_ppl,
     bpb, word_ppl, ...), the KV cache's speed-up when the adapter has ``model_generate``, and,
-    given ``bleu`` (the protocol, its decoding settings, where the per-sample CSVs go), BLEU."""
+    given ``bleu`` (the protocol, its decoding settings, where the per-sample CSVs go), BLEU.
+    ``trusted``: the plain process with tinylm importable and the environment kept (a student
+    scoring their own model, which may wrap a tinylm checkpoint); False for a class's students:
+    the namespace sandbox, seeing ``visible``, printing to ``output`` (default stderr)."""
     path = Path(adapter)
     if not path.is_file():
         raise TinyLMError(f"adapter file {path} does not exist" if not path.exists() else f"{path} is not a file")
     memory = DEFAULT_MEMORY_BYTES if memory_bytes is None else memory_bytes
     limits = Limits(CALL_SECONDS, memory, int(STARTUP_SECONDS + CPU_SECONDS), reply_bytes=REPLY_BYTES)
-    with Sandbox(path.resolve(), limits, output=sys.stderr.buffer, trusted=True) as sandbox:
+    prints = sys.stderr.buffer if output is None else output
+    with Sandbox(path.resolve(), limits, visible, prints, trusted) as sandbox:
         info = call(sandbox, "model_info", [{}])
         if not isinstance(info, dict) or "context_length" not in info:
             raise TinyLMError('the adapter\'s model_info must return {"context_length": int, "bos_id": int or None}')
