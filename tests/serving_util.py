@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -85,3 +86,72 @@ def live_server(*args: str, timeout: float = 60.0):
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+# ------------------------------------------------------------------- rows leaving together
+def hold_until_cancelled(served, n: int, seconds: float = 10.0) -> bool:
+    """On the model's task thread (``scheduler.call``, in whichever process holds the model): hold
+    the model, so that the decoding thread waits before its next step, until ``n`` rows of its
+    batch are cancelled. True when they were: they all leave between the same two steps."""
+    scheduler = served.scheduler
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if scheduler.turns.decoder_waiting and sum(r.cancelled.is_set() for r in scheduler.batch.rows) >= n:
+            return True
+        time.sleep(0.0005)
+    return False
+
+
+def leave_together(scheduler, holder, trials: int, seed: int, rows: int = 16) -> int:
+    """``trials`` times: ``rows`` endless rows decode, a random subset of them (2 to all) is cancelled
+    while the model is held (``hold_until_cancelled``), then the rest. Each trial checks that no row
+    got an error and that the batch empties; returns how many trials had the subset leave together."""
+    from tinylm.generation.batch import Row, TokenEvent
+    from tinylm.generation.processors import GenerationConfig
+
+    rng, together = random.Random(seed), 0
+    for trial in range(trials):
+        events: list[list] = [[] for _ in range(rows)]
+        endless = [
+            Row(
+                [2, 5 + i % 7, 6],
+                GenerationConfig(max_new_tokens=10**6, min_new_tokens=10**6, temperature=1.0, seed=trial * rows + i),
+                events[i].append,
+            )
+            for i in range(rows)
+        ]
+        for row in endless:
+            scheduler.add(row)
+        wait_for(lambda: all(e for e in events), f"trial {trial}: every row's first token")
+        subset = rng.sample(endless, rng.randint(2, rows))
+        held = scheduler.call(hold_until_cancelled, holder, len(subset))
+        turns = getattr(scheduler, "turns", None)  # in this process: seen; in the engine's: given time
+        if turns is not None:
+            wait_for(lambda: turns.task_running and turns.decoder_waiting, f"trial {trial}: the model held")
+        else:
+            time.sleep(0.05)
+        for row in subset:
+            scheduler.cancel(row)
+        together += held.result(timeout=30)
+        survivors = [i for i, row in enumerate(endless) if row not in subset]
+        after = [len(events[i]) for i in survivors]  # the rows that stay must keep decoding
+        wait_for(
+            lambda: all(
+                len(events[i]) >= n + 2 or not isinstance(events[i][-1], TokenEvent) for i, n in zip(survivors, after)
+            ),
+            f"trial {trial}: two more tokens for every row that stays",
+        )
+        for row in endless:
+            scheduler.cancel(row)
+        wait_for(lambda: scheduler.active == 0, f"trial {trial}: the batch empties")
+        errors = [e for row_events in events for e in row_events if not isinstance(e, TokenEvent)]
+        assert not errors and scheduler.alive, (trial, errors[:1])
+    return together
+
+
+def wait_for(condition, what: str, seconds: float = 30.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.002)

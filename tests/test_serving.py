@@ -98,6 +98,12 @@ def test_routes_run_on_a_hand_made_state_without_an_app():
         "data": [
             {"id": name, "object": "model", "created": fakes[name].created, "owned_by": "tinylm"} for name in ("a", "b")
         ],
+        "tinylm_limits": {
+            "max_tokens": 512,
+            "max_choices": 16,
+            "max_body_bytes": 1_000_000,
+            "max_score_tokens": 16_384,
+        },
     }
     assert state.model("b") is fakes["b"]
     assert ServerState({"a": fakes["a"]}, Limits()).model(None) is fakes["a"]  # the only model needs no name

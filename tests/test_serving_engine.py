@@ -28,10 +28,10 @@ from tinylm.generation.generate import encode_prompt, generate_many
 from tinylm.generation.processors import GenerationConfig
 from tinylm.models.gpt import GPT
 from tinylm.serving.app import create_app
-from tinylm.serving.completions import EngineGone, Limits
+from tinylm.serving.completions import Limits
 from tinylm.serving.engine import LocalEngine, ModelShape, ModelSpecs, ProcessEngine, start_engine
 from tinylm.serving.models import ModelSpec, load_models
-from tinylm.serving.scheduler import Scheduler
+from tinylm.serving.scheduler import DecodingStopped, Scheduler
 from tinylm.serving.state import RunsRoot
 
 LIMITS = Limits(max_tokens=256, max_choices=16)
@@ -250,9 +250,9 @@ def test_a_killed_engine_is_answered_503_then_restarted(root):
         assert started.wait(30)
         os.kill(engine.process.pid, signal.SIGKILL)
         deadline = time.monotonic() + 10
-        while not isinstance(events[-1], EngineGone) and time.monotonic() < deadline:
+        while not isinstance(events[-1], DecodingStopped) and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert isinstance(events[-1], EngineGone) and "exit code -9" in events[-1].message  # in flight: told
+        assert isinstance(events[-1], DecodingStopped) and "exit code -9" in events[-1].message  # in flight: told
         # the engine takes seconds to start again: meanwhile every route that needs the model says why
         health = client.get("/health")
         assert health.status_code == 503 and "restarting" in health.json()["error"]

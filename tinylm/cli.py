@@ -708,6 +708,11 @@ class ServeOptions:
     max_tokens: int = opt("refuse max_tokens above this", 512, ge=1)
     max_choices: int = opt("refuse requests asking for more choices (prompts x n)", 16, ge=1)
     max_body_bytes: int = opt("refuse bodies larger than this (413)", 1_000_000, ge=1)
+    max_score_tokens: int = opt(
+        "refuse requests that would score more tokens than this (413): echo with logprobs, /v1/score, /v1/tinylm/score",
+        16_384,
+        ge=1,
+    )
     runs: str | None = opt(
         "a directory of runs (e.g. runs): the Runs view draws their curves as they train and loads their checkpoints",
         metavar="DIR",
@@ -758,7 +763,7 @@ def serve(opts: ServeOptions) -> int:
         else {}
     )
     models = ModelSpecs(specs, opts.engine, opts.threads)
-    limits = Limits(opts.max_tokens, opts.max_choices, opts.max_body_bytes)
+    limits = Limits(opts.max_tokens, opts.max_choices, opts.max_body_bytes, opts.max_score_tokens)
     runs = RunsRoot(Path(opts.runs), opts.max_batch) if opts.runs else None
     serve_models(models, opts.host, opts.port, limits, opts.api_key, runs)
     return 0

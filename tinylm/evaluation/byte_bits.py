@@ -123,13 +123,14 @@ def predicted_logprobs(
     return [item for i in range(len(windows)) for item in per_window[i]]
 
 
-def score_bytes(model, tokenizer, text: str, top: int = 5) -> ByteScore:
-    """Each token's log probability and top predictions, and the bits of each byte of ``text``."""
+def score_bytes(model, tokenizer, text: str, top: int = 5, batch_size: int = 32) -> ByteScore:
+    """Each token's log probability and top predictions, and the bits of each byte of ``text``
+    (``batch_size`` windows per forward)."""
     ids = [int(i) for i in tokenizer.encode(text)]
     start = [tokenizer.bos_id] if tokenizer.bos_id is not None else []
     if len(start) + len(ids) < 2:
         raise TinyLMError("the text encodes to no token to score (give a longer text)")
-    scored = predicted_logprobs(model, start + ids, top)
+    scored = predicted_logprobs(model, start + ids, top, batch_size)
     unscored = len(ids) - len(scored)  # the first token when there is no start id
     logprobs = [None] * unscored + [lp for lp, _ in scored]
     spans = token_byte_spans(tokenizer, text, ids)

@@ -15,8 +15,12 @@ A completion goes one way: the route looks the model up and checks the request
 the rest. Every route, here and in the other routers, reaches the models through ``state.StateDep``.
 """
 
+import dataclasses
+import errno
 import logging
 import secrets
+import socket
+import threading
 from pathlib import Path
 
 from fastapi import APIRouter, FastAPI, Request
@@ -25,8 +29,18 @@ from fastapi.responses import FileResponse, JSONResponse, Response, StreamingRes
 from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException
 
+from tinylm.errors import TinyLMError
 from tinylm.serving.compare import router as compare_router
-from tinylm.serving.completions import APIError, Limits, bad, complete, plan_completion, sse_stream
+from tinylm.serving.completions import (
+    RETRY_AFTER,
+    APIError,
+    Limits,
+    bad,
+    complete,
+    plan_completion,
+    rendered_off_loop,
+    sse_stream,
+)
 from tinylm.serving.engine import LocalEngine, ModelSpecs, ProcessEngine, start_engine
 from tinylm.serving.lens import router as lens_router
 from tinylm.serving.models import ServedModel
@@ -43,9 +57,12 @@ CHAT_REFUSAL = (
 
 
 def error_response(exc: APIError) -> JSONResponse:
-    return JSONResponse(
-        exc.body(), status_code=exc.status, headers={"WWW-Authenticate": "Bearer"} if exc.status == 401 else None
-    )
+    headers = {}
+    if exc.status == 401:
+        headers["WWW-Authenticate"] = "Bearer"
+    if exc.status == 503:  # the openai client and most others wait this long before trying again
+        headers["Retry-After"] = str(exc.retry_after or RETRY_AFTER)
+    return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
 
 
 class BodyLimit:
@@ -112,6 +129,9 @@ async def on_validation_error(request: Request, exc: RequestValidationError) -> 
         return error_response(
             APIError(400, f"the body is not valid JSON ({first.get('ctx', {}).get('error', '')})", None, "invalid_json")
         )
+    if first.get("type") == "lone_surrogate":
+        field = first["ctx"]["field"]
+        return error_response(APIError(400, first["msg"], field.split("[")[0], "invalid_text"))
     loc = [str(x) for x in first.get("loc", ()) if x != "body"]
     param = loc[0] if loc else None
     where = ".".join(loc) or "the body"
@@ -149,21 +169,33 @@ async def favicon():
 
 @router.get("/health")
 async def health(state: StateDep):
-    dead = [name for name, s in state.models.items() if not s.scheduler.alive]
-    down = state.engine.down
-    body = {
-        "status": "ok" if not dead and down is None else "unhealthy",
-        "models": list(state.models),
-        "active_rows": {name: s.scheduler.active for name, s in state.models.items()},
+    """200 while every model decodes; 503 with the reason (and Retry-After) the moment the engine
+    or a model's decoding thread is gone."""
+    engine = state.engine
+    stopped = {
+        name: getattr(s.scheduler, "failure", None) or "its decoder has stopped"
+        for name, s in state.models.items()
+        if not s.scheduler.alive
     }
-    if down is not None:
-        body["error"] = down
-    return JSONResponse(body, status_code=503 if dead or down is not None else 200)
+    body = {
+        "status": "ok" if not stopped and engine.down is None else "unhealthy",
+        "models": list(state.models),
+        "active_rows": {name: s.scheduler.active if name not in stopped else 0 for name, s in state.models.items()},
+    }
+    if engine.down is not None or stopped:
+        body["error"] = engine.down or "; ".join(f"{name}: {why}" for name, why in stopped.items())
+        return JSONResponse(body, status_code=503, headers={"Retry-After": str(engine.retry_after)})
+    return JSONResponse(body)
 
 
 @router.get("/v1/models")
 async def list_models(state: StateDep):
-    return {"object": "list", "data": [model_object(s) for s in state.models.values()]}
+    """OpenAI's list, and this server's limits (what a request over them is refused for)."""
+    return {
+        "object": "list",
+        "data": [model_object(s) for s in state.models.values()],
+        "tinylm_limits": dataclasses.asdict(state.limits),
+    }
 
 
 @router.get("/v1/models/{name}")
@@ -202,7 +234,10 @@ async def create_completion(body: CompletionRequest, request: Request, state: St
             headers={"Cache-Control": "no-cache"},
         )
     # a Response as it is: FastAPI's jsonable_encoder would walk every log probability of a scored prompt
-    return JSONResponse(await complete(served, plan, state.outbox(), request.is_disconnected))
+    body = await complete(served, plan, state.outbox(), request.is_disconnected)
+    if body.get("choices") and body["choices"][0]["logprobs"] is not None:
+        return Response(await rendered_off_loop(body), media_type="application/json")
+    return JSONResponse(body)
 
 
 @router.post("/v1/tokenize")
@@ -226,12 +261,14 @@ async def detokenize(body: DetokenizeRequest, state: StateDep):
     return {"model": served.name, "text": served.tokenizer.decode(body.tokens)}
 
 
-async def on_text(state: ServerState, body: TextRequest, method: str) -> dict:
-    """``served.<method>(text)`` on the model's thread, for a non-empty text."""
+async def on_text(state: ServerState, body: TextRequest, method: str, *args) -> Response:
+    """``served.<method>(text, *args)`` on the model's thread, for a non-empty text; the response
+    rendered off the event loop (scores of a long text are megabytes)."""
     served = state.model(body.model)
     if not body.text:
         raise bad("text", "must not be empty", "empty_text")
-    return {"model": served.name, **await served.on_model_thread(method, body.text)}
+    result = {"model": served.name, **await served.on_model_thread(method, body.text, *args)}
+    return Response(await rendered_off_loop(result), media_type="application/json")
 
 
 @router.post("/v1/attention")
@@ -241,7 +278,7 @@ async def attention(body: TextRequest, state: StateDep):
 
 @router.post("/v1/score")
 async def score(body: TextRequest, state: StateDep):
-    return await on_text(state, body, "score")
+    return await on_text(state, body, "score", state.limits.max_score_tokens)
 
 
 def create_app(
@@ -278,6 +315,26 @@ def create_app(
     return app
 
 
+def listening_socket(host: str, port: int) -> socket.socket:
+    """``host:port`` bound and listening, before any model loads: a busy port fails in a moment,
+    and ``--port 0`` learns its port here."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: a restart finds the port free
+    try:
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError as exc:
+        sock.close()
+        busy = exc.errno == errno.EADDRINUSE
+        raise TinyLMError(
+            f"cannot listen on {host}:{port}: "
+            + ("the port is in use (another tinylm serve?); choose another --port" if busy else exc.strerror)
+        ) from exc
+    sock.set_inheritable(True)
+    return sock
+
+
 def serve(
     specs: ModelSpecs,
     host: str,
@@ -286,20 +343,49 @@ def serve(
     api_key: str | None,
     runs: RunsRoot | None = None,
 ) -> None:
-    """Load the models in their engine, run the app with uvicorn until interrupted, stop the engine."""
+    """Bind the port, load the models in their engine, serve until interrupted, stop the engine.
+    An engine that keeps crashing ends the server with a TinyLMError (a non-zero exit)."""
     import uvicorn  # deferred: only `tinylm serve` needs it
 
-    engine, models = start_engine(specs)
+    class Server(uvicorn.Server):
+        """uvicorn's server that, at the first Ctrl-C or SIGTERM, closes the engine at once: every
+        request in flight is answered (a stream: an error event, then [DONE]) before uvicorn waits
+        for the connections to close, so none is cut."""
+
+        gave_up: str | None = None
+
+        def handle_exit(self, sig, frame) -> None:
+            if not self.should_exit:
+                threading.Thread(target=engine.close, name="tinylm-close-engine", daemon=True).start()
+            super().handle_exit(sig, frame)
+            # uvicorn raises the signal again once it has stopped (for an embedding program): here
+            # the signal was the order to stop, and it was obeyed, so `tinylm serve` exits 0
+            self._captured_signals.clear()
+
+        def give_up(self, reason: str) -> None:  # the engine's reader thread, after too many crashes
+            self.gave_up = reason
+            self.should_exit = True
+
+    sock = listening_socket(host, port)
+    try:
+        engine, models = start_engine(specs)
+    except BaseException:
+        sock.close()
+        raise
     app = create_app(models, limits, api_key, runs, engine)
+    server = Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2))
+    engine.on_give_up = server.give_up
     log.info(
         "serving %s on http://%s:%d  (open it in a browser for the playground)",
         ", ".join(models) + (f" and the runs under {runs.root}" if runs else ""),
         host,
-        port,
+        sock.getsockname()[1],
     )
     try:
-        uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=2)
+        server.run(sockets=[sock])
     finally:
+        engine.close()
         for served in app.state.server.models.values():
             served.scheduler.close()
-        engine.close()
+    if server.gave_up is not None:
+        raise TinyLMError(server.gave_up)

@@ -13,13 +13,13 @@ from __future__ import annotations
 import asyncio
 import math
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Response
 from pydantic import Field
 
 from tinylm.errors import TinyLMError
 from tinylm.evaluation.byte_bits import char_bits, char_offsets, char_span, score_bytes
-from tinylm.serving.completions import bad
-from tinylm.serving.models import ServedModel
+from tinylm.serving.completions import bad, check_scored, rendered_off_loop
+from tinylm.serving.models import ServedModel, score_batch
 from tinylm.serving.schemas import Strict
 from tinylm.serving.state import ServerState, StateDep
 
@@ -39,10 +39,15 @@ def _rounded(values, digits: int = 6) -> list[float]:
     return [round(float(v), digits) for v in values]
 
 
-def model_scores(served: ServedModel, text: str, top: int) -> dict:
-    """One model's per-token, per-byte and per-character bits of ``text`` (on the model's thread)."""
+def model_scores(served: ServedModel, text: str, top: int, max_tokens: int | None = None) -> dict:
+    """One model's per-token, per-byte and per-character bits of ``text`` (on the model's thread);
+    more than ``max_tokens`` tokens is a 413 (a text has at most a token per byte, and one start
+    token: only a longer text is counted)."""
     tok = served.tokenizer
-    scored = score_bytes(served.model, tok, text, top)
+    if max_tokens is not None and len(text.encode("utf-8")) + 1 > max_tokens:
+        check_scored(len(tok.encode(text)), max_tokens, "text")
+    batch = score_batch(served.context_length, served.vocab_size)
+    scored = score_bytes(served.model, tok, text, top, batch)
     offsets = char_offsets(text)
     for i, lp, (start, _) in zip(scored.ids, scored.token_logprobs, scored.spans):
         if lp is not None and not math.isfinite(lp):  # JSON has no infinity, and no sum would mean anything
@@ -91,11 +96,12 @@ async def compare_scores(body: CompareRequest, state: StateDep):
         raise bad("text", "must not be empty", "empty_text")
     if not 0 <= body.top <= MAX_TOP:
         raise bad("top", f"must be between 0 and {MAX_TOP} (got {body.top})")
+    limit = state.limits.max_score_tokens
     results = await asyncio.gather(
-        *(s.on_model_thread(model_scores, body.text, body.top) for s in _served(state, body.models))
+        *(s.on_model_thread(model_scores, body.text, body.top, limit) for s in _served(state, body.models))
     )
     offsets = char_offsets(body.text)
-    return {
+    result = {
         "object": "tinylm.score",
         "text": body.text,
         "bytes": int(offsets[-1]),
@@ -103,3 +109,4 @@ async def compare_scores(body: CompareRequest, state: StateDep):
         "char_bytes": [int(b) for b in offsets[1:] - offsets[:-1]],
         "models": list(results),
     }
+    return Response(await rendered_off_loop(result), media_type="application/json")

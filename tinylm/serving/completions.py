@@ -40,6 +40,7 @@ from tinylm.errors import TinyLMError
 from tinylm.generation.batch import DoneEvent, ErrorEvent, PromptEvent, Row, TokenEvent, ends_row
 from tinylm.generation.core import fit_prompts
 from tinylm.generation.generate import encode_prompt, generate_many, prompt_head
+from tinylm.serving.scheduler import DecodingStopped
 from tinylm.serving.schemas import CompletionRequest
 from tinylm.tokenizers.base import ContinuationText
 
@@ -54,6 +55,21 @@ class Limits:
     max_tokens: int = 512  # max_tokens above this is refused
     max_choices: int = 16  # prompts x n per request
     max_body_bytes: int = 1_000_000
+    # tokens one request may have scored (echo with logprobs, /v1/score, /v1/tinylm/score): it bounds
+    # the work and the response, at most this many entries times (1 + 2 x the alternatives asked)
+    max_score_tokens: int = 16_384
+
+
+def check_scored(tokens: int, limit: int, param: str) -> None:
+    """413 naming the limit when a request would score more than ``limit`` tokens."""
+    if tokens > limit:
+        raise APIError(
+            413,
+            f"{param}: scoring it takes {tokens} tokens, more than this server's limit of {limit} "
+            "(tinylm serve --max-score-tokens)",
+            param,
+            "score_too_large",
+        )
 
 
 class APIError(Exception):
@@ -66,12 +82,14 @@ class APIError(Exception):
         param: str | None = None,
         code: str | None = None,
         kind: str = "invalid_request_error",
+        retry_after: int | None = None,
     ):
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+        self.retry_after = retry_after  # seconds, sent as Retry-After (every 503 has one)
 
     def __reduce__(self):  # raised in the engine process, it travels back pickled
-        return APIError, (self.status, self.message, self.param, self.code, self.kind)
+        return APIError, (self.status, self.message, self.param, self.code, self.kind, self.retry_after)
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
@@ -81,14 +99,13 @@ def bad(param: str, message: str, code: str = "invalid_value") -> APIError:
     return APIError(400, f"{param}: {message}", param, code)
 
 
-def unavailable(message: str) -> APIError:
-    """503: the model engine is down (it crashed, and is restarting or gave up)."""
-    return APIError(503, message, None, "engine_unavailable", "server_error")
+RETRY_AFTER = 2  # seconds a 503 asks a client to wait when nothing better is known
 
 
-@dataclass
-class EngineGone(ErrorEvent):
-    """The engine process decoding a row went away: its request is answered 503, not 500."""
+def unavailable(message: str, retry_after: int = RETRY_AFTER) -> APIError:
+    """503: the model engine is down (it crashed and is restarting, it gave up, or the server is
+    shutting down); the client is told when to try again."""
+    return APIError(503, message, None, "engine_unavailable", "server_error", retry_after)
 
 
 @dataclass
@@ -259,6 +276,10 @@ def plan_completion(served, r: CompletionRequest, limits: Limits) -> Plan:
         warnings.simplefilter("always")
         fitted = fit_prompts([ids for _, ids in prompts], served.context_length)
     notes = [str(w.message) for w in caught]
+    if r.echo and r.logprobs is not None:  # every distinct prompt is scored whole
+        check_scored(
+            sum(len(set_ids) for set_ids in {tuple(ids) for _, ids in prompts}), limits.max_score_tokens, "prompt"
+        )
     seed = r.seed if r.seed is not None else secrets.randbelow(2**31)
     base = generation_config(r, served, stops, seed)
     # choice k samples with seed + k, except that one beam search (seed + i) gives the n best beams of prompt i
@@ -483,7 +504,7 @@ def record(plan: Plan, index: int, event) -> None:
         c.stop_scored = event.stop
     elif isinstance(event, PromptEvent):
         c.prompt_part = (c.echo_ids, [None, *event.logprobs], [None, *event.top])
-    elif isinstance(event, EngineGone):
+    elif isinstance(event, DecodingStopped):
         raise unavailable(event.message)
     elif isinstance(event, ErrorEvent):  # with a param: a knob the model could not honour; without: the server's fault
         raise (
@@ -491,6 +512,13 @@ def record(plan: Plan, index: int, event) -> None:
             if event.param is not None
             else APIError(500, event.message, None, "generation_failed", "server_error")
         )
+
+
+def check_alive(served) -> None:
+    """A 503 when the model's decoder has stopped: its rows were told so, but a request whose row
+    it never took must not wait for ever."""
+    if not served.scheduler.alive:
+        raise unavailable(getattr(served.scheduler, "failure", None) or "the model's decoder has stopped")
 
 
 async def decode(served, plan: Plan, outbox: Outbox, is_disconnected: Callable[[], Awaitable[bool]]) -> None:
@@ -505,6 +533,7 @@ async def decode(served, plan: Plan, outbox: Outbox, is_disconnected: Callable[[
             try:
                 index, event = await asyncio.wait_for(events.get(), timeout=0.25)
             except asyncio.TimeoutError:
+                check_alive(served)
                 continue
             record(plan, index, event)
             left -= isinstance(event, DoneEvent)
@@ -528,7 +557,7 @@ async def sse_events(served, plan: Plan, outbox: Outbox, prompt_parts: dict | No
             while left:
                 # every event already waiting goes out in one write: when the loop falls behind the
                 # decoding thread (16 streams), a write per token would cost more than the token
-                ready = [await events.get()]
+                ready = [await events.get()]  # a stopped decoder fails its rows: an event always comes
                 while not events.empty():
                     ready.append(events.get_nowait())
                 for index, event in ready:
@@ -546,7 +575,7 @@ async def sse_events(served, plan: Plan, outbox: Outbox, prompt_parts: dict | No
                 yield sse(response_json(plan, served.name, [], usage=usage(plan)))
             yield "data: [DONE]\n\n"
         except APIError as exc:  # the chunks before the failed event still go out, then the error
-            yield "".join(pending) + sse(exc.body())
+            yield "".join(pending) + sse(exc.body()) + "data: [DONE]\n\n"
 
 
 # -------------------------------------------------------------------------------- entry points
@@ -568,7 +597,20 @@ async def complete(served, plan: Plan, outbox: Outbox, is_disconnected: Callable
                 stops = await served.on_model_thread("stop_tokens", unscored, plan.request.logprobs, param="prompt")
                 for c, stop in zip(unscored, stops):
                     c.stop = stop
-    return completion_json(plan, served.tokenizer, served.name, prompt_parts)
+    if prompt_parts is None:
+        return completion_json(plan, served.tokenizer, served.name, prompt_parts)
+    # a scored prompt's response is large: built on a worker thread, the event loop keeps streaming
+    return await asyncio.to_thread(completion_json, plan, served.tokenizer, served.name, prompt_parts)
+
+
+def render_json(body: dict) -> bytes:
+    """``body`` as Starlette's JSONResponse writes it (compact UTF-8, no NaN)."""
+    return json.dumps(body, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode("utf-8")
+
+
+async def rendered_off_loop(body: dict) -> bytes:
+    """A large body (scores, echoed log probabilities) rendered on a worker thread."""
+    return await asyncio.to_thread(render_json, body)
 
 
 async def sse_stream(served, plan: Plan, outbox: Outbox) -> AsyncIterator[str]:

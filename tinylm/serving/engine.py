@@ -20,6 +20,9 @@ The protocol: tuples, pickled.
   engine -> server
     ("ready", {name: ServedModel}) or ("failed", exc)  once, after loading: each model's outline
                                                        (tokenizer, config, card; no weights)
+    ("fatal", reason)                                  the engine cannot go on (a decoding thread
+                                                       stopped; the reason holds its traceback):
+                                                       it exits next, and the server restarts it
     ("events", model, active_rows, [(row_id, event)])  one decoding pass's events, in one message
                                                        (active_rows None: unchanged)
     ("result", call_id, ok, value or exception)
@@ -34,10 +37,12 @@ Stop strings are checked in the engine, on each row's tokens (``Row.decode``, th
 ``tinylm generate``), so a row stops at the step it stops alone; the server turns each row's
 tokens into the response's text (``completions.new_text``).
 
-A crash of the engine: the server's reader thread reads end-of-file, every request in flight is
-answered 503 (``completions.EngineGone``), and the engine is started again with the same models;
-meanwhile every route that needs a model answers 503 saying why. After ``MAX_RESTARTS`` crashes
-the server stops restarting it and says so on those routes and on /health.
+A crash of the engine: the server's reader thread reads end-of-file, and at once every route
+that needs a model, and /health, answers 503 saying why (with ``Retry-After``); every request in
+flight is answered 503 (``scheduler.DecodingStopped``), the crash is logged (with the engine's
+traceback when it sent one) and the engine is started again with the same models. A crash loop
+is not served for ever: after ``MAX_RESTARTS`` crashes within ``RESTART_WINDOW`` seconds the server
+gives up (``on_give_up``: ``tinylm serve`` exits non-zero, for a supervisor to restart it).
 """
 
 from __future__ import annotations
@@ -48,21 +53,30 @@ import contextlib
 import dataclasses
 import itertools
 import logging
+import math
 import multiprocessing
+import os
 import signal
 import threading
+import time
+import traceback
+from collections import deque
 from dataclasses import dataclass
-from typing import Literal
+from typing import Callable, Literal
 
 import torch
 
 from tinylm.errors import TinyLMError
 from tinylm.generation.batch import ErrorEvent, Row, ends_row
-from tinylm.serving.completions import EngineGone, unavailable
+from tinylm.serving.completions import unavailable
 from tinylm.serving.models import ModelSpec, ServedModel
+from tinylm.serving.scheduler import DecodingStopped
 
 log = logging.getLogger(__name__)
-MAX_RESTARTS = 5  # crashes the server recovers from before it gives up
+MAX_RESTARTS = 5  # crashes within RESTART_WINDOW the server recovers from; one more and it gives up
+RESTART_WINDOW = 600.0  # seconds
+FATAL_EXIT = 70  # the engine's exit code when it cannot go on (EX_SOFTWARE)
+SHUTTING_DOWN = "the server is shutting down; send the request again when it is back"
 STOP_SECONDS = 10  # a stopping engine gets this long to exit before it is terminated
 EngineKind = Literal["process", "thread"]
 
@@ -113,16 +127,20 @@ def engine_main(conn, specs: dict[str, ModelSpec], threads: int | None) -> None:
         conn.send(("failed", exc))
         return
     core.send(("ready", ready))
-    core.serve()
+    try:
+        core.serve()
+    except BaseException as exc:  # said to the server with the traceback, then a crash it restarts from
+        core.fatal(f"the engine's message loop stopped: {type(exc).__name__}: {exc}\n{traceback.format_exc()}")
 
 
 class Hosted:
     """A model in the engine process, and the events of its rows not sent yet. ``flush`` runs on
     its decoding thread after each pass, so a step's events leave together."""
 
-    def __init__(self, served: ServedModel, send):
+    def __init__(self, served: ServedModel, send, fatal: Callable[[str], None]):
         self.served, self.send, self.events, self.sent_active = served, send, [], 0
         served.scheduler.after_pass = self.flush
+        served.scheduler.on_failure = lambda reason: fatal(f"model '{served.name}': {reason}")
 
     def flush(self) -> None:
         active = self.served.scheduler.active
@@ -143,10 +161,16 @@ class EngineCore:
         with self.lock:  # decoding threads and call threads all send
             self.conn.send(message)
 
+    def fatal(self, reason: str) -> None:
+        """The engine cannot go on: tell the server why (it logs it and restarts us), then exit."""
+        with contextlib.suppress(Exception):
+            self.send(("fatal", reason))
+        os._exit(FATAL_EXIT)
+
     def host(self, name: str, spec: ModelSpec) -> ServedModel:
         """Load and serve ``spec`` as ``name``; a model already of that name is replaced, and its
         rows in flight end with an error."""
-        hosted = Hosted(ServedModel.load(spec, name), self.send)
+        hosted = Hosted(ServedModel.load(spec, name), self.send, self.fatal)
         old, self.models[name] = self.models.get(name), hosted
         if old is not None:
             old.served.scheduler.close()
@@ -277,6 +301,10 @@ class ProcessEngine:
         self.ids = itertools.count()
         self.down: str | None = None  # why the engine cannot answer now (None: it can)
         self.crashes, self.closing = 0, False
+        self.recent_crashes: deque[float] = deque()  # when, within the last RESTART_WINDOW seconds
+        self.last_words: str | None = None  # the engine's "fatal" reason, logged with its crash
+        self.start_seconds = 1.0  # how long the engine took to load its models: a 503's Retry-After
+        self.on_give_up: Callable[[str], None] | None = None  # the server exits (``app.serve``)
         self.process = self.conn = None
 
     def start(self, specs: dict[str, ModelSpec]) -> dict[str, ServedModel]:
@@ -287,7 +315,13 @@ class ProcessEngine:
         threading.Thread(target=self.read, name="tinylm-engine-reader", daemon=True).start()
         return models
 
+    @property
+    def retry_after(self) -> int:
+        """Seconds a client should wait before sending again while the engine is down."""
+        return max(1, math.ceil(self.start_seconds))
+
     def spawn(self) -> dict[str, ServedModel]:
+        started = time.monotonic()
         ctx = multiprocessing.get_context("spawn")
         conn, child = ctx.Pipe()
         process = ctx.Process(
@@ -304,6 +338,7 @@ class ProcessEngine:
             process.join(STOP_SECONDS)
             raise value
         self.process, self.conn = process, conn
+        self.start_seconds = time.monotonic() - started
         return value
 
     def serve(self, name: str, served: ServedModel) -> ServedModel:
@@ -321,7 +356,7 @@ class ProcessEngine:
     def add(self, model: str, row: Row) -> None:
         with self.lock:
             if self.down is not None:
-                raise unavailable(self.down)
+                raise unavailable(self.down, self.retry_after)
             row_id = next(self.ids)
             self.rows[row_id], self.row_ids[row] = row, row_id
             self.send(("add", row_id, model, row.prompt_ids, row.cfg, row.logprobs, row.prompt_logprobs))
@@ -339,7 +374,7 @@ class ProcessEngine:
         future: concurrent.futures.Future = concurrent.futures.Future()
         with self.lock:
             if self.down is not None:
-                raise unavailable(self.down)
+                raise unavailable(self.down, self.retry_after)
             call_id = next(self.ids)
             self.calls[call_id] = future
             try:
@@ -376,7 +411,9 @@ class ProcessEngine:
                 log.exception("engine message %r failed", message[0])
 
     def dispatch(self, message: tuple) -> None:
-        if message[0] == "events":
+        if message[0] == "fatal":
+            self.last_words = message[1]
+        elif message[0] == "events":
             _, model, active, events = message
             if active is not None and model in self.schedulers:
                 self.schedulers[model].active = active
@@ -393,45 +430,74 @@ class ProcessEngine:
                 settle(future, ok, value)
 
     def restart(self) -> bool:
-        """After a crash: fail what was in flight, start the engine again; False when giving up."""
+        """After a crash: 503 at once, fail what was in flight, start the engine again; False when
+        giving up (too many crashes in the window, or it does not start)."""
+        with self.lock:  # /health and every route say so from this moment
+            self.down = "the model engine process stopped; restarting it"
+        for scheduler in self.schedulers.values():
+            scheduler.active = 0
         self.process.join(STOP_SECONDS)
         if self.process.is_alive():  # the pipe broke but the process lives on: it must not decode twice
             self.process.kill()
             self.process.join()
-        self.crashes += 1
         reason = f"the model engine process stopped (exit code {self.process.exitcode})"
-        with self.lock:
-            self.down = f"{reason}; restarting it"
-            rows, self.rows, self.row_ids, calls, self.calls = self.rows, {}, {}, self.calls, {}
-        log.error("%s, crash %d of at most %d", self.down, self.crashes, MAX_RESTARTS)
-        for row in rows.values():
-            row.emit(EngineGone(f"{reason} while this request decoded; send it again"))
-        for future in calls.values():
-            settle(future, False, unavailable(f"{reason} while answering this request; send it again"))
-        if self.crashes > MAX_RESTARTS:
-            self.down = f"{reason}, {self.crashes} times: no more restarts; start `tinylm serve` again"
-            log.error(self.down)
-            return False
+        self.fail_in_flight(f"{reason} while this request decoded; send it again")
+        now = time.monotonic()
+        self.crashes += 1
+        self.recent_crashes.append(now)
+        while self.recent_crashes and self.recent_crashes[0] < now - RESTART_WINDOW:
+            self.recent_crashes.popleft()
+        words, self.last_words = self.last_words, None
+        log.error(
+            "%s, crash %d in %.0f s (at most %d)%s",
+            reason,
+            len(self.recent_crashes),
+            RESTART_WINDOW,
+            MAX_RESTARTS,
+            f"; it said: {words}" if words else "",
+        )
+        if len(self.recent_crashes) > MAX_RESTARTS:
+            return self.give_up(
+                f"{reason}, {len(self.recent_crashes)} times in {RESTART_WINDOW:.0f} s: no more restarts"
+            )
+        self.down = f"{reason}; restarting it"
         try:
             self.spawn()
         except Exception as exc:
-            self.down = f"{reason}, and it failed to start again ({exc}); start `tinylm serve` again"
-            log.error(self.down)
-            return False
+            return self.give_up(f"{reason}, and it failed to start again ({exc})")
         for scheduler in self.schedulers.values():
             scheduler.active = 0
         self.down = None
         log.warning("the model engine is running again")
         return True
 
+    def give_up(self, reason: str) -> bool:
+        self.down = f"{reason}; start `tinylm serve` again"
+        log.error(self.down)
+        if self.on_give_up is not None:
+            self.on_give_up(self.down)
+        return False
+
+    def fail_in_flight(self, message: str) -> None:
+        """Every row in flight gets ``message`` (a 503), every call waiting on the engine too."""
+        with self.lock:
+            rows, self.rows, self.row_ids, calls, self.calls = self.rows, {}, {}, self.calls, {}
+        for row in rows.values():
+            row.emit(DecodingStopped(message))
+        for future in calls.values():
+            settle(future, False, unavailable(message))
+
     def close(self) -> None:
-        """Stop the engine: it closes its schedulers and exits (terminated if it does not)."""
+        """Stop the engine: what is in flight is answered 503, the engine closes its schedulers and
+        exits (terminated if it does not)."""
         self.closing = True
         with self.lock:
-            try:
+            self.down = SHUTTING_DOWN
+            with contextlib.suppress(OSError, AttributeError):  # already gone, or never started
                 self.conn.send(("stop",))
-            except OSError:  # already gone
-                pass
+        self.fail_in_flight(SHUTTING_DOWN)
+        if self.process is None:
+            return
         self.process.join(STOP_SECONDS)
         if self.process.is_alive():
             self.process.terminate()
@@ -442,19 +508,31 @@ class LocalEngine:
     """The models in the server process, each decoding on its own thread: what ``create_app``
     serves when handed loaded ServedModels (the tests), and ``tinylm serve --engine thread``."""
 
-    down: str | None = None  # it is never down: a dead decoding thread shows on /health by itself
+    down: str | None = None  # None until it closes: a stopped decoding thread shows on /health by itself
+    retry_after = 1
+    on_give_up = None  # it never restarts anything, so never gives up
+
+    def __init__(self):
+        self.models: list[ServedModel] = []  # what it loaded, closed with it
 
     def start(self, specs: dict[str, ModelSpec]) -> dict[str, ServedModel]:
-        return {name: ServedModel.load(spec, name) for name, spec in specs.items()}
+        models = {name: ServedModel.load(spec, name) for name, spec in specs.items()}
+        self.models += models.values()
+        return models
 
     async def load(self, spec: ModelSpec, name: str) -> ServedModel:
-        return await asyncio.to_thread(ServedModel.load, spec, name)
+        served = await asyncio.to_thread(ServedModel.load, spec, name)
+        self.models.append(served)
+        return served
 
     async def run(self, fn, *args):
         return await asyncio.to_thread(fn, *args)
 
     def close(self) -> None:
-        pass
+        """Close every model it loaded: their rows in flight are answered 503."""
+        self.down = SHUTTING_DOWN
+        for served in self.models:
+            served.scheduler.close()
 
 
 def start_engine(specs: ModelSpecs) -> tuple[ProcessEngine | LocalEngine, dict[str, ServedModel]]:

@@ -26,12 +26,20 @@ from tinylm.evaluation.report import read_json
 from tinylm.generation.core import picked_logprobs
 from tinylm.interop.loading import load_any_checkpoint
 from tinylm.models.quantize import InferenceDtype, to_inference_dtype
-from tinylm.serving.completions import APIError, bad
+from tinylm.serving.completions import APIError, bad, check_scored
 from tinylm.serving.scheduler import Scheduler
 from tinylm.training.metrics import read_metrics
 
 CHECKPOINTS_DIR = "checkpoints"  # a run's checkpoints live in <run>/checkpoints/<name>
 SCORED_FLOATS = 2**24  # log probabilities held at once when scoring (rows x positions x vocabulary)
+# tokens of one scoring forward: a task pauses for the decoding steps at each block's boundary
+# (scheduler.Turns), so this bounds what a scoring client adds to every other client's token gap
+SCORE_FORWARD_TOKENS = 256
+
+
+def score_batch(context_length: int, vocab_size: int) -> int:
+    """Windows scored per forward (at least one)."""
+    return max(1, min(SCORED_FLOATS // (context_length * vocab_size), SCORE_FORWARD_TOKENS // context_length))
 
 
 def model_name(path: str, taken: set[str]) -> str:
@@ -184,15 +192,18 @@ class ServedModel:
         except ValueError as exc:  # knobs that leave no token allowed at some step name themselves
             raise APIError(400, str(exc), None, "invalid_value") from exc
 
-    def score(self, text: str) -> dict:
+    def score(self, text: str, max_tokens: int | None = None) -> dict:
         """Per-token log probabilities of ``text`` from the start token, and the metrics of
-        ``tinylm evaluate`` (token perplexity, bits per byte, word perplexity)."""
+        ``tinylm evaluate`` (token perplexity, bits per byte, word perplexity); more than
+        ``max_tokens`` tokens to score is a 413."""
         start = [self.tokenizer.bos_id] if self.tokenizer.bos_id is not None else []
         ids = start + list(self.tokenizer.encode(text))
         if len(ids) < 2:
             raise TinyLMError("the text encodes to no token to score")
+        if max_tokens is not None:
+            check_scored(len(ids) - 1, max_tokens, "text")
         logprobs = [lp for lp, _ in self.sequence_logprobs(ids)]
-        m = evaluate_texts(self.model, self.tokenizer, [text])
+        m = evaluate_texts(self.model, self.tokenizer, [text], score_batch(self.context_length, self.vocab_size))
         finite = {k: (v if isinstance(v, (int, float)) and math.isfinite(v) else None) for k, v in m.items()}
         return {"tokens": self.pieces(ids[1:]), "token_logprobs": logprobs, "metrics": finite}
 
@@ -211,7 +222,7 @@ class ServedModel:
         ]
         out: list[list] = [[] for _ in rows]
         k = min(top, self.vocab_size)
-        batch = max(1, SCORED_FLOATS // (self.context_length * self.vocab_size))
+        batch = score_batch(self.context_length, self.vocab_size)
         with torch.inference_mode():
             for b in range(0, len(windows), batch):
                 chunk = windows[b : b + batch]

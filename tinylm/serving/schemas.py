@@ -8,13 +8,40 @@ value (``presence_penalty=0``, ``best_of=n``, ...).
 
 from __future__ import annotations
 
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, create_model
+import re
+
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, create_model, model_validator
+from pydantic_core import PydanticCustomError
 
 from tinylm.config import GenerationConfig, field_types, knob_names
+
+SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def lone_surrogate(value, where: str) -> tuple[str, int] | None:
+    """(field, character index) of the first lone surrogate in a request's strings: JSON's \\ud800
+    escape reads as one, and no UTF-8 text (a tokenizer's input, a response) can hold it."""
+    if isinstance(value, str):
+        found = SURROGATE.search(value)
+        return (where, found.start()) if found else None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    return next((hit for k, v in items if (hit := lone_surrogate(v, f"{where}[{k}]")) is not None), None)
 
 
 class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+    @model_validator(mode="after")
+    def _unicode_text(self):
+        for name, value in self:
+            hit = lone_surrogate(value, name)
+            if hit is not None:  # answered 400, invalid_text (app.on_validation_error)
+                raise PydanticCustomError(
+                    "lone_surrogate",
+                    "{field}: a lone surrogate at character {index} is not Unicode text",
+                    {"field": hit[0], "index": hit[1]},
+                )
+        return self
 
 
 class StreamOptions(Strict):

@@ -50,7 +50,7 @@ class ServerState:
         """The served model called ``name``; ``None`` names the only one. 404 for an unknown name,
         503 while the engine is down."""
         if self.engine.down is not None:
-            raise unavailable(self.engine.down)
+            raise unavailable(self.engine.down, self.engine.retry_after)
         models = self.models
         if not models:  # `tinylm serve --runs DIR` alone, before a checkpoint was loaded
             raise APIError(
