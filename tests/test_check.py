@@ -720,6 +720,32 @@ def test_a_part_that_skips_its_work_is_caught_on_other_seeds_too(seed):
         )
 
 
+TWO_AT_ONCE = {
+    ("scaled_dot_product_attention", "no_scale+no_mask"): """
+def attention_scores(q, k):
+    return q @ k.transpose(-2, -1)
+
+def causal_mask(t):
+    return torch.ones(t, t, dtype=torch.bool)
+""",
+    ("layernorm", "unbiased_variance+no_affine"): """
+def run_layernorm(x, weight, bias, eps):
+    mean = x.mean(-1, keepdim=True)
+    return (x - mean) / torch.sqrt(x.var(-1, keepdim=True) + eps)
+""",
+}
+
+
+@pytest.mark.parametrize("name, key", sorted(TWO_AT_ONCE), ids=[k for _, k in sorted(TWO_AT_ONCE)])
+def test_two_mistakes_at_once_are_named_together_and_followed_by_the_larger_parts(name, key):
+    module = student(TWO_AT_ONCE[name, key])
+    result = verdict(module, name)
+    assert (result.status, result.mistake) == ("differs", key), result.line()
+    assert result.detail.endswith(": two mistakes at once")
+    block = explained(verdict(module, "block"), {name: result})
+    assert (block.mistake, block.because) == (key, name), block.line()
+
+
 def test_an_unnamed_difference_says_where_and_a_wrong_gradient_is_named():
     off = verdict(student("def run_embedding(ids, weight):\n    return weight[ids] + 1e-3"), "embedding")
     assert off.status == "differs" and off.mistake is None

@@ -31,6 +31,7 @@ from tinylm.courses.parts import (
     Mistake,
     Part,
     Tolerance,
+    mistake_pairs,
 )
 from tinylm.courses.sandbox import DEFAULT_MEMORY_BYTES, STARTUP_SECONDS, Limits, Sandbox
 from tinylm.errors import TinyLMError
@@ -197,8 +198,9 @@ def call_note(calls: Calls, label: str) -> str:
 
 
 def named_mistake(part: Part, case: Case, output: Any) -> Mistake | None:
-    """The first of the part's usual mistakes whose output, on the same inputs, is the student's."""
-    for candidate in part.mistakes:
+    """The first of the part's usual mistakes whose output, on the same inputs, is the student's;
+    else the first two of them made at once (``parts.mistake_pairs``)."""
+    for candidate in (*part.mistakes, *mistake_pairs(part.mistakes)):
         theirs = canonical_output(part, case.calls, run_call(candidate.fn, case.calls)["output"])
         if mismatch(output, theirs, part.tolerance) is None:
             return candidate

@@ -11,6 +11,7 @@ so that forgetting either shows.
 
 from __future__ import annotations
 
+import itertools
 import zlib
 from dataclasses import dataclass
 from functools import partial
@@ -344,6 +345,33 @@ PROBABILITY = Tolerance(1e-6, 1e-5, "ratios of counts: float32 arithmetic gives 
 
 def mistake(key: str, says: str, fn: Callable, **switches) -> Mistake:
     return Mistake(key, says, partial(fn, **switches) if switches else fn)
+
+
+def merged(a: Callable, b: Callable) -> Callable | None:
+    """One function with the switches of both: ``a`` and ``b`` partials of the same function whose
+    switches do not clash (a switch both set to partials of one function is merged in turn:
+    two attention mistakes inside a block), else None."""
+    if not (isinstance(a, partial) and isinstance(b, partial)) or a.func is not b.func or a.args or b.args:
+        return None
+    switches = dict(a.keywords)
+    for name, value in b.keywords.items():
+        if name in switches:
+            inner = merged(switches[name], value)
+            if inner is None:
+                return None
+            value = inner
+        switches[name] = value
+    return partial(a.func, **switches)
+
+
+def mistake_pairs(mistakes: tuple[Mistake, ...]) -> list[Mistake]:
+    """Every two of ``mistakes`` that can be made at once, as one mistake keyed ``a+b``."""
+    pairs = []
+    for a, b in itertools.combinations(mistakes, 2):
+        fn = merged(a.fn, b.fn)
+        if fn is not None:
+            pairs.append(Mistake(f"{a.key}+{b.key}", f"{a.says}; and {b.says}: two mistakes at once", fn))
+    return pairs
 
 
 LINEAR_MISTAKES = (
