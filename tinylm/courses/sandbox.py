@@ -133,9 +133,13 @@ def boundary() -> str:
     else:
         with tempfile.TemporaryDirectory(prefix="tinylm-probe-") as root:
             argv = bwrap_argv(Path(root), Path(root), Path(root)) + [os.path.realpath(sys.executable), "-S", "-c", ""]
-            probe = subprocess.run(argv, capture_output=True, text=True, timeout=60)
-            if probe.returncode != 0:
-                reason = f"bubblewrap does not start here ({probe.stderr.strip()[:200] or probe.returncode})"
+            try:
+                probe = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+                failed = probe.returncode != 0 and (probe.stderr.strip()[:200] or f"exit code {probe.returncode}")
+            except (OSError, subprocess.TimeoutExpired) as exc:
+                failed = str(exc)
+            if failed:
+                reason = f"bubblewrap does not start here ({failed})"
     if reason is None:
         return "bubblewrap"
     print(
