@@ -92,9 +92,10 @@ def system_binds() -> list[str]:
             argv += ["--symlink", os.readlink(top), top]
         elif os.path.isdir(top):
             argv += ["--ro-bind", top, top]
+    argv += ["--ro-bind-try", "/etc/ld.so.cache", "/etc/ld.so.cache"]  # where the loader finds the libraries
     python = Path(os.path.realpath(sys.executable))
-    for folder in {sys.base_prefix, str(python.parent)}:
-        if not folder.startswith("/usr/"):
+    for folder in sorted({sys.base_prefix, str(python.parent)}):
+        if folder != "/usr" and not folder.startswith("/usr/"):
             argv += ["--ro-bind", folder, folder]
     return argv
 
