@@ -155,3 +155,13 @@ def wait_for(condition, what: str, seconds: float = 30.0) -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         time.sleep(0.002)
+
+
+def stop_the_decoder(served) -> None:
+    """On the model's task thread: the next decoding step raises what no pass can go on from (the
+    decoding thread stops; in an engine process, the engine exits and is restarted)."""
+
+    def broken(*args, **kwargs):
+        raise SystemExit("a planted fault in the decoding step")
+
+    served.scheduler.batch.step = broken

@@ -568,3 +568,40 @@ def test_a_knob_that_bans_every_token_fails_that_row_only():
     assert isinstance(banned, ErrorEvent) and banned.param == "no_repeat_ngram_size"
     assert "ban the whole vocabulary" in banned.message
     assert isinstance(fine, DoneEvent) and len(fine.tokens) == 20  # the other row of the batch is unharmed
+
+
+@pytest.mark.parametrize(
+    "route, body",
+    [
+        ("/v1/completions", '{"model": "tinyrun", "prompt": "Once \\ud800 upon", "echo": true, "max_tokens": 2}'),
+        ("/v1/completions", '{"model": "tinyrun", "prompt": ["ok", "x\\udfff"], "echo": true, "stream": true}'),
+        ("/v1/completions", '{"model": "tinyrun", "prompt": "ok", "stop": ["\\ud83d"]}'),
+        ("/v1/score", '{"text": "a lone \\ud800"}'),
+        ("/v1/tokenize", '{"text": "\\udc00"}'),
+    ],
+)
+def test_a_lone_surrogate_is_a_400_naming_the_field(client, route, body):
+    """JSON's \\ud800 escape reads as a lone surrogate, which no UTF-8 text holds: refused up front,
+    never a 500 or a cut stream."""
+    r = client.post(route, content=body.encode(), headers={"Content-Type": "application/json"})
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["code"] == "invalid_text", r.text
+    assert error["param"] in ("prompt", "stop", "text") and "lone surrogate" in error["message"]
+
+
+def test_scoring_over_the_limit_is_a_413_naming_it(models):
+    limits = Limits(max_tokens=256, max_choices=8, max_score_tokens=50)
+    with TestClient(create_app(models, limits)) as small:
+        long = "Once upon a time " * 4  # 68 characters: 69 tokens with <sos>
+        for route, body in (
+            ("/v1/completions", {"model": "tinyrun", "prompt": long, "echo": True, "logprobs": 1, "max_tokens": 0}),
+            ("/v1/score", {"text": long}),
+            ("/v1/tinylm/score", {"text": long}),
+        ):
+            r = small.post(route, json=body)
+            error = r.json()["error"]
+            assert r.status_code == 413 and error["code"] == "score_too_large", (route, r.text)
+            assert "limit of 50 (tinylm serve --max-score-tokens)" in error["message"]
+        fits = small.post("/v1/score", json={"text": long[:40]})
+        assert fits.status_code == 200 and len(fits.json()["token_logprobs"]) == 40
+        assert small.get("/v1/models").json()["tinylm_limits"]["max_score_tokens"] == 50

@@ -18,7 +18,7 @@ import httpx
 import pytest
 import torch
 from fastapi.testclient import TestClient
-from serving_util import REPO, free_port, make_run
+from serving_util import REPO, free_port, leave_together, make_run, stop_the_decoder
 from test_serving import KNOBS, PROMPTS, generate_cli
 
 from tinylm.config import ModelConfig
@@ -27,6 +27,7 @@ from tinylm.generation.batch import Row, TokenEvent
 from tinylm.generation.generate import encode_prompt, generate_many
 from tinylm.generation.processors import GenerationConfig
 from tinylm.models.gpt import GPT
+from tinylm.serving import engine as engine_module
 from tinylm.serving.app import create_app
 from tinylm.serving.completions import Limits
 from tinylm.serving.engine import LocalEngine, ModelShape, ModelSpecs, ProcessEngine, start_engine
@@ -193,6 +194,18 @@ def test_tokens_are_tinylm_generate_s_alone_and_16_at_a_time(client, root, capsy
     assert together == want + want[:4]
 
 
+def test_rows_leaving_together_in_the_engine_do_not_stop_it(client, root, engine, capsys):
+    """The class's disconnects in the engine process: 100 times, 16 streaming rows, a random subset
+    cancelled while the model is held between two steps, then the rest; no row gets an error, the
+    engine lives on (/health ok) and a request after them is `tinylm generate`'s token for token."""
+    engine, models = engine
+    scheduler = models["tinyrun"].scheduler
+    assert leave_together(scheduler, models["tinyrun"], trials=100, seed=1) >= 80
+    assert client.get("/health").json()["status"] == "ok" and engine.crashes == 0
+    p, k, seed = CASES[1]
+    assert token_ids(client, prompt=p, seed=seed, **k) == generate_cli(capsys, root / "tinyrun", p, k, 48, seed)
+
+
 def test_a_model_built_in_memory_decodes_in_the_engine_as_in_this_process(client, rope, engine):
     tokenizer = engine[1]["rope"].tokenizer
     knobs = [{"temperature": 0}, {"temperature": 0.9, "top_k": 20}]
@@ -247,8 +260,15 @@ def test_a_killed_engine_is_answered_503_then_restarted(root):
         before = token_ids(client, prompt="The", temperature=0)
         events, started = [], threading.Event()
         models["tinyrun"].scheduler.add(long_row(events, started))
-        assert started.wait(30)
+        assert started.wait(30) and active_rows(engine, "tinyrun", 1) == 1
         os.kill(engine.process.pid, signal.SIGKILL)
+        killed = time.monotonic()
+        while client.get("/health").status_code == 200 and time.monotonic() - killed < 5:
+            pass
+        flipped = time.monotonic() - killed
+        health = client.get("/health")
+        assert flipped < 0.5 and health.status_code == 503  # the moment the pipe reads end-of-file
+        assert health.json()["active_rows"] == {"tinyrun": 0} and int(health.headers["Retry-After"]) >= 1
         deadline = time.monotonic() + 10
         while not isinstance(events[-1], DecodingStopped) and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -260,6 +280,7 @@ def test_a_killed_engine_is_answered_503_then_restarted(root):
         assert (
             r.status_code == 503 and "the model engine process stopped (exit code -9)" in r.json()["error"]["message"]
         )
+        assert int(r.headers["Retry-After"]) >= 1  # every 503 says when to try again
         deadline = time.monotonic() + 60
         while client.get("/health").status_code != 200 and time.monotonic() < deadline:
             time.sleep(0.1)
@@ -267,6 +288,42 @@ def test_a_killed_engine_is_answered_503_then_restarted(root):
         assert token_ids(client, prompt="The", temperature=0) == before
     engine.close()
     assert engine.process.exitcode == 0 and engine.crashes == 1
+
+
+@pytest.mark.slow  # an engine started four times (~15 s)
+def test_a_stopped_decoder_restarts_the_engine_and_a_crash_loop_gives_up(root, monkeypatch, caplog):
+    """A decoding thread that cannot go on ends the engine with its traceback in the server's log,
+    and the engine restarts; crashes count within a window, and one more than the budget gives up
+    (``on_give_up``: `tinylm serve` exits) while old crashes no longer count."""
+    monkeypatch.setattr(engine_module, "MAX_RESTARTS", 1)
+    monkeypatch.setattr(engine_module, "RESTART_WINDOW", 3600.0)
+    engine = ProcessEngine(threads=1)
+    models = engine.start({"tinyrun": ModelSpec(str(root / "tinyrun"), max_batch=4)})
+    gave_up = []
+    engine.on_give_up = gave_up.append
+    scheduler = models["tinyrun"].scheduler
+    try:
+        scheduler.call(stop_the_decoder, models["tinyrun"]).result(timeout=30)
+        events, started = [], threading.Event()
+        scheduler.add(long_row(events, started))
+        assert started.wait(30) and isinstance(events[-1], DecodingStopped)
+        deadline = time.monotonic() + 60
+        while (engine.crashes < 1 or engine.down is not None) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert engine.down is None and engine.crashes == 1 and not gave_up
+        said = [r.getMessage() for r in caplog.records if "exit code 70" in r.getMessage()]
+        assert said and "a planted fault in the decoding step" in said[0] and "Traceback" in said[0]
+        engine.recent_crashes[0] -= 7200  # the first crash is older than the window now
+        os.kill(engine.process.pid, signal.SIGKILL)
+        while (engine.crashes < 2 or engine.down is not None) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert engine.down is None and not gave_up  # one crash in the window: within the budget
+        os.kill(engine.process.pid, signal.SIGKILL)
+        while not gave_up and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert gave_up and "2 times in 3600 s: no more restarts" in gave_up[0] and engine.down == gave_up[0]
+    finally:
+        engine.close()
 
 
 @pytest.mark.slow  # a real `tinylm serve` and its engine (~8 s)
