@@ -74,24 +74,34 @@ def free_port() -> int:
 
 
 def start_server(
-    checkpoint: str, threads: int, port: int, max_body: int, compile: bool = False, engine: str = "process"
+    checkpoint: str,
+    threads: int,
+    port: int,
+    max_body: int,
+    compile: bool = False,
+    engine: str = "process",
+    extra: list[str] | tuple = (),
 ) -> subprocess.Popen:
-    cmd = [
-        sys.executable,
-        "-m",
-        "tinylm.cli",
-        "serve",
-        "--checkpoint",
-        checkpoint,
-        "--threads",
-        str(threads),
-        "--port",
-        str(port),
-        "--max-body-bytes",
-        str(max_body),
-        "--engine",
-        engine,
-    ] + (["--compile"] if compile else [])
+    cmd = (
+        [
+            sys.executable,
+            "-m",
+            "tinylm.cli",
+            "serve",
+            "--checkpoint",
+            checkpoint,
+            "--threads",
+            str(threads),
+            "--port",
+            str(port),
+            "--max-body-bytes",
+            str(max_body),
+            "--engine",
+            engine,
+        ]
+        + (["--compile"] if compile else [])
+        + list(extra)
+    )
     proc = subprocess.Popen(
         cmd,
         cwd=REPO,
