@@ -5,7 +5,12 @@ and tokens as without it (joining prompts too), and the batched products wheneve
 apply or cannot be built."""
 
 import logging
+import os
 import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -231,3 +236,43 @@ def test_asking_for_the_next_row_ahead_changes_no_number():
         lib.set_asking(1)
     for with_asks, without in zip(*results):
         assert torch.equal(with_asks, without)
+
+
+PLANTED = """
+#include <stdio.h>
+__attribute__((constructor)) static void planted(void) {
+    FILE *f = fopen("%s", "w");
+    if (f) { fputs("loaded", f); fclose(f); }
+}
+"""
+
+
+@needs_cc
+def test_a_library_planted_in_a_shared_folder_is_never_loaded(tmp_path):
+    """Another user of a course machine plants the library's file where a careless loader would
+    look (the shared temporary folder, under the name anyone can compute, and a cache others may
+    write): it is never loaded, and the loops built in a private folder of the process answer."""
+    marker = tmp_path / "planted-code-ran"
+    source = tmp_path / "planted.c"
+    source.write_text(PLANTED % marker)
+    name = cpu_attention.library_name(shutil.which("cc"))
+    shared = Path(tempfile.gettempdir()) / "tinylm-kernels"
+    shared.mkdir(exist_ok=True)
+    open_cache = tmp_path / "open-cache"
+    (open_cache / "kernels").mkdir(parents=True)
+    (open_cache / "kernels").chmod(0o777)
+    for folder in (shared, open_cache / "kernels"):
+        subprocess.run(["cc", "-shared", "-fPIC", "-o", str(folder / name), str(source)], check=True)
+    (tmp_path / "a-file").write_text("not a folder")
+    check = (
+        "from tinylm.models import cpu_attention as c; lib = c.library(); "
+        "print(lib is not None and '/tinylm-kernels-' in lib._name and lib._name.endswith(c.library_name('cc')))"
+    )
+    try:
+        for cache in (tmp_path / "a-file", open_cache):  # a cache that cannot be created; one others may write
+            env = {**os.environ, "TINYLM_CACHE": str(cache), "CC": "cc"}
+            done = subprocess.run([sys.executable, "-c", check], env=env, capture_output=True, text=True, timeout=300)
+            assert done.stdout.strip() == "True", done.stdout + done.stderr
+            assert not marker.exists()
+    finally:
+        (shared / name).unlink(missing_ok=True)

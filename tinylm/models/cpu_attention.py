@@ -10,10 +10,14 @@ slots it does not (whatever those hold: they score -inf).
 
 The source is compiled on first use with the machine's C compiler (``cc``, or ``$CC``) for the
 CPU it runs on (``-march=native``) into ``~/.cache/tinylm/kernels`` (``$TINYLM_CACHE``), one file
-per source, compiler and CPU (the temporary folder where that one cannot be written), and loaded
-with ``ctypes`` (a call releases the GIL). Where no compiler is found or the build fails,
-``attend`` returns None and the caller's batched products (``gpt.step_attention_products``) run
-instead; ``TINYLM_CPU_ATTENTION=0`` asks for them always (comparisons, tests).
+per source, compiler and CPU, and loaded with ``ctypes`` (a call releases the GIL). Loading a
+library runs its code as the user who loads it, so only a file this user owns, in a folder only
+this user can write, is ever loaded: the cache folder is created private (0700), and where it
+cannot be written, or others may write it, the loops are built into a private temporary folder
+of this process's own (never a shared folder whose file names anyone can compute and plant).
+Where no compiler is found or the build fails, ``attend`` returns None and the caller's batched
+products (``gpt.step_attention_products``) run instead; ``TINYLM_CPU_ATTENTION=0`` asks for them
+always (comparisons, tests).
 
 The softmax is computed in the same pass (an 8-wide exponential, about 1e-7 relative error; the
 sum divided out at the end): its numbers differ from ``torch.softmax``'s in the last bits, as any
@@ -22,6 +26,7 @@ two summation orders do.
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import functools
 import hashlib
@@ -29,6 +34,7 @@ import logging
 import os
 import platform
 import shutil
+import stat
 import subprocess
 import tempfile
 from pathlib import Path
@@ -65,20 +71,46 @@ def _build(compiler: str, out: Path) -> None:
         os.replace(part, out)
 
 
-def _built(compiler: str, name: str) -> Path:
-    """The library file, built first where it is not there yet: in the cache folder, or in the
-    temporary folder where the cache folder cannot be written."""
+def _only_ours(path: Path) -> bool:
+    """Whether ``path`` (not followed if a link) is this user's, and no one else may write it."""
+    try:
+        st = path.lstat()
+    except OSError:
+        return False
+    return st.st_uid == os.geteuid() and not st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not stat.S_ISLNK(st.st_mode)
+
+
+def _private_cache() -> Path | None:
+    """The kernel cache folder, created private; None where it cannot be, or others may write it."""
     cache = Path(os.environ.get("TINYLM_CACHE", Path.home() / ".cache" / "tinylm")) / "kernels"
-    for folder in (cache, Path(tempfile.gettempdir()) / "tinylm-kernels"):
-        path = folder / name
-        if path.exists():
-            return path
-        try:
-            _build(compiler, path)
-            return path
-        except OSError:  # not writable: the next folder
-            continue
-    raise RuntimeError(f"neither {cache} nor the temporary folder can be written")
+    try:
+        cache.mkdir(mode=0o700, parents=True, exist_ok=True)
+    except OSError:
+        return None
+    return cache if _only_ours(cache) else None
+
+
+def _built(compiler: str, name: str) -> Path:
+    """The library file, built first where it is not there yet, in a folder only this user can
+    write: the cache folder, or else a temporary folder of this process's own."""
+    folder = _private_cache()
+    if folder is None:
+        folder = Path(tempfile.mkdtemp(prefix="tinylm-kernels-"))  # 0700, a name no one can guess
+        atexit.register(shutil.rmtree, folder, True)
+        log.info("the kernel cache cannot be written or is not private: building the C loops in %s", folder)
+    path = folder / name
+    if not path.exists():
+        _build(compiler, path)
+    if not _only_ours(path):
+        raise RuntimeError(f"{path} is not this user's own file, or others may write it: not loaded")
+    return path
+
+
+def library_name(compiler: str) -> str:
+    """The library's file name: one per source, compiler version and CPU."""
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+    key = hashlib.sha256("\n".join([SOURCE.read_text(), version, _cpu_signature()]).encode()).hexdigest()[:16]
+    return f"cpu_attention-{key}.so"
 
 
 @functools.cache
@@ -89,9 +121,7 @@ def library() -> ctypes.CDLL | None:
         log.info("no C compiler found: decoding attention uses torch's batched products")
         return None
     try:
-        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-        key = hashlib.sha256("\n".join([SOURCE.read_text(), version, _cpu_signature()]).encode()).hexdigest()[:16]
-        lib = ctypes.CDLL(str(_built(compiler, f"cpu_attention-{key}.so")))
+        lib = ctypes.CDLL(str(_built(compiler, library_name(compiler))))
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
         log.warning("the C decoding attention did not build (%s): torch's batched products run instead", exc)
         return None
