@@ -14,6 +14,7 @@ import math
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -23,7 +24,7 @@ from conftest import make_stories
 
 from tinylm.cli import main
 from tinylm.config import ModelConfig
-from tinylm.courses import adapter_template, reference_adapter
+from tinylm.courses import adapter_template, reference_adapter, sandbox
 from tinylm.models.checkpoint import save_checkpoint
 from tinylm.models.gpt import GPT
 from tinylm.tokenizers.bpe import BPETokenizer
@@ -126,6 +127,12 @@ def test_class_writes_one_table_with_each_students_mistakes_named(tmp_path, caps
     assert graded["tests"][1]["output"].startswith("scaled_dot_product_attention   differs: yours equals")
 
 
+def sandbox_litter() -> set[Path]:
+    """The sandboxes' folders in the temp folder and their cgroups (empty once their processes end)."""
+    parents = [Path(tempfile.gettempdir()), *sandbox.cgroup_parents("pids"), *sandbox.cgroup_parents("memory")]
+    return {p for parent in parents for p in parent.glob("tinylm-check-*")}
+
+
 def run_in_a_process(argv: list[str]) -> subprocess.Popen:
     code = "import sys\nfrom tinylm.cli import main\nsys.exit(main(sys.argv[1:]))"
     return subprocess.Popen([sys.executable, "-c", code, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
@@ -140,6 +147,7 @@ def test_a_class_run_killed_half_way_keeps_its_verdicts_and_resume_finishes_it(t
     for name in ("ann", "ben", "cat", "dan"):
         (directory / f"{name}.py").write_text(shared, encoding="utf-8")
     argv = ["check", "--class", str(directory), "--parts", "linear,softmax", "--jobs", "1", "--seed", "3"]
+    scratch = sandbox_litter()
     first = run_in_a_process(argv)
     done = directory / "check-results"
     deadline = time.monotonic() + 120
@@ -147,6 +155,8 @@ def test_a_class_run_killed_half_way_keeps_its_verdicts_and_resume_finishes_it(t
         time.sleep(0.05)
     first.kill()
     first.communicate()
+    for path in sandbox_litter() - scratch:  # what a run killed outright cannot remove (its processes died with it)
+        shutil.rmtree(path) if path.parent == Path(tempfile.gettempdir()) else sandbox.remove_cgroup(path)
     kept = {p.name: p.stat().st_mtime_ns for p in done.glob("*.json")}
     assert 1 <= len(kept) < 4 and not (directory / "check.md").exists()
     second = run_in_a_process([*argv[:-2], "--resume"])  # the stopped run's seed, from its verdicts

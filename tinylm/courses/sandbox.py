@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import shlex
 import shutil
 import signal
 import socket
@@ -30,6 +31,7 @@ import sys
 import sysconfig
 import tempfile
 import threading
+import time
 import uuid
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -50,7 +52,9 @@ RUNNER_FILES = {  # the files the student's process runs (each imports only torc
     "memory.py": Path(memory_module.__file__),
 }
 SANDBOX_ENV = "TINYLM_CHECK_SANDBOX"  # "process": skip the namespace sandbox (its tests, a machine without it)
-PIDS_ROOTS = (Path("/sys/fs/cgroup/pids"), Path("/sys/fs/cgroup"))  # cgroup v1's pids hierarchy, then v2's
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+CGROUP_KNOBS = {"pids": ("pids.max",), "memory": ("memory.limit_in_bytes", "memory.max")}  # v1's, v2's
+CGROUP_MEMORY_SLACK = 1 << 30  # what the process holds besides the student's memory: torch, its libraries
 
 
 @dataclass(frozen=True)
@@ -152,20 +156,53 @@ def boundary() -> str:
     return "process"
 
 
-def pids_cgroup(processes: int) -> Path | None:
-    """A new pids cgroup capped at ``processes`` (its folder), or None where none can be made
-    (not root, no pids controller). RLIMIT_NPROC does not bind a root user's processes, hence this."""
-    for root in PIDS_ROOTS:
-        group = root / f"tinylm-check-{uuid.uuid4().hex[:12]}"
+def cgroup_parents(controller: str) -> list[Path]:
+    """Where a cgroup for ``controller`` may be made: under this process's own cgroup (so that the
+    sandbox stays inside whatever bounds tinylm), in cgroup v1's hierarchy, then v2's."""
+    places = []
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return places
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controller in controllers.split(","):
+            places.append(CGROUP_ROOT / controller / path.lstrip("/"))
+        elif controllers == "" and (CGROUP_ROOT / "cgroup.controllers").exists():  # v2 mounted alone
+            places.append(CGROUP_ROOT / path.lstrip("/"))
+    return places
+
+
+def sweep_stale(parent: Path) -> None:
+    """Remove the empty cgroups that a tinylm killed outright (SIGKILL) left in ``parent``: a
+    minute old at least, since one being set up is empty for a moment."""
+    for group in parent.glob("tinylm-check-*"):
+        try:
+            if time.time() - group.stat().st_mtime > 60 and not (group / "cgroup.procs").read_text().strip():
+                group.rmdir()
+        except OSError:
+            continue
+
+
+def limit_cgroup(controller: str, value: int) -> Path | None:
+    """A new cgroup whose ``controller`` limit is ``value`` (its folder), or None where none can be
+    made (not root, no such controller, a cgroup v2 tree not delegated)."""
+    for parent in cgroup_parents(controller):
+        sweep_stale(parent)
+        group = parent / f"tinylm-check-{uuid.uuid4().hex[:12]}"
         try:
             group.mkdir()
         except OSError:
             continue
-        try:
-            (group / "pids.max").write_text(str(processes))
-            return group
-        except OSError:
-            group.rmdir()
+        for knob in CGROUP_KNOBS[controller]:
+            if not (group / knob).exists():  # a cgroup file system makes its knobs; a plain folder has none
+                continue
+            try:
+                (group / knob).write_text(str(value))
+                return group
+            except OSError:
+                continue
+        group.rmdir()
     return None
 
 
@@ -231,7 +268,7 @@ class Sandbox:
         self.process: subprocess.Popen | None = None
         self.conn: Connection | None = None
         self.root: Path | None = None  # the runner's files and the student's /tmp
-        self.cgroup: Path | None = None
+        self.cgroups: list[Path] = []  # pids and memory, where they can be made
         self.relay: threading.Thread | None = None
         self.load_error: str | None = None  # an adapter that cannot load fails every part the same way
 
@@ -282,10 +319,14 @@ class Sandbox:
             env.update(OMP_NUM_THREADS="1", TMPDIR=str(self.root / "tmp"), HOME=str(self.root / "tmp"))
             return [python, "-S", str(runner / "child.py"), str(fd)], env, settings
         command = bwrap_argv(self.visible, runner, self.root / "tmp") + [python, "-S", "/runner/child.py", str(fd)]
-        self.cgroup = pids_cgroup(limits.processes)
-        if self.cgroup is not None:  # the shell joins the cgroup, then becomes bubblewrap: every process is in it
-            procs = str(self.cgroup / "cgroup.procs")
-            command = ["/bin/sh", "-c", 'echo $$ > "$0" && exec "$@"', procs, *command]
+        groups = (
+            limit_cgroup("pids", limits.processes),
+            limit_cgroup("memory", limits.memory_bytes + CGROUP_MEMORY_SLACK),
+        )
+        self.cgroups = [g for g in groups if g is not None]
+        if self.cgroups:  # the shell joins the cgroups, then becomes bubblewrap: every process is in them
+            joins = "".join(f"echo $$ > {shlex.quote(str(g / 'cgroup.procs'))} && " for g in self.cgroups)
+            command = ["/bin/sh", "-c", joins + 'exec "$@"', "sh", *command]
         return command, {"PATH": os.environ.get("PATH", "/usr/bin:/bin")}, settings
 
     def _start(self) -> None:
@@ -359,8 +400,8 @@ class Sandbox:
         if self.kind == "bubblewrap" and code > 128:  # bubblewrap exits 128 + the signal that ended the program
             code = 128 - code
         self.relay.join(timeout=5)
-        if self.cgroup is not None:
-            remove_cgroup(self.cgroup)
-            self.cgroup = None
+        for group in self.cgroups:
+            remove_cgroup(group)
+        self.cgroups = []
         remove_tree(self.root)
         return code
