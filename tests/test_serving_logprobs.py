@@ -13,8 +13,10 @@ from serving_util import make_run
 from tinylm.errors import TinyLMError
 from tinylm.evaluation.perplexity import evaluate_texts
 from tinylm.serving.app import create_app
-from tinylm.serving.completions import Limits
+from tinylm.serving.completions import Limits, prompt_offsets
 from tinylm.serving.models import load_models, model_name
+from tinylm.tokenizers.bpe import BPETokenizer
+from tinylm.tokenizers.word import WordTokenizer
 
 TEXTS = ["The dog ran.", "Lily saw a big tree, naïve ☃."]
 
@@ -221,3 +223,16 @@ def test_names_can_be_chosen(tmp_path):
     ):
         with pytest.raises(TinyLMError, match=message):
             load_models([ema, ema], [], max_batch=2, names=names)
+
+
+def test_prompt_offsets_are_each_prefix_s_length_for_characters_cut_between_tokens():
+    """Where the tokens' texts do not add up to the text (a character's bytes split between byte
+    tokens, a word tokenizer's spaces), each offset is still len(decode(ids[:k])), in linear time."""
+    text = "Naïve café — déjà vu, 東京 🙂 and a cat. " * 3
+    bpe = BPETokenizer().train(["plain ascii words only, " * 40], 300)  # no merge reaches the accents
+    word = WordTokenizer().train(["the cat sat on the mat ."] * 5, 30)
+    for tok in (bpe, word):
+        ids = list(tok.encode(text))
+        pieces = [tok.decode([i]) for i in ids]
+        assert prompt_offsets(ids, tok, pieces) == [len(tok.decode(ids[:k])) for k in range(len(ids))]
+    assert "".join(tok.decode([i]) for i in bpe.encode(text)) != bpe.decode(bpe.encode(text))  # the hard case

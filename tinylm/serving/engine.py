@@ -62,6 +62,7 @@ import time
 import traceback
 from collections import deque
 from dataclasses import dataclass
+from multiprocessing.reduction import ForkingPickler
 from typing import Callable, Literal
 
 import torch
@@ -158,8 +159,11 @@ class EngineCore:
         self.rows: dict[int, tuple[Hosted, Row]] = {}
 
     def send(self, message) -> None:
-        with self.lock:  # decoding threads and call threads all send
-            self.conn.send(message)
+        """Pickled by the sending thread, then written under the lock (decoding threads and task
+        threads all send): a large result pickles without holding up the decoding thread's events."""
+        data = ForkingPickler.dumps(message)
+        with self.lock:
+            self.conn.send_bytes(data)
 
     def fatal(self, reason: str) -> None:
         """The engine cannot go on: tell the server why (it logs it and restarts us), then exit."""

@@ -181,8 +181,8 @@ class ServedModel:
         """``fn(self, *args)`` on the model's task thread, taking turns with the decoding steps (the
         model is used by one thread at a time), in whichever process holds the model. ``fn`` is a
         module-level function or the name of a ServedModel method: with an engine process it
-        travels there pickled, with ``args``, and the engine's own ServedModel stands in for ``self``. A TinyLMError becomes a
-        400 naming the request's field ``param``."""
+        travels there pickled, with ``args``, and the engine's own ServedModel stands in for
+        ``self``. A TinyLMError becomes a 400 naming the request's field ``param``."""
         if isinstance(fn, str):  # a method by name: ServedModel's own function pickles, a bound method would not
             fn = getattr(ServedModel, fn)
         try:
