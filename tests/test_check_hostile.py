@@ -6,9 +6,10 @@ The students are tests/fixtures_check/hostile/NAME/adapter.py (the shared answer
 tests/fixtures_check/student_adapter.py, copied beside each, with one hostile definition) and
 alice, the shared answer alone. They kill every process they can name, lift their own limits and
 take 8 GiB, write outside their folder, import tinylm (through /proc if need be), leave a process
-running, answer 80 MiB, print without end, fork without end, and take 2.4 GB in 8 processes of
-300 MB each (contained where a memory cgroup can be made: root). The run needs bubblewrap (`make
-test` installs it): without it the killer would kill pytest, so the test is skipped, saying why.
+running, answer 80 MiB, print without end, fork without end, take 2.4 GB in 8 processes of 300 MB
+each (contained where a memory cgroup can be made: root), and write on tinylm's socket. The run
+needs bubblewrap (`make test` installs it): without it the killer would kill pytest, so the test
+is skipped, saying why.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ PARTS = ["linear", "softmax", "embedding"]  # every hostile act is in run_linear
 EXPECTED = {  # the hostile student's linear cell: status, and words its detail holds
     "cheater": ("error", "No module named 'tinylm'"),
     "flood": ("error", "the reply is over the limit of 67,108,864 bytes"),
+    "forger": ("error", "the adapter's process sent something that is not a reply"),
     "forker": ("timed out", "after 3 s"),
     "hoarder": ("error", ""),  # some of its children killed for memory, or itself
     "killer": ("error", "the adapter's process died (signal SIGKILL"),
@@ -81,6 +83,14 @@ def memory_capped() -> bool:
 
 def test_the_hostile_students_fixtures_are_the_ones_the_test_expects():
     assert HOSTILE == sorted(EXPECTED)
+
+
+def test_a_message_not_shaped_as_a_reply_is_none():
+    """The student's code shares the runner's socket: what it writes there is checked, not trusted."""
+    assert sandbox.well_formed({"status": "ok", "output": 1.0, "grads": {}})
+    assert sandbox.well_formed({"status": "error", "error": "ValueError: x"})
+    for forged in ({"status": "ok"}, {"status": "ok", "output": 1, "grads": []}, {"status": "passed"}, ["ok"], None):
+        assert not sandbox.well_formed(forged), forged
 
 
 @pytest.mark.slow

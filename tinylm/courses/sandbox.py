@@ -13,8 +13,9 @@ hold, but it can read and write what the user running tinylm can, and signal tin
 Either way the process is ``python -S child.py`` from a copy of the runner's three files
 (``RUNNER_FILES``), so tinylm is not on its path, joined to tinylm by a socket pair. Its limits
 (``Limits``): a wall-clock ``timeout`` per part, and hard rlimits set before the student's code
-loads (``child.limit_resources``); a pids cgroup caps its processes where one can be made (root),
-a reply over ``reply_bytes`` is refused unread, and its prints are kept up to ``output_bytes``.
+loads (``child.limit_resources``); where cgroups can be made (root), a pids and a memory cgroup
+cap all its processes together; a reply over ``reply_bytes`` is refused unread, and its prints are
+kept up to ``output_bytes``.
 """
 
 from __future__ import annotations
@@ -45,12 +46,13 @@ from tinylm.training import memory as memory_module
 
 STARTUP_SECONDS = 60.0  # importing torch and the adapter, on a busy machine, beside the part's own timeout
 DEFAULT_MEMORY_BYTES = 4 << 30
-TIMED_OUT, DIED, TOO_BIG = object(), object(), object()  # what _receive returns instead of a message
+TIMED_OUT, DIED, TOO_BIG, NO_REPLY = object(), object(), object(), object()  # what _receive returns instead of a reply
 RUNNER_FILES = {  # the files the student's process runs (each imports only torch and its neighbours)
     "child.py": Path(child_module.__file__),
     "calls.py": Path(calls_module.__file__),
     "memory.py": Path(memory_module.__file__),
 }
+REPLY_STATUSES = ("ready", "ok", "not implemented", "error")
 SANDBOX_ENV = "TINYLM_CHECK_SANDBOX"  # "process": skip the namespace sandbox (its tests, a machine without it)
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 CGROUP_KNOBS = {"pids": ("pids.max",), "memory": ("memory.limit_in_bytes", "memory.max")}  # v1's, v2's
@@ -215,7 +217,7 @@ def remove_cgroup(group: Path) -> None:
             group.rmdir()
             return
         except (OSError, ValueError):
-            threading.Event().wait(0.1)
+            time.sleep(0.1)
 
 
 def relay(pipe: BinaryIO, sink: BinaryIO | None, limit: int) -> None:
@@ -223,13 +225,26 @@ def relay(pipe: BinaryIO, sink: BinaryIO | None, limit: int) -> None:
     (a process that prints without end neither blocks nor fills tinylm's memory or disk)."""
     kept = 0
     while chunk := pipe.read1(65536):
-        if sink is not None and kept < limit:
+        if sink is None or kept >= limit:
+            continue
+        try:
             sink.write(chunk[: limit - kept])
             kept += len(chunk)
             if kept >= limit:
                 sink.write(b"\n[tinylm check: the adapter's further output is dropped]\n")
             sink.flush()
+        except (OSError, ValueError):  # the sink was closed (a process that outlived its check): drop the rest
+            sink = None
     pipe.close()
+
+
+def well_formed(message) -> bool:
+    """A reply as ``child`` sends it: a status, and with "ok" an output and a dict of gradients."""
+    if not isinstance(message, dict) or message.get("status") not in REPLY_STATUSES:
+        return False
+    if message["status"] == "ok":
+        return "output" in message and isinstance(message.get("grads"), dict)
+    return isinstance(message.get("error", ""), str)
 
 
 def remove_tree(root: Path) -> None:
@@ -241,7 +256,10 @@ def remove_tree(root: Path) -> None:
             os.chmod(path, 0o700)
         function(path)
 
-    shutil.rmtree(root, onerror=unlock)
+    try:
+        shutil.rmtree(root, onerror=unlock)
+    except OSError:  # what cannot be unlocked is left, rather than the class run stopped
+        shutil.rmtree(root, ignore_errors=True)
 
 
 # ------------------------------------------------------------------------------ the process
@@ -296,6 +314,9 @@ class Sandbox:
             return {"status": "error", "error": f"the reply is over the limit of {self.limits.reply_bytes:,} bytes"}
         if reply is DIED:
             return {"status": "error", "error": f"the adapter's process died ({process_end(self.close(grace=5))})"}
+        if reply is NO_REPLY or reply["status"] == "ready":
+            self.close()
+            return {"status": "error", "error": "the adapter's process sent something that is not a reply"}
         return reply
 
     def _command(self, runner: Path, fd: int) -> tuple[list[str], dict, dict]:
@@ -360,23 +381,28 @@ class Sandbox:
         hello = self._receive(STARTUP_SECONDS + self.timeout)
         if hello is TIMED_OUT:
             self.load_error = f"the adapter did not load within {STARTUP_SECONDS + self.timeout:g} s"
-        elif hello is DIED or hello is TOO_BIG:
+        elif hello is DIED or hello is TOO_BIG or hello is NO_REPLY:
             self.load_error = f"the adapter's process died while loading ({process_end(self.close(grace=5))})"
         elif hello["status"] != "ready":
-            self.load_error = f"the adapter failed to load: {hello['error']}"
+            self.load_error = f"the adapter failed to load: {hello.get('error', 'it answered before it loaded')}"
         if self.load_error is not None:
             self.close()
 
     def _receive(self, timeout: float):
-        """The next message, TIMED_OUT, TOO_BIG, or DIED (the socket closed, or bytes that are no message)."""
+        """The next reply, TIMED_OUT, TOO_BIG, DIED (the socket closed), or NO_REPLY (bytes that are
+        no message, or a message not shaped as ``child`` shapes its replies: the student's code can
+        write to the socket too)."""
         if not self.conn.poll(timeout):
             return TIMED_OUT
         try:
-            return receive(self.conn, self.limits.reply_bytes)
+            message = receive(self.conn, self.limits.reply_bytes)
         except OSError as exc:
             return TOO_BIG if "bad message length" in str(exc) else DIED  # CPython's words for an oversized one
-        except (EOFError, RuntimeError, ValueError):
+        except EOFError:
             return DIED
+        except Exception:  # bytes torch cannot load as a message (weights_only): the student's, not child's
+            return NO_REPLY
+        return message if well_formed(message) else NO_REPLY
 
     def close(self, grace: float = 0.0) -> int | None:
         """End the process, everything it started and its folder, and return how it ended: one
