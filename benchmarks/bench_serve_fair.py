@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import json
 import os
 import statistics
@@ -56,18 +57,19 @@ async def stream(url: str, model: str, seed: int, max_tokens: int) -> dict:
     return {"ok": True, "ttft": times[0] - t0, "gaps": [b - a for a, b in zip(times, times[1:])], "tokens": len(times)}
 
 
-async def scorer(url: str, model: str, ids: list[int], until: float) -> list[float]:
-    """The scoring client: the largest allowed echo request, again and again until ``until``."""
+def scorer(url: str, model: str, ids: list[int], seconds: float) -> list[float]:
+    """The scoring client, in a process of its own (reading its megabytes of response must not
+    delay the streams' clocks): the largest allowed echo request, again and again for ``seconds``."""
     body = {"model": model, "prompt": ids, "echo": True, "logprobs": 5, "max_tokens": 0}
-    seconds = []
-    async with httpx.AsyncClient(timeout=600) as client:
+    seconds_each, until = [], time.perf_counter() + seconds
+    with httpx.Client(timeout=600) as client:
         while time.perf_counter() < until:
             t0 = time.perf_counter()
-            r = await client.post(url + "/v1/completions", json=body)
+            r = client.post(url + "/v1/completions", json=body)
             if r.status_code != 200:
                 raise SystemExit(f"the scoring request failed: {r.status_code} {r.text[:300]}")
-            seconds.append(time.perf_counter() - t0)
-    return seconds
+            seconds_each.append(time.perf_counter() - t0)
+    return seconds_each
 
 
 async def condition(url: str, a, ids: list[int] | None) -> dict:
@@ -80,9 +82,10 @@ async def condition(url: str, a, ids: list[int] | None) -> dict:
             results.append(await stream(url, a.model, 1000 * c + k, a.max_tokens))
             k += 1
 
-    scoring = [scorer(url, a.model, ids, until)] if ids is not None else []
     t0 = time.perf_counter()
-    done = await asyncio.gather(*(client(c) for c in range(a.streams)), *scoring)
+    with concurrent.futures.ProcessPoolExecutor(1) as pool:
+        scoring = [asyncio.wrap_future(pool.submit(scorer, url, a.model, ids, a.seconds))] if ids is not None else []
+        done = await asyncio.gather(*(client(c) for c in range(a.streams)), *scoring)
     ok = [r for r in results if r["ok"]]
     row = {
         "requests": len(results),

@@ -38,7 +38,6 @@ from tinylm.serving.completions import (
     bad,
     complete,
     plan_completion,
-    rendered_off_loop,
     sse_stream,
 )
 from tinylm.serving.engine import LocalEngine, ModelSpecs, ProcessEngine, start_engine
@@ -46,7 +45,7 @@ from tinylm.serving.lens import router as lens_router
 from tinylm.serving.models import ServedModel
 from tinylm.serving.runs import router as runs_router
 from tinylm.serving.schemas import CompletionRequest, DetokenizeRequest, TextRequest
-from tinylm.serving.state import RunsRoot, ServerState, StateDep
+from tinylm.serving.state import RunsRoot, ServerState, StateDep, large_json
 
 log = logging.getLogger("tinylm")
 STATIC = Path(__file__).parent / "static"
@@ -235,9 +234,7 @@ async def create_completion(body: CompletionRequest, request: Request, state: St
         )
     # a Response as it is: FastAPI's jsonable_encoder would walk every log probability of a scored prompt
     body = await complete(served, plan, state.outbox(), request.is_disconnected)
-    if body.get("choices") and body["choices"][0]["logprobs"] is not None:
-        return Response(await rendered_off_loop(body), media_type="application/json")
-    return JSONResponse(body)
+    return large_json(body) if body["choices"] and body["choices"][0]["logprobs"] is not None else JSONResponse(body)
 
 
 @router.post("/v1/tokenize")
@@ -267,8 +264,7 @@ async def on_text(state: ServerState, body: TextRequest, method: str, *args) -> 
     served = state.model(body.model)
     if not body.text:
         raise bad("text", "must not be empty", "empty_text")
-    result = {"model": served.name, **await served.on_model_thread(method, body.text, *args)}
-    return Response(await rendered_off_loop(result), media_type="application/json")
+    return large_json({"model": served.name, **await served.on_model_thread(method, body.text, *args)})
 
 
 @router.post("/v1/attention")

@@ -13,15 +13,15 @@ from __future__ import annotations
 import asyncio
 import math
 
-from fastapi import APIRouter, Response
+from fastapi import APIRouter
 from pydantic import Field
 
 from tinylm.errors import TinyLMError
 from tinylm.evaluation.byte_bits import char_bits, char_offsets, char_span, score_bytes
-from tinylm.serving.completions import bad, check_scored, rendered_off_loop
+from tinylm.serving.completions import bad, check_scored
 from tinylm.serving.models import ServedModel, score_batch
 from tinylm.serving.schemas import Strict
-from tinylm.serving.state import ServerState, StateDep
+from tinylm.serving.state import ServerState, StateDep, large_json
 
 router = APIRouter()
 MAX_TOP = 20
@@ -109,4 +109,4 @@ async def compare_scores(body: CompareRequest, state: StateDep):
         "char_bytes": [int(b) for b in offsets[1:] - offsets[:-1]],
         "models": list(results),
     }
-    return Response(await rendered_off_loop(result), media_type="application/json")
+    return large_json(result)

@@ -33,7 +33,7 @@ import threading
 import time
 import warnings
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Awaitable, Callable
+from typing import AsyncIterator, Awaitable, Callable, Sequence
 
 from tinylm.config import ConfigError, GenerationConfig, knob_names
 from tinylm.errors import TinyLMError
@@ -336,11 +336,27 @@ def prompt_offsets(ids: list[int], tokenizer, pieces: list[str]) -> list[int]:
     return offsets
 
 
-def logprobs_json(choice: Choice, tokenizer, start: int = 0, offset: int = 0, prompt_part=None) -> dict:
+class Mapped(Sequence):
+    """``fn(item)`` for each of ``items``, built when read: a long scored prompt's alternatives are
+    built a slice at a time as the response is written (``json_body``), not all at once."""
+
+    def __init__(self, fn: Callable, items: list):
+        self.fn, self.items = fn, items
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, k):
+        return [self.fn(x) for x in self.items[k]] if isinstance(k, slice) else self.fn(self.items[k])
+
+
+def logprobs_json(
+    choice: Choice, tokenizer, start: int = 0, offset: int = 0, prompt_part=None, lazy: bool = False
+) -> dict:
     """OpenAI's legacy completions ``logprobs`` for tokens ``start:``, text offsets from ``offset``
     (with echo, ``prompt_part`` = (tokens, logprobs, tops) of the prompt comes first). OpenAI keys
     the alternatives by their text, which merges tokens of equal text; ``tinylm_top`` lists them
-    all with their ids."""
+    all with their ids. ``lazy``: the alternatives as ``Mapped`` (for ``json_body``)."""
 
     texts: dict[int, str] = {}  # each id's text, decoded once: a scored prompt lists each id many times
 
@@ -350,38 +366,41 @@ def logprobs_json(choice: Choice, tokenizer, start: int = 0, offset: int = 0, pr
         return texts[i]
 
     def top_dict(alternatives):
+        if alternatives is None:  # the first prompt token: nothing before it
+            return None
         d: dict[str, float] = {}
         for i, lp in alternatives:
             d.setdefault(text(i), lp)
         return d
 
     def top_list(alternatives):  # tinylm's: every alternative, also those whose texts are equal
+        if alternatives is None:
+            return None
         return [{"id": i, "token": text(i), "logprob": lp} for i, lp in alternatives]
 
-    tokens, logprobs, tops, offsets, ids_top = [], [], [], [], []
+    tokens, logprobs, alternatives, offsets = [], [], [], []
     if prompt_part is not None:
         ids, lps, alts = prompt_part
         tokens += [text(i) for i in ids]
         offsets += [offset + k for k in prompt_offsets(ids, tokenizer, tokens)]
         logprobs += lps
-        tops += [top_dict(a) if a is not None else None for a in alts]
-        ids_top += [top_list(a) if a is not None else None for a in alts]
+        alternatives += alts
         offset += len(tokenizer.decode(ids))
     new = [(k, choice.tokens[k], choice.logprobs[k], choice.top[k]) for k in range(start, len(choice.tokens))]
     if choice.stop is not None:  # the stop token, after the text
         new.append((len(choice.tokens), *choice.stop))
-    for k, i, lp, alternatives in new:  # position, id, log p, alternatives
+    for k, i, lp, alts in new:  # position, id, log p, alternatives
         offsets.append(offset + len(tokenizer.decode_continuation(choice.prompt_ids, choice.tokens[:k])))
         tokens.append(text(i))
         logprobs.append(lp)
-        tops.append(top_dict(alternatives))
-        ids_top.append(top_list(alternatives))
+        alternatives.append(alts)
+    tops, ids_top = Mapped(top_dict, alternatives), Mapped(top_list, alternatives)
     return {
         "tokens": tokens,
         "token_logprobs": logprobs,
-        "top_logprobs": tops,
+        "top_logprobs": tops if lazy else tops[:],
         "text_offset": offsets,
-        "tinylm_top": ids_top,
+        "tinylm_top": ids_top if lazy else ids_top[:],
     }
 
 
@@ -411,13 +430,13 @@ def usage(plan: Plan) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def completion_json(plan: Plan, tokenizer, model: str, prompt_parts: dict | None) -> dict:
+def completion_json(plan: Plan, tokenizer, model: str, prompt_parts: dict | None, lazy: bool = False) -> dict:
     r, out = plan.request, []
     for c in plan.choices:
         text = visible_text(tokenizer.decode_continuation(c.prompt_ids, c.tokens), plan.stops, final=True)
         lp = None
         if r.logprobs is not None:
-            lp = logprobs_json(c, tokenizer, prompt_part=(prompt_parts or {}).get(c.index))
+            lp = logprobs_json(c, tokenizer, prompt_part=(prompt_parts or {}).get(c.index), lazy=lazy)
         out.append(choice_json(c, (c.prompt if r.echo else "") + text, lp, final=True))
     more = {"warnings": plan.warnings} if plan.warnings else {}
     return response_json(plan, model, out, usage=usage(plan), seed=plan.seed, **more)
@@ -608,20 +627,58 @@ async def complete(served, plan: Plan, outbox: Outbox, is_disconnected: Callable
                 stops = await served.on_model_thread("stop_tokens", unscored, plan.request.logprobs, param="prompt")
                 for c, stop in zip(unscored, stops):
                     c.stop = stop
-    if prompt_parts is None:
-        return completion_json(plan, served.tokenizer, served.name, prompt_parts)
-    # a scored prompt's response is large: built on a worker thread, the event loop keeps streaming
-    return await asyncio.to_thread(completion_json, plan, served.tokenizer, served.name, prompt_parts)
+    scored = sum(len(c.echo_ids) for c in plan.choices) if prompt_parts is not None else 0
+    return completion_json(plan, served.tokenizer, served.name, prompt_parts, lazy=scored > JSON_SLICE)
 
 
-def render_json(body: dict) -> bytes:
-    """``body`` as Starlette's JSONResponse writes it (compact UTF-8, no NaN)."""
-    return json.dumps(body, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode("utf-8")
+JSON_SLICE = 512  # entries of a long list built and written at once (``json_body``)
 
 
-async def rendered_off_loop(body: dict) -> bytes:
-    """A large body (scores, echoed log probabilities) rendered on a worker thread."""
-    return await asyncio.to_thread(render_json, body)
+def dumps(value) -> str:
+    """As Starlette's JSONResponse writes JSON: compact, UTF-8 text as is, no NaN."""
+    return json.dumps(value, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+
+
+def has_long_list(value) -> bool:
+    """Whether ``value`` holds a list longer than a slice (then ``json_body`` writes it)."""
+    if isinstance(value, dict):
+        return any(has_long_list(v) for v in value.values())
+    if isinstance(value, (list, Mapped)):
+        return len(value) > JSON_SLICE or any(has_long_list(v) for v in value)
+    return False
+
+
+def json_parts(value):
+    """``value`` as JSON text in parts; None between two slices of a long list (``json_body``)."""
+    if isinstance(value, dict):
+        yield "{"
+        for n, (key, item) in enumerate(value.items()):
+            yield ("," if n else "") + dumps(key) + ":"
+            yield from json_parts(item)
+        yield "}"
+    elif isinstance(value, (list, Mapped)) and len(value) > JSON_SLICE:
+        yield "["
+        for a in range(0, len(value), JSON_SLICE):
+            yield ("," if a else "") + dumps(list(value[a : a + JSON_SLICE]))[1:-1]
+            yield None
+        yield "]"
+    else:
+        yield dumps(value)
+
+
+async def json_body(body: dict) -> AsyncIterator[bytes]:
+    """A large response (a scored prompt's log probabilities, scores of a long text) built and
+    written a slice at a time, the event loop free between slices: the whole of it at once is
+    hundreds of milliseconds in which no stream moves and no request is read."""
+    pending: list[str] = []
+    for part in json_parts(body):
+        if part is not None:
+            pending.append(part)
+            continue
+        yield "".join(pending).encode("utf-8")
+        pending.clear()
+        await asyncio.sleep(0)
+    yield "".join(pending).encode("utf-8")
 
 
 async def sse_stream(served, plan: Plan, outbox: Outbox) -> AsyncIterator[str]:

@@ -14,8 +14,9 @@ from pathlib import Path
 from typing import Annotated
 
 from fastapi import Depends, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from tinylm.serving.completions import APIError, Limits, Outbox, bad, unavailable
+from tinylm.serving.completions import APIError, Limits, Outbox, bad, has_long_list, json_body, unavailable
 from tinylm.serving.engine import LocalEngine, ProcessEngine
 from tinylm.serving.models import ServedModel
 
@@ -81,3 +82,11 @@ async def server_state(request: Request) -> ServerState:
 
 
 StateDep = Annotated[ServerState, Depends(server_state)]
+
+
+def large_json(body: dict) -> Response:
+    """A body that may be large (scores, a scored prompt's log probabilities): JSON written a slice
+    at a time (``completions.json_body``) when it holds a long list, else at once."""
+    if has_long_list(body):
+        return StreamingResponse(json_body(body), media_type="application/json")
+    return JSONResponse(body)
