@@ -166,9 +166,10 @@ def test_a_sampled_stop_token_is_the_one_the_decoder_drew(client, served):
     assert len({text for text, _ in drawn}) > 1  # the draws differ: the likeliest id alone could not pass
 
 
-def test_a_prompt_longer_than_the_context_is_scored_whole(client, served):
+@pytest.mark.parametrize("copies", [2, 12])  # 12: 830 tokens, a response written a slice at a time
+def test_a_prompt_longer_than_the_context_is_scored_whole(client, served, copies):
     """Every token gets a log probability, with `tinylm evaluate`'s strided windows: the sum is its NLL."""
-    text = "The dog and the cat were friends. They shared their food every day. " * 2
+    text = "The dog and the cat were friends. They shared their food every day. " * copies
     assert len(text) > 2 * served.context_length
     body = score(client, text, logprobs=0)
     lp = body["choices"][0]["logprobs"]["token_logprobs"]
@@ -244,10 +245,10 @@ def test_a_long_body_is_written_in_slices_as_a_whole_dump_writes_it():
     between slices): the bytes are JSON of the same value as the eager body."""
     alternatives = [None] + [[(i, -0.5 * i), (i + 1, -1.0)] for i in range(1300)]
     top = Mapped(lambda a: None if a is None else [{"id": i, "logprob": lp} for i, lp in a], alternatives)
-    body = {"top": top, "ids": list(range(2000)), "small": {"text": "café 東京", "n": [1, 2]}}
+    body = {"choices": [{"top": top}], "ids": list(range(2000)), "small": {"text": "café 東京", "n": [1, 2]}}
 
     async def written() -> bytes:
         return b"".join([part async for part in json_body(body)])
 
     assert has_long_list(body) and not has_long_list(body["small"])
-    assert json.loads(asyncio.run(written())) == {**body, "top": top[:]}
+    assert json.loads(asyncio.run(written())) == {**body, "choices": [{"top": top[:]}]}

@@ -650,20 +650,26 @@ def has_long_list(value) -> bool:
 
 def json_parts(value):
     """``value`` as JSON text in parts; None between two slices of a long list (``json_body``)."""
-    if isinstance(value, dict):
+    if not has_long_list(value):
+        yield dumps(value)
+    elif isinstance(value, dict):
         yield "{"
         for n, (key, item) in enumerate(value.items()):
             yield ("," if n else "") + dumps(key) + ":"
             yield from json_parts(item)
         yield "}"
-    elif isinstance(value, (list, Mapped)) and len(value) > JSON_SLICE:
+    elif len(value) > JSON_SLICE:  # a long list of short items
         yield "["
         for a in range(0, len(value), JSON_SLICE):
             yield ("," if a else "") + dumps(list(value[a : a + JSON_SLICE]))[1:-1]
             yield None
         yield "]"
-    else:
-        yield dumps(value)
+    else:  # a short list holding a long one
+        yield "["
+        for n, item in enumerate(value):
+            yield "," if n else ""
+            yield from json_parts(item)
+        yield "]"
 
 
 async def json_body(body: dict) -> AsyncIterator[bytes]:
