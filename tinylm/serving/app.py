@@ -17,6 +17,7 @@ the rest. Every route, here and in the other routers, reaches the models through
 
 import dataclasses
 import errno
+import gc
 import logging
 import secrets
 import socket
@@ -371,6 +372,9 @@ def serve(
     app = create_app(models, limits, api_key, runs, engine)
     server = Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2))
     engine.on_give_up = server.give_up
+    # the modules, models and tokenizers loaded so far live as long as the server: frozen, a full
+    # collection (set off by a scored prompt's hundreds of thousands of small objects) skips them
+    gc.freeze()
     log.info(
         "serving %s on http://%s:%d  (open it in a browser for the playground)",
         ", ".join(models) + (f" and the runs under {runs.root}" if runs else ""),

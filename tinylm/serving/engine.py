@@ -51,6 +51,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import dataclasses
+import gc
 import itertools
 import logging
 import math
@@ -128,6 +129,7 @@ def engine_main(conn, specs: dict[str, ModelSpec], threads: int | None) -> None:
         conn.send(("failed", exc))
         return
     core.send(("ready", ready))
+    gc.freeze()  # what loading made lives as long as we do: full collections no longer walk it (see app.serve)
     try:
         core.serve()
     except BaseException as exc:  # said to the server with the traceback, then a crash it restarts from
