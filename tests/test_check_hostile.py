@@ -34,7 +34,9 @@ EXPECTED = {  # the hostile student's linear cell: status, and words its detail 
     "flood": ("error", "the reply is over the limit of 67,108,864 bytes"),
     "forger": ("error", "the adapter's process sent something that is not a reply"),
     "forker": ("timed out", "after 3 s"),
-    "hoarder": ("error", ""),  # some of its children killed for memory, or itself
+    # some of its children killed for memory, or itself; on a loaded machine touching 2.4 GB may
+    # outlast the 3 s first (seen once in a full run): contained either way, never a pass
+    "hoarder": (("error", "timed out"), ""),
     "killer": ("error", "the adapter's process died (signal SIGKILL"),
     "lifter": ("error", "can't allocate memory"),
     "orphan": ("error", "the part left 1 process(es) running"),
@@ -106,10 +108,11 @@ def test_a_class_with_hostile_students_finishes_and_contains_each_of_them(tmp_pa
     expected = {**EXPECTED, **({} if memory_capped() else {"hoarder": ("ok", "")})}
     for name, (status, words) in expected.items():
         linear, *rest = students[name]["parts"]
-        assert (linear["status"], [p["status"] for p in rest]) == (status, ["ok", "ok"]), (name, linear)
+        allowed = status if isinstance(status, tuple) else (status,)
+        assert linear["status"] in allowed and [p["status"] for p in rest] == ["ok", "ok"], (name, linear)
         assert words in linear["detail"], (name, linear["detail"])
         verdicts = json.loads((directory / "check-results" / f"{name}.json").read_text())
-        assert verdicts["passed"] == (status == "ok")
+        assert verdicts["passed"] == (allowed == ("ok",))
     # nothing is left: no process of a sandbox, no file written outside one, no sandbox folder or cgroup
     assert processes_running("tinylm-hostile-orphan") == [] and processes_running("/runner/child.py") == []
     assert not any(directory.rglob("planted.txt")) and not (Path.home() / "planted.txt").exists()

@@ -14,7 +14,7 @@ from serving_util import make_run
 from tinylm.errors import TinyLMError
 from tinylm.evaluation.perplexity import evaluate_texts
 from tinylm.serving.app import create_app
-from tinylm.serving.completions import Limits, Mapped, has_long_list, json_body, prompt_offsets
+from tinylm.serving.completions import Chained, Limits, Mapped, has_long_list, json_body, prompt_offsets
 from tinylm.serving.models import load_models, model_name
 from tinylm.tokenizers.bpe import BPETokenizer
 from tinylm.tokenizers.word import WordTokenizer
@@ -236,7 +236,9 @@ def test_prompt_offsets_are_each_prefix_s_length_for_characters_cut_between_toke
     for tok in (bpe, word):
         ids = list(tok.encode(text))
         pieces = [tok.decode([i]) for i in ids]
-        assert prompt_offsets(ids, tok, pieces) == [len(tok.decode(ids[:k])) for k in range(len(ids))]
+        want = [7 + len(tok.decode(ids[:k])) for k in range(len(ids))]
+        offsets = prompt_offsets(ids, tok, pieces, start=7)
+        assert offsets[:5] == want[:5] and list(offsets) == want and offsets[-1] == want[-1]  # read in order
     assert "".join(tok.decode([i]) for i in bpe.encode(text)) != bpe.decode(bpe.encode(text))  # the hard case
 
 
@@ -245,10 +247,14 @@ def test_a_long_body_is_written_in_slices_as_a_whole_dump_writes_it():
     between slices): the bytes are JSON of the same value as the eager body."""
     alternatives = [None] + [[(i, -0.5 * i), (i + 1, -1.0)] for i in range(1300)]
     top = Mapped(lambda a: None if a is None else [{"id": i, "logprob": lp} for i, lp in a], alternatives)
-    body = {"choices": [{"top": top}], "ids": list(range(2000)), "small": {"text": "café 東京", "n": [1, 2]}}
+    tok = BPETokenizer().train(["plain words, " * 40], 280)
+    ids = list(tok.encode("déjà vu à Tōkyō, " * 60))  # characters cut between byte tokens: PrefixLengths
+    offsets = Chained(prompt_offsets(ids, tok, [tok.decode([i]) for i in ids]), [10**6, 10**6 + 1])
+    body = {"choices": [{"top": top, "text_offset": offsets}], "ids": list(range(2000)), "small": {"n": [1, 2]}}
 
     async def written() -> bytes:
         return b"".join([part async for part in json_body(body)])
 
     assert has_long_list(body) and not has_long_list(body["small"])
-    assert json.loads(asyncio.run(written())) == {**body, "choices": [{"top": top[:]}]}
+    want = [len(tok.decode(ids[:k])) for k in range(len(ids))] + [10**6, 10**6 + 1]
+    assert json.loads(asyncio.run(written())) == {**body, "choices": [{"top": top[:], "text_offset": want}]}

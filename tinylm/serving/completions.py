@@ -322,18 +322,56 @@ def new_text(choice: Choice, tokenizer, stops, final: bool) -> str:
     return piece
 
 
-def prompt_offsets(ids: list[int], tokenizer, pieces: list[str]) -> list[int]:
-    """Where each prompt token starts in the prompt's text: len(decode(ids[:k])). When the tokens'
-    own texts (``pieces``) add up to the text, their running lengths; otherwise (a character cut
-    between tokens, words joined with spaces) each prefix's text as it grows a token at a time
-    (``ContinuationText``: decoding each prefix whole took 26 s for 16,384 tokens)."""
+def prompt_offsets(ids: list[int], tokenizer, pieces: list[str], start: int = 0) -> Sequence[int]:
+    """Where each prompt token starts in the prompt's text, from ``start``: start + len(decode(ids[:k])).
+    When the tokens' own texts (``pieces``) add up to the text, their running lengths; otherwise (a
+    character cut between tokens, words joined with spaces) ``PrefixLengths``."""
     if "".join(pieces) == tokenizer.decode(ids):
-        return list(itertools.accumulate((len(p) for p in pieces[:-1]), initial=0))
-    text, prefix, offsets = ContinuationText(tokenizer.decode, []), [], [0]
-    for i in ids[:-1]:  # each prefix's text kept up to date: linear, where decoding each prefix is quadratic
-        prefix.append(i)
-        offsets.append(len(text.update(prefix)))
-    return offsets
+        return list(itertools.accumulate((len(p) for p in pieces[:-1]), initial=start))
+    return PrefixLengths(ids, tokenizer.decode, start)
+
+
+class PrefixLengths(Sequence):
+    """start + len(decode(ids[:k])) for each k, computed in order as they are read, each prefix's
+    text kept up to date a token at a time (``ContinuationText``): linear, where decoding each
+    prefix whole took 26 s for 16,384 tokens; and read a slice at a time (``json_body``), a long
+    scored prompt's offsets never hold the event loop at once."""
+
+    def __init__(self, ids: list[int], decode: Callable, start: int = 0):
+        self.ids, self.text, self.prefix, self.known = ids, ContinuationText(decode, []), [], [start]
+        self.start = start
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, k):
+        if not isinstance(k, slice) and not -len(self) <= k < len(self):
+            raise IndexError(k)
+        stop = k.indices(len(self))[1] if isinstance(k, slice) else k % len(self) + 1
+        while len(self.known) < stop:
+            self.prefix.append(self.ids[len(self.known) - 1])
+            self.known.append(self.start + len(self.text.update(self.prefix)))
+        return self.known[: len(self)][k]
+
+
+class Chained(Sequence):
+    """Two sequences read as one (a prompt's offsets, then the continuation's)."""
+
+    def __init__(self, first: Sequence, second: Sequence):
+        self.first, self.second = first, second
+
+    def __len__(self) -> int:
+        return len(self.first) + len(self.second)
+
+    def __getitem__(self, k):
+        if not isinstance(k, slice):
+            if not -len(self) <= k < len(self):
+                raise IndexError(k)
+            k %= len(self)
+            return self.first[k] if k < len(self.first) else self.second[k - len(self.first)]
+        a, b, step = k.indices(len(self))
+        n = len(self.first)
+        return (list(self.first[a : min(b, n)]) + list(self.second[max(a - n, 0) : max(b - n, 0)]))[::step]
 
 
 class Mapped(Sequence):
@@ -378,11 +416,11 @@ def logprobs_json(
             return None
         return [{"id": i, "token": text(i), "logprob": lp} for i, lp in alternatives]
 
-    tokens, logprobs, alternatives, offsets = [], [], [], []
+    tokens, logprobs, alternatives, offsets, prompt_at = [], [], [], [], []
     if prompt_part is not None:
         ids, lps, alts = prompt_part
         tokens += [text(i) for i in ids]
-        offsets += [offset + k for k in prompt_offsets(ids, tokenizer, tokens)]
+        prompt_at = prompt_offsets(ids, tokenizer, tokens, offset)
         logprobs += lps
         alternatives += alts
         offset += len(tokenizer.decode(ids))
@@ -395,11 +433,12 @@ def logprobs_json(
         logprobs.append(lp)
         alternatives.append(alts)
     tops, ids_top = Mapped(top_dict, alternatives), Mapped(top_list, alternatives)
+    offsets = Chained(prompt_at, offsets)
     return {
         "tokens": tokens,
         "token_logprobs": logprobs,
         "top_logprobs": tops if lazy else tops[:],
-        "text_offset": offsets,
+        "text_offset": offsets if lazy else offsets[:],
         "tinylm_top": ids_top if lazy else ids_top[:],
     }
 
@@ -643,7 +682,7 @@ def has_long_list(value) -> bool:
     """Whether ``value`` holds a list longer than a slice (then ``json_body`` writes it)."""
     if isinstance(value, dict):
         return any(has_long_list(v) for v in value.values())
-    if isinstance(value, (list, Mapped)):
+    if isinstance(value, Sequence) and not isinstance(value, str):
         return len(value) > JSON_SLICE or any(has_long_list(v) for v in value)
     return False
 

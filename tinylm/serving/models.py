@@ -34,7 +34,7 @@ CHECKPOINTS_DIR = "checkpoints"  # a run's checkpoints live in <run>/checkpoints
 SCORED_FLOATS = 2**24  # log probabilities held at once when scoring (rows x positions x vocabulary)
 # tokens of one scoring forward: a task pauses for the decoding steps at each block's boundary
 # (scheduler.Turns), so this bounds what a scoring client adds to every other client's token gap
-SCORE_FORWARD_TOKENS = 128
+SCORE_FORWARD_TOKENS = 64
 
 
 def score_batch(context_length: int, vocab_size: int) -> int:
