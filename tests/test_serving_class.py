@@ -41,6 +41,19 @@ def stream_until(url: str, leave: threading.Barrier, tokens: int = 3) -> int:
     return r.status_code
 
 
+def wait_healthy(url: str, seconds: float = 60) -> None:
+    """Until /health answers 200 (a server starting, or its engine starting again)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise AssertionError(f"{url} was not healthy within {seconds} s")
+
+
 def engine_pid(server: subprocess.Popen) -> int:
     """The server's engine process (its other child is multiprocessing's resource tracker; a restarted
     engine is a child of the thread that started it)."""
@@ -126,13 +139,7 @@ def test_stopping_ends_every_stream_with_an_error_and_done(run, sig):
     )
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.2)
+        wait_healthy(url)
         engine = engine_pid(server)
         streams, opened = [], threading.Barrier(5)
 
@@ -172,14 +179,7 @@ def test_an_engine_that_keeps_crashing_ends_the_server_with_one_line(run):
     url = f"http://127.0.0.1:{port}"
     try:
         for crash in range(6):
-            deadline = time.monotonic() + 60
-            while time.monotonic() < deadline:
-                try:
-                    if httpx.get(url + "/health", timeout=1).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                time.sleep(0.1)
+            wait_healthy(url)
             os.kill(engine_pid(server), signal.SIGKILL)
             if crash < 5:
                 time.sleep(0.5)
