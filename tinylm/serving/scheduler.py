@@ -9,9 +9,10 @@ compiled when the scheduler starts, so no request waits for a compile later.
 
 Other model work (beam search, scoring, attention maps: ``call``) runs on a task thread of its
 own, taking turns with the decoding thread (``Turns``): while rows decode, a task pauses at each
-transformer block's boundary for the next decoding step, so one client scoring a long text or
-running a beam search costs the streams at most a block of its forward per token, and the model is
-never used by two threads at once. A compiled step (``--compile``) keeps the blocks unhooked
+transformer block's boundary for the next decoding step, so one client scoring a long text costs
+the streams at most a block of its forward per token, and the model is never used by two threads
+at once. A beam search pauses so during its prefill only: its own decoding steps call the blocks'
+``forward`` past the hook, and run to its end while the streams wait. A compiled step (``--compile``) keeps the blocks unhooked
 (a hook would make torch.compile trace it): there a task runs whole between two steps.
 
 ``after_pass`` (set by the engine process, ``engine.py``) runs on the decoding thread after every
