@@ -12,8 +12,9 @@ own, taking turns with the decoding thread (``Turns``): while rows decode, a tas
 transformer block's boundary for the next decoding step, so one client scoring a long text costs
 the streams at most a block of its forward per token, and the model is never used by two threads
 at once. A beam search pauses so during its prefill only: its own decoding steps call the blocks'
-``forward`` past the hook, and run to its end while the streams wait. A compiled step (``--compile``) keeps the blocks unhooked
-(a hook would make torch.compile trace it): there a task runs whole between two steps.
+``forward`` past the hook, and run to its end while the streams wait. A compiled step
+(``--compile``) keeps the blocks unhooked (a hook would make torch.compile trace it): there a task
+runs whole between two steps.
 
 ``after_pass`` (set by the engine process, ``engine.py``) runs on the decoding thread after every
 pass of the loop: the events a step emitted leave for the server process together, in one message.
