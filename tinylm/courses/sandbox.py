@@ -117,12 +117,14 @@ def bwrap_argv(visible: Path, runner: Path, tmp: Path) -> list[str]:
     argv = ["bwrap", "--unshare-all", "--unshare-user", "--die-with-parent", "--new-session", "--cap-drop", "ALL"]
     argv += ["--clearenv", "--setenv", "OMP_NUM_THREADS", "1", "--setenv", "HOME", "/tmp"]
     argv += ["--setenv", "TMPDIR", "/tmp", "--setenv", "PATH", "/usr/bin:/bin"]
-    argv += ["--proc", "/proc", "--dev", "/dev", *system_binds()]
+    # the private /tmp first: what is bound after it shows through it, so a Python or a checkout
+    # that lives under the temporary folder (a CI's clone) is still there
+    argv += ["--proc", "/proc", "--dev", "/dev", "--bind", str(tmp), "/tmp", *system_binds()]
     for folder in site_folders():
         argv += ["--ro-bind", folder, folder]
         if os.path.isdir(os.path.join(folder, "tinylm")):  # a non-editable install of tinylm: hidden
             argv += ["--tmpfs", os.path.join(folder, "tinylm")]
-    argv += ["--ro-bind", str(runner), "/runner", "--bind", str(tmp), "/tmp"]
+    argv += ["--ro-bind", str(runner), "/runner"]
     folder = visible if visible.is_dir() else visible.parent
     argv += ["--ro-bind", str(visible), str(visible), "--chdir", str(folder)]
     return argv
