@@ -161,3 +161,13 @@ def test_without_the_namespace_sandbox_it_says_so_once_and_the_limits_are_hard(t
     said = capsys.readouterr().err
     assert said.count("asks for no namespace sandbox") == 1
     assert "it can read and write your files and signal tinylm" in said
+
+
+def test_the_private_tmp_is_mounted_before_what_must_show_through_it(tmp_path):
+    """A checkout, venv or Python under the temporary folder (a CI's clone in /tmp) stays visible:
+    bubblewrap applies its mounts in order, so the private /tmp goes first."""
+    argv = sandbox.bwrap_argv(tmp_path / "adapter.py", tmp_path / "runner", tmp_path / "tmp")
+    bind = argv.index("--bind")
+    assert argv[bind + 1 : bind + 3] == [str(tmp_path / "tmp"), "/tmp"]
+    for folder in [*sandbox.site_folders(), str(tmp_path / "adapter.py"), str(tmp_path / "runner")]:
+        assert argv.index(folder) > bind, folder
