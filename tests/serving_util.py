@@ -18,7 +18,8 @@ import httpx
 import torch
 from conftest import make_stories
 
-from tinylm.config import ModelConfig
+from tinylm.config import GenerationConfig, ModelConfig
+from tinylm.generation.batch import Row, TokenEvent
 from tinylm.models.checkpoint import save_checkpoint
 from tinylm.models.gpt import GPT
 from tinylm.tokenizers.char import CharTokenizer
@@ -51,6 +52,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_healthy(url: str, seconds: float = 60.0, proc: subprocess.Popen | None = None) -> None:
+    """Until /health answers 200 (a server starting, or its engine starting again); a server
+    process that exits meanwhile is an error with its output."""
+    deadline = time.monotonic() + seconds
+    while True:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"tinylm serve exited with {proc.returncode}: {proc.stdout.read()}")
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{url} did not answer /health with 200 within {seconds} s")
+        time.sleep(0.1)
+
+
 @contextlib.contextmanager
 def live_server(*args: str, timeout: float = 60.0):
     """`tinylm serve ARGS --port P` as a subprocess; yields its base URL, stops it afterwards."""
@@ -66,18 +84,7 @@ def live_server(*args: str, timeout: float = 60.0):
     )
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + timeout
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"tinylm serve exited with {proc.returncode}: {proc.stdout.read()}")
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError("tinylm serve did not answer /health in time")
-            time.sleep(0.2)
+        wait_healthy(url, timeout, proc)
         yield url
     finally:
         proc.terminate()
@@ -106,9 +113,6 @@ def leave_together(scheduler, holder, trials: int, seed: int, rows: int = 16) ->
     """``trials`` times: ``rows`` endless rows decode, a random subset of them (2 to all) is cancelled
     while the model is held (``hold_until_cancelled``), then the rest. Each trial checks that no row
     got an error and that the batch empties; returns how many trials had the subset leave together."""
-    from tinylm.generation.batch import Row, TokenEvent
-    from tinylm.generation.processors import GenerationConfig
-
     rng, together = random.Random(seed), 0
     for trial in range(trials):
         events: list[list] = [[] for _ in range(rows)]

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from serving_util import REPO, free_port, live_server, make_run
+from serving_util import REPO, free_port, live_server, make_run, wait_healthy
 
 pytestmark = pytest.mark.slow  # server processes (~3 s each)
 ENDLESS = {"model": "tinyrun", "prompt": "Once", "max_tokens": 1_000_000, "min_tokens": 1_000_000, "stream": True}
@@ -39,19 +39,6 @@ def stream_until(url: str, leave: threading.Barrier, tokens: int = 3) -> int:
             next(lines)
         leave.wait(timeout=30)
     return r.status_code
-
-
-def wait_healthy(url: str, seconds: float = 60) -> None:
-    """Until /health answers 200 (a server starting, or its engine starting again)."""
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    raise AssertionError(f"{url} was not healthy within {seconds} s")
 
 
 def engine_pid(server: subprocess.Popen) -> int:

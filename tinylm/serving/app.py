@@ -173,7 +173,7 @@ async def health(state: StateDep):
     or a model's decoding thread is gone."""
     engine = state.engine
     stopped = {
-        name: getattr(s.scheduler, "failure", None) or "its decoder has stopped"
+        name: s.scheduler.failure or "its decoder has stopped"
         for name, s in state.models.items()
         if not s.scheduler.alive
     }
@@ -384,8 +384,6 @@ def serve(
     try:
         server.run(sockets=[sock])
     finally:
-        engine.close()
-        for served in app.state.server.models.values():
-            served.scheduler.close()
+        engine.close()  # every model it loaded, those loaded from runs too
     if server.gave_up is not None:
         raise TinyLMError(server.gave_up)

@@ -45,6 +45,7 @@ from tinylm.serving.schemas import CompletionRequest
 from tinylm.tokenizers.base import ContinuationText
 
 MAX_LOGPROBS = 20
+JSON_SLICE = 512  # entries of a long list built and written at once (``json_body``)
 MAX_STOPS = 16
 # GenerationConfig's knob -> the request's field, for the knobs a request carries
 REQUEST_FIELDS = knob_names("http")
@@ -277,9 +278,8 @@ def plan_completion(served, r: CompletionRequest, limits: Limits) -> Plan:
         fitted = fit_prompts([ids for _, ids in prompts], served.context_length)
     notes = [str(w.message) for w in caught]
     if r.echo and r.logprobs is not None:  # every distinct prompt is scored whole
-        check_scored(
-            sum(len(set_ids) for set_ids in {tuple(ids) for _, ids in prompts}), limits.max_score_tokens, "prompt"
-        )
+        distinct = {tuple(ids) for _, ids in prompts}
+        check_scored(sum(map(len, distinct)), limits.max_score_tokens, "prompt")
     seed = r.seed if r.seed is not None else secrets.randbelow(2**31)
     base = generation_config(r, served, stops, seed)
     # choice k samples with seed + k, except that one beam search (seed + i) gives the n best beams of prompt i
@@ -587,7 +587,7 @@ def check_alive(served) -> None:
     """A 503 when the model's decoder has stopped: its rows were told so, but a request whose row
     it never took must not wait for ever."""
     if not served.scheduler.alive:
-        raise unavailable(getattr(served.scheduler, "failure", None) or "the model's decoder has stopped")
+        raise unavailable(served.scheduler.failure or "the model's decoder has stopped")
 
 
 async def decode(served, plan: Plan, outbox: Outbox, is_disconnected: Callable[[], Awaitable[bool]]) -> None:
@@ -668,9 +668,6 @@ async def complete(served, plan: Plan, outbox: Outbox, is_disconnected: Callable
                     c.stop = stop
     scored = sum(len(c.echo_ids) for c in plan.choices) if prompt_parts is not None else 0
     return completion_json(plan, served.tokenizer, served.name, prompt_parts, lazy=scored > JSON_SLICE)
-
-
-JSON_SLICE = 512  # entries of a long list built and written at once (``json_body``)
 
 
 def dumps(value) -> str:

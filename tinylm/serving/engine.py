@@ -277,6 +277,11 @@ class RemoteScheduler:
     def alive(self) -> bool:
         return not self.closed and self.engine.down is None
 
+    @property
+    def failure(self) -> str | None:
+        """Why this model cannot decode now (``Scheduler.failure``'s counterpart): the engine's state."""
+        return self.engine.down
+
     def close(self) -> None:
         """Stop using this handle (the engine closes the model's scheduler when it replaces it)."""
         self.closed = True
@@ -471,8 +476,6 @@ class ProcessEngine:
             self.spawn()
         except Exception as exc:
             return self.give_up(f"{reason}, and it failed to start again ({exc})")
-        for scheduler in self.schedulers.values():
-            scheduler.active = 0
         self.down = None
         log.warning("the model engine is running again")
         return True

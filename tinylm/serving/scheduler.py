@@ -239,14 +239,15 @@ class Scheduler:
     def _stopped(self, exc: BaseException, waiting: list[Row]) -> None:
         """The decoding thread ends on ``exc``: its rows, and those still to come, are told why."""
         self.failure = f"the decoding thread stopped: {type(exc).__name__}: {exc}"
-        log.error("%s\n%s", self.failure, traceback.format_exc())
+        trace = traceback.format_exc()
+        log.error("%s\n%s", self.failure, trace)
         held = {id(r): r for r in self.batch.rows + self._joining + waiting}  # a joining row may be both
         self._fail(list(held.values()), f"{self.failure}; send the request again")
         self.batch.rows = []
         self._active = 0
         self._fail_inbox()
         if self.on_failure is not None:
-            self.on_failure(f"{self.failure}\n{traceback.format_exc()}")
+            self.on_failure(f"{self.failure}\n{trace}")
 
     @staticmethod
     def _fail(rows: list[Row], message: str, event=DecodingStopped) -> None:
