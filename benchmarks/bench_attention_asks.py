@@ -82,7 +82,7 @@ PAIRS = [
 
 def main(argv=None) -> int:
     return run_step_benchmark(
-        argv, __doc__, measure, PAIRS, no_c_loops, batches="1,8,16,32", filled=48, steps=100, repeats=9, quick_steps=20
+        argv, __doc__, measure, PAIRS, no_c_loops, batches="1,8,16,32", filled=48, steps=100, repeats=9, quick_steps=60
     )
 
 
