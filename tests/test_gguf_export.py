@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import make_stories
-from export_util import PROMPTS, separate_matrices, train_llama_run
+from export_util import PROMPTS, llama_cpp_greedy, llama_cpp_model, read_gguf, separate_matrices, train_llama_run
 
 from tinylm.cli import main
 from tinylm.config import ModelConfig
@@ -69,16 +69,10 @@ def tinylm_weights(model: GPT) -> dict[str, np.ndarray]:
     return out
 
 
-def read(path):
-    reader = gguf.GGUFReader(path)
-    fields = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
-    return fields, {t.name: t for t in reader.tensors}
-
-
 def test_f32_file_holds_every_tensor_and_metadata_key(tmp_path):
     bpe = BPETokenizer().train(make_stories(), 320)
     model = llama_gpt()
-    fields, tensors = read(export_gguf(model, tmp_path / "m.gguf", bpe, "f32"))
+    fields, tensors = read_gguf(export_gguf(model, tmp_path / "m.gguf", bpe, "f32"))
     weights = tinylm_weights(model)
     assert sorted(tensors) == sorted(weights)
     for name, w in weights.items():
@@ -126,8 +120,8 @@ def test_f32_file_holds_every_tensor_and_metadata_key(tmp_path):
 def test_f16_and_q8_0_within_their_rounding(tmp_path):
     model = llama_gpt(tie=True)
     weights = tinylm_weights(model)
-    _, f16 = read(export_gguf(model, tmp_path / "h.gguf", BPETokenizer().train(make_stories(), 300), "f16"))
-    _, q8 = read(export_gguf(model, tmp_path / "q.gguf", BPETokenizer().train(make_stories(), 300), "q8_0"))
+    _, f16 = read_gguf(export_gguf(model, tmp_path / "h.gguf", BPETokenizer().train(make_stories(), 300), "f16"))
+    _, q8 = read_gguf(export_gguf(model, tmp_path / "q.gguf", BPETokenizer().train(make_stories(), 300), "q8_0"))
     Q = gguf.GGMLQuantizationType
     for name, w in weights.items():
         if w.ndim == 1:  # norm gains stay float32 in every file
@@ -150,7 +144,7 @@ def test_llama2c_tokenizer_becomes_gguf_llama_vocabulary(tmp_path):
     pieces = [b"<unk>", b"\n<s>\n", b"\n</s>\n"] + [f"<0x{b:02X}>".encode() for b in range(256)]
     pieces += [b" ", b" t", b"he", b" the", b"in"]
     tok = Llama2cTokenizer(pieces, [0.0] * 259 + [-1.0, -2.0, -3.0, -4.0, -5.0])
-    fields, tensors = read(export_gguf(llama_gpt(vocab=266, tie=True), tmp_path / "m.gguf", tok, "f32"))
+    fields, tensors = read_gguf(export_gguf(llama_gpt(vocab=266, tie=True), tmp_path / "m.gguf", tok, "f32"))
     assert fields["tokenizer.ggml.model"] == "llama" and fields["tokenizer.ggml.add_space_prefix"] is True
     assert fields["tokenizer.ggml.tokens"][:4] == ["<unk>", "<s>", "</s>", "<0x00>"]
     assert fields["tokenizer.ggml.tokens"][259:] == [
@@ -168,7 +162,7 @@ def test_llama2c_tokenizer_becomes_gguf_llama_vocabulary(tmp_path):
     assert "tokenizer.ggml.merges" not in fields and "output.weight" not in tensors
     # a BPE brought to llama2.c's layout spells its bytes as themselves: printable ones stay text
     converted, _ = bpe_to_llama2c(BPETokenizer().train(make_stories(), 300), 300)
-    fields, _ = read(export_gguf(llama_gpt(vocab=300), tmp_path / "c.gguf", converted, "f32"))
+    fields, _ = read_gguf(export_gguf(llama_gpt(vocab=300), tmp_path / "c.gguf", converted, "f32"))
     tokens, types = fields["tokenizer.ggml.tokens"], fields["tokenizer.ggml.token_type"]
     assert [tokens[3 + b] for b in b" a\n\xff"] == ["\u2581", "a", "<0x0A>", "<0xFF>"]
     assert [types[3 + b] for b in b" a\n\xff"] == [1, 1, 6, 6] and tokens[1:3] == ["<s>", "</s>"]
@@ -214,28 +208,13 @@ def test_cli_export_gguf(tmp_path, capsys):
         == 0
     )
     assert f"wrote a llama.cpp GGUF model (q8_0, 33,952 parameters) to {tmp_path / 'm.gguf'}" in capsys.readouterr().out
-    fields, _ = read(tmp_path / "m.gguf")
+    fields, _ = read_gguf(tmp_path / "m.gguf")
     assert fields["general.file_type"] == 7
 
 
 @pytest.fixture(scope="module")
 def llama_run(tmp_path_factory):
     return train_llama_run(tmp_path_factory.mktemp("llama"))
-
-
-def llama_cpp_model(path, **kw):
-    import llama_cpp  # a dev extra, compiled from its sdist
-
-    # float32 keys and values in llama.cpp's cache, as in tinylm's
-    return llama_cpp.Llama(model_path=str(path), n_ctx=64, n_threads=1, verbose=False, type_k=0, type_v=0, **kw)
-
-
-def llama_cpp_greedy(llm, ids, limit, stop_ids):
-    out = []
-    for token in llm.generate(ids, temp=0.0, top_k=1, repeat_penalty=1.0, reset=True):
-        if token in stop_ids or len(out) == limit:
-            return out
-        out.append(token)
 
 
 @pytest.mark.slow  # trains a tiny model (~10 s, shared by the next test)

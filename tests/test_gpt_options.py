@@ -70,6 +70,33 @@ def test_qk_norm_same_logits_on_every_path():
     torch.testing.assert_close(torch.cat(steps, 1), fast, rtol=1e-5, atol=1e-5)
 
 
+def test_qk_norm_weight_is_a_gain_per_head_dimension_on_every_path():
+    """Gains of ones are QK-norm at epsilon norm_eps; a gain scales each query's and key's dimension
+    (a query gain of 2 doubles the attention logits), the same with and without the cache."""
+    torch.manual_seed(0)
+    cfg = dataclasses.replace(BASE, qk_norm=True, qk_norm_weight=True, norm_eps=1e-6)
+    gained, plain = GPT(cfg).eval(), GPT(dataclasses.replace(cfg, qk_norm_weight=False)).eval()
+    assert {n for n, _ in gained.named_parameters()} - {n for n, _ in plain.named_parameters()} == {
+        f"blocks.{i}.attn.{g}" for i in range(2) for g in ("q_norm", "k_norm")
+    }
+    plain.load_state_dict({k: v for k, v in gained.state_dict().items() if not k.endswith("_norm")})
+    x = torch.randint(0, 61, (2, 20))
+    torch.testing.assert_close(_logits(gained, x), _logits(plain, x), rtol=1e-6, atol=1e-6)
+    with torch.no_grad():
+        for block in gained.blocks:
+            block.attn.q_norm.copy_(torch.linspace(0.5, 2.0, 8))
+    changed = _logits(gained, x)
+    assert not torch.allclose(changed, _logits(plain, x), atol=1e-3)
+    cache = gained.new_kv_cache(2)
+    with torch.no_grad():
+        steps = [gained(x[:, :12], kv_cache=cache)[0]] + [
+            gained(x[:, t : t + 1], kv_cache=cache)[0] for t in range(12, 20)
+        ]
+    torch.testing.assert_close(torch.cat(steps, 1), changed, rtol=1e-5, atol=1e-5)
+    with pytest.raises(TinyLMError, match="qk_norm_weight=true is a gain on QK-norm"):
+        dataclasses.replace(BASE, qk_norm_weight=True).resolved()
+
+
 def test_relu_squared_feed_forward():
     cfg = dataclasses.replace(BASE, ffn="relu2", d_ff=48)
     torch.manual_seed(0)

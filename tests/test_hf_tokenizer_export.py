@@ -92,13 +92,13 @@ def test_the_raw_tokenizer_json_recognises_special_strings(exported):
 
 
 def test_what_hf_cannot_represent_is_refused(tmp_path):
-    word = WordTokenizer().train(CORPUS, 200)
+    word = WordTokenizer(oov="bpe").train(CORPUS, 200, oov_merges=50)  # plain word tokenizers export
     word_bpe = WordBPETokenizer().train(CORPUS, merges=50)
     llama = Llama2cTokenizer(
         [b"<unk>", b"<s>", b"</s>"] + [f"<0x{b:02X}>".encode() for b in range(256)] + [b" ", b"a"], [0.0] * 261
     )
     for tok, reason in (
-        (word, "drops the text's spacing"),
+        (word, r"oov=bpe \(pieces for unknown words\) has no Hugging Face equivalent"),
         (word_bpe, "normalises the text"),
         (llama, "no exact Hugging Face equivalent"),
     ):

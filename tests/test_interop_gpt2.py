@@ -157,21 +157,25 @@ def test_export_refuses_value_embeddings_by_name(tmp_path, shape):
     assert not (tmp_path / "hf").exists()
 
 
-@pytest.mark.parametrize("shape", [dict(), dict(positions="rope", norm="rmsnorm", ffn="swiglu", bias=False)])
+LLAMA = dict(positions="rope", norm="rmsnorm", ffn="swiglu", bias=False)
+
+
 @pytest.mark.parametrize(
-    "option, named",
+    "shape, option, named",
     [
-        (dict(qk_norm=True), r"model\.qk_norm=true \(normalised queries and keys\)"),
-        (dict(logit_softcap=15.0), r"model\.logit_softcap=15\.0"),
+        (dict(), dict(qk_norm=True), r"GPT-2 model: model\.qk_norm=true \(normalised queries and keys\)"),
+        (LLAMA, dict(qk_norm=True), r"Qwen3 model: model\.qk_norm=true without model\.qk_norm_weight \(.*\)"),
+        (dict(), dict(logit_softcap=15.0), r"GPT-2 model: model\.logit_softcap=15\.0"),
+        (LLAMA, dict(logit_softcap=15.0), r"Llama model: model\.logit_softcap=15\.0"),
     ],
 )
 def test_export_refuses_options_the_hf_configs_cannot_hold(tmp_path, shape, option, named):
-    """Neither Hugging Face config has QK-norm or a logit soft-cap: writing the file without them
-    would give a different model, so the export refuses and names the option."""
+    """No Hugging Face config has a logit soft-cap, GPT-2's no QK-norm, and Qwen3's QK-norm (the
+    Llama shape's) only with the model's one epsilon, which tinylm's gainless QK-norm at
+    norm_eps 1e-5 is not: writing the file anyway would give a different model, so the export
+    refuses and names the option."""
     model = GPT(ModelConfig(vocab_size=V, context_length=32, d_model=32, n_layers=2, n_heads=4, **shape, **option))
-    with pytest.raises(
-        TinyLMError, match=r"^this model cannot be written as a Hugging Face (GPT-2|Llama) model: " + named + "$"
-    ):
+    with pytest.raises(TinyLMError, match=r"^this model cannot be written as a Hugging Face " + named + "$"):
         export_hf(model, tmp_path / "hf")
     assert not (tmp_path / "hf").exists()
 

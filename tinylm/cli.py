@@ -50,7 +50,7 @@ from tinylm.evaluation.report import write_run_report
 from tinylm.generation.generate import TextStream, complete, encode_prompt, prompt_head
 from tinylm.interop.gguf_export import GgufDtype, export_gguf
 from tinylm.interop.llama2c_export import export_llama2c
-from tinylm.interop.loading import export_hf, load_any_checkpoint
+from tinylm.interop.loading import export_hf, hf_family, load_any_checkpoint
 from tinylm.models.checkpoint import load_checkpoint
 from tinylm.models.quantize import InferenceDtype, to_inference_dtype
 from tinylm.pipeline import run_pipeline
@@ -561,11 +561,10 @@ class ExportOptions(ModelOptions):
 
 @command("export-hf")
 def export_hf_dir(opts: ExportOptions) -> int:
-    """Write a GPT-2- or Llama-shaped checkpoint as a Hugging Face model directory."""
+    """Write a GPT-2-, Llama- or Qwen3-shaped checkpoint as a Hugging Face model directory."""
     model, tokenizer, _ = load_any_checkpoint(opts.checkpoint, opts.tokenizer)
     out = export_hf(model, opts.out, tokenizer)
-    kind = "GPT-2" if model.config.positions == "learned" else "Llama"
-    print(f"wrote a Hugging Face {kind} model ({model.num_parameters():,} parameters) to {out}")
+    print(f"wrote a Hugging Face {hf_family(model.config)} model ({model.num_parameters():,} parameters) to {out}")
     try:
         save_hf_tokenizer(tokenizer, out, model.config.context_length)
         print(f"wrote its tokenizer as {out}/tokenizer.json (+ tokenizer_config.json): AutoTokenizer loads it")
@@ -615,7 +614,7 @@ class ExportGgufOptions(ModelOptions):
 
 @command("export-gguf")
 def export_gguf_file(opts: ExportGgufOptions) -> int:
-    """Write a Llama-shaped checkpoint and its tokenizer as one GGUF file for llama.cpp."""
+    """Write a Llama- or Qwen3-shaped checkpoint and its tokenizer as one GGUF file for llama.cpp."""
     model, tokenizer, _ = load_any_checkpoint(opts.checkpoint, opts.tokenizer)
     out = export_gguf(model, opts.out, tokenizer, opts.dtype)
     print(f"wrote a llama.cpp GGUF model ({opts.dtype}, {model.num_parameters():,} parameters) to {out}")

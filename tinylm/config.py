@@ -241,6 +241,9 @@ class ModelConfig:
     d_embed: int | None = option(None, ge=1)  # token embedding width; None = d_model, else a learned projection
     attention: Literal["manual", "sdpa"] = "sdpa"  # manual: matmul, mask, softmax; sdpa: F.scaled_dot_product_attention
     qk_norm: bool = False  # RMS-normalise each head's queries and keys (no gain) before the rotary positions
+    # with qk_norm: a learned gain over the head dimension, one for queries and one for keys, and
+    # norm_eps as epsilon (Qwen3's q_norm and k_norm, so the model travels as a Qwen3 checkpoint)
+    qk_norm_weight: bool = False
     logit_softcap: float | None = option(None, gt=0)  # logits -> cap * tanh(logits / cap); None: off
     zero_init_out: bool = False  # residual output projections (attention out, FFN down) start at zero
     # a per-layer token table added to the attention's values (nanochat, modded-nanogpt): on every
@@ -288,6 +291,8 @@ class ModelConfig:
             )
         if cfg.n_heads % cfg.n_kv_heads:
             raise TinyLMError(f"model.n_kv_heads={cfg.n_kv_heads} must divide model.n_heads={cfg.n_heads}")
+        if cfg.qk_norm_weight and not cfg.qk_norm:
+            raise TinyLMError("model.qk_norm_weight=true is a gain on QK-norm: set model.qk_norm=true too")
         if cfg.positions == "rope" and (cfg.d_attn // cfg.n_heads) % 2:
             raise TinyLMError("rotary positions need an even head width (d_attn / n_heads)")
         return cfg

@@ -1,22 +1,29 @@
 """GGUF files for llama.cpp from Llama-shaped tinylm models, written with the ``gguf`` package.
 
-The file uses llama.cpp's ``llama`` architecture: tensor names and metadata keys come from
-``gguf.constants`` (``MODEL_ARCH.LLAMA``), weights keep their ``(out, in)`` rows as
+The file uses llama.cpp's ``llama`` architecture, or ``qwen3`` for a model with QK-norm: tensor
+names and metadata keys come from ``gguf.constants`` (``MODEL_ARCH.LLAMA``, ``MODEL_ARCH.QWEN3``,
+whose layers add ``attn_q_norm`` and ``attn_k_norm``), weights keep their ``(out, in)`` rows as
 ``convert_hf_to_gguf`` writes them. llama.cpp's llama graph rotates consecutive pairs (its
 "normal" rope), which is tinylm's layout, so q and k are written as they are (converting from
-Hugging Face permutes their rows to get the same layout).
+Hugging Face permutes their rows to get the same layout); its qwen3 graph rotates half-split
+pairs (NEOX rope), so there the rows of q and k and the QK-norm gains are permuted to Hugging
+Face's layout. A QK-norm without gain is written with gains of ones (when its epsilon is the
+model's, see ``tinylm.interop.llama``).
 
 Tokenizers: tinylm's byte-level BPE becomes GGUF's ``gpt2`` model (tokens spelled with GPT-2's
 byte -> character table, merges in rank order, pre-tokenizer ``gpt-2``, which is the regex tinylm
 splits with by default); a llama2.c tokenizer becomes the ``llama`` (sentencepiece) model with
-its scores, byte pieces and dummy prefix. Rows of the model beyond the tokenizer's vocabulary get
-unused placeholder tokens, as llama.cpp needs one token per row.
+its scores, byte pieces and dummy prefix; a tinylm word tokenizer becomes the ``bert``
+(WordPiece) model, every word one token at its id. llama.cpp's WordPiece splits text at every
+punctuation mark, so it encodes contractions ("didn't") differently from tinylm; fed tinylm's ids
+the model is the same. Rows of the model beyond the tokenizer's vocabulary get unused
+placeholder tokens, as llama.cpp needs one token per row.
 
 Precision: ``f32``; ``f16`` (matrices in float16, norm weights stay float32 as llama.cpp
 expects); ``q8_0`` (matrices quantized by ``gguf.quants`` in blocks of 32 along each row; a matrix
 whose rows are not a multiple of 32 long is written in float16).
 
-Architecture options llama.cpp's llama graph has no place for are refused by name.
+Architecture options neither llama.cpp graph has a place for are refused by name.
 """
 
 from __future__ import annotations
@@ -28,12 +35,12 @@ import numpy as np
 
 from tinylm.config import ModelConfig
 from tinylm.errors import TinyLMError
-from tinylm.interop.llama import non_llama_options
-from tinylm.models.gpt import state_dict_by_parts
+from tinylm.interop.llama import llama_state, meta_to_hf_rows, non_qwen3_options, permute_rotary
 from tinylm.tokenizers.base import Tokenizer
 from tinylm.tokenizers.bpe import BPETokenizer
 from tinylm.tokenizers.hf_interop import byte_to_unicode
 from tinylm.tokenizers.llama2c import BYTE_FALLBACK_BASE, Llama2cTokenizer
+from tinylm.tokenizers.word import WordTokenizer
 
 GgufDtype = Literal["f32", "f16", "q8_0"]
 GGUF_DTYPES = get_args(GgufDtype)
@@ -52,6 +59,13 @@ LAYER_TENSORS = [
     ("ffn.up.weight", "FFN_UP"),
     ("ffn.down.weight", "FFN_DOWN"),
 ]
+QWEN3_TENSORS = [("attn.q_norm", "ATTN_Q_NORM"), ("attn.k_norm", "ATTN_K_NORM")]
+WORDPIECE_SPACE = "\u2581"  # llama.cpp's WordPiece tokenizer looks every word up with this before it
+# keys llama.cpp reads for its WordPiece tokenizer that the gguf package has no constant for
+NORMALIZER_LOWERCASE, NORMALIZER_STRIP_ACCENTS = (
+    "tokenizer.ggml.normalizer.lowercase",
+    "tokenizer.ggml.normalizer.strip_accents",
+)
 
 
 def _gguf():
@@ -63,25 +77,28 @@ def _gguf():
 
 
 def check_gguf_exportable(cfg: ModelConfig) -> None:
-    bad = non_llama_options(cfg)
+    bad = non_qwen3_options(cfg)
     if bad:
         raise TinyLMError(
-            "llama.cpp's llama architecture has no equivalent of "
+            f"llama.cpp's {'qwen3' if cfg.qk_norm else 'llama'} architecture has no equivalent of "
             + ", ".join(bad)
-            + "; only Llama-shaped models (rope, rmsnorm, swiglu, no biases) export to GGUF"
+            + "; only Llama-shaped models (rope, rmsnorm, swiglu, no biases; Qwen3's with QK-norm) export to GGUF"
         )
 
 
 def model_tensors(model) -> list[tuple[str, np.ndarray]]:
     """(GGUF name, float32 array) of every weight, in llama.cpp's order; no ``output`` when tied."""
     gguf = _gguf()
-    names, T = gguf.TENSOR_NAMES, gguf.MODEL_TENSOR
-    sd = {k: v.detach().float().cpu().numpy() for k, v in state_dict_by_parts(model).items()}
+    names, T, cfg = gguf.TENSOR_NAMES, gguf.MODEL_TENSOR, model.config
+    sd = llama_state(model)
+    if cfg.qk_norm:  # llama.cpp's qwen3 graph rotates half-split pairs (its NEOX rope), as Hugging Face does
+        sd = permute_rotary(sd, cfg, meta_to_hf_rows)
+    sd = {k: v.numpy() for k, v in sd.items()}
     out = [(names[T.TOKEN_EMBD] + ".weight", sd["tok_emb.weight"])]
-    for i in range(model.config.n_layers):
+    for i in range(cfg.n_layers):
         out += [
             (names[getattr(T, member)].format(bid=i) + ".weight", sd[f"blocks.{i}.{ours}"])
-            for ours, member in LAYER_TENSORS
+            for ours, member in LAYER_TENSORS + (QWEN3_TENSORS if cfg.qk_norm else [])
         ]
     out.append((names[T.OUTPUT_NORM] + ".weight", sd["norm_f.weight"]))
     if not model.config.tie_weights:
@@ -140,6 +157,24 @@ def llama2c_vocabulary(tok: Llama2cTokenizer, vocab_size: int) -> list[tuple[str
     return tokens + _padding_tokens(len(tokens), vocab_size)
 
 
+def word_vocabulary(tok: WordTokenizer, vocab_size: int) -> list[tuple[str, int, float]]:
+    """GGUF ``bert`` (WordPiece) tokens of a tinylm word tokenizer, at tinylm's ids: every word
+    spelled "▁word", so llama.cpp finds a vocabulary word whole and makes any other word the
+    unknown token; the specials by name; the pieces of ``oov="bpe"`` as themselves."""
+    kind, words = _gguf().TokenType, set(tok.word_ids)
+    controls = {tok.pad_id, tok.sos_id, tok.eos_id}
+    tokens = []
+    for i in range(tok.vocab_size):
+        piece = tok.id_to_piece(i)
+        if i == tok.unk_id:
+            tokens.append((piece, kind.UNKNOWN, 0.0))
+        elif i in controls:
+            tokens.append((piece, kind.CONTROL, 0.0))
+        else:
+            tokens.append((WORDPIECE_SPACE + piece if i in words else piece, kind.NORMAL, 0.0))
+    return tokens + _padding_tokens(len(tokens), vocab_size)
+
+
 def add_tokenizer(writer, tokenizer: Tokenizer | None, vocab_size: int) -> None:
     if isinstance(tokenizer, BPETokenizer):
         tokens, merges = bpe_vocabulary(tokenizer, vocab_size)
@@ -151,11 +186,19 @@ def add_tokenizer(writer, tokenizer: Tokenizer | None, vocab_size: int) -> None:
         tokens = llama2c_vocabulary(tokenizer, vocab_size)
         writer.add_tokenizer_model("llama")
         writer.add_add_space_prefix(True)
+    elif isinstance(tokenizer, WordTokenizer):
+        tokens = word_vocabulary(tokenizer, vocab_size)
+        writer.add_tokenizer_model("bert")
+        writer.add_bool(NORMALIZER_LOWERCASE, tokenizer.lowercase)
+        writer.add_bool(NORMALIZER_STRIP_ACCENTS, False)
+        writer.add_add_sep_token(False)
+        writer.add_sep_token_id(tokenizer.eos_id)  # llama.cpp ends every WordPiece text it tokenizes with it
+        writer.add_pad_token_id(tokenizer.pad_id)
     else:
         kind = getattr(tokenizer, "type_name", None)
         raise TinyLMError(
             f"a {kind or 'missing'} tokenizer has no GGUF equivalent; GGUF export takes a tinylm "
-            "byte-level BPE (type bpe) or a llama2.c tokenizer.bin"
+            "byte-level BPE (type bpe), a tinylm word tokenizer or a llama2.c tokenizer.bin"
         )
     if len(tokens) > vocab_size:
         raise TinyLMError(f"the tokenizer has {len(tokens)} tokens but the model only {vocab_size} rows")
@@ -199,7 +242,8 @@ def export_gguf(model, path: str | Path, tokenizer: Tokenizer | None, dtype: Ggu
     gguf = _gguf()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    writer = gguf.GGUFWriter(path, gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.LLAMA])
+    arch = gguf.MODEL_ARCH.QWEN3 if cfg.qk_norm else gguf.MODEL_ARCH.LLAMA
+    writer = gguf.GGUFWriter(path, gguf.MODEL_ARCH_NAMES[arch])
     try:
         add_hyperparameters(writer, cfg, dtype)
         add_tokenizer(writer, tokenizer, cfg.vocab_size)

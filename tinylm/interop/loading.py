@@ -1,4 +1,5 @@
-"""Loading a model from any checkpoint tinylm reads, and writing one as a Hugging Face directory.
+"""Loading a model from any checkpoint tinylm reads, and writing one as a Hugging Face directory
+(GPT-2, Llama, or Qwen3 for a Llama-shaped model with QK-norm; all three are read back).
 
 ``load_any_checkpoint(path, tokenizer_path=None) -> (model, tokenizer, source)`` is what
 ``tinylm generate``, ``evaluate``, ``export-hf`` and the benchmarks use. The tokenizer says how
@@ -52,19 +53,22 @@ class HFTokenizerAdapter(Tokenizer):
         return self.hf.decode(list(ids), skip_special_tokens=True)
 
 
+HF_CLASSES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+
 def load_hf_dir(path: str | Path):
-    """A tinylm GPT from a Hugging Face GPT-2 or Llama model directory."""
+    """A tinylm GPT from a Hugging Face GPT-2, Llama or Qwen3 model directory."""
     path = Path(path)
     try:
         config = json.loads((path / "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError, RecursionError) as exc:  # ValueError: not JSON, or not UTF-8
         raise TinyLMError(f"{path}/config.json is missing or unreadable ({exc})") from exc
     kind = config.get("model_type") if isinstance(config, dict) else None
-    if kind not in ("gpt2", "llama"):
-        raise TinyLMError(f"{path} holds a {kind!r} model; tinylm imports gpt2 and llama")
+    if kind not in HF_CLASSES:
+        raise TinyLMError(f"{path} holds a {kind!r} model; tinylm imports {', '.join(HF_CLASSES)}")
     import transformers  # deferred: transformers takes seconds to import
 
-    hf_class = transformers.GPT2LMHeadModel if kind == "gpt2" else transformers.LlamaForCausalLM
+    hf_class = getattr(transformers, HF_CLASSES[kind])
     convert = from_hf_gpt2 if kind == "gpt2" else from_hf_llama
     try:  # transformers raises many kinds of errors on a damaged directory; keep the first line
         hf, info = hf_class.from_pretrained(path, output_loading_info=True)
@@ -172,15 +176,28 @@ def load_any_checkpoint(path: str | Path, tokenizer_path: str | Path | None = No
     return model, tokenizer, {"format": "tinylm", "meta": meta}
 
 
+def hf_family(cfg) -> str:
+    """The Hugging Face model family a tinylm GPT of this shape is written as."""
+    if is_gpt2_shape(cfg):
+        return "GPT-2"
+    if is_llama_shape(cfg):
+        return "Qwen3" if cfg.qk_norm else "Llama"
+    raise TinyLMError(
+        "this model is neither GPT-2-shaped nor Llama-shaped (Llama, or Qwen3 with QK-norm); no Hugging Face "
+        "class matches it"
+    )
+
+
 def export_hf(model, out_dir: str | Path, tokenizer=None) -> Path:
-    """Write a tinylm GPT of GPT-2 or Llama shape as a Hugging Face model directory
-    (``from_pretrained`` loads it with the same logits); a tinylm tokenizer is saved beside it."""
-    if is_gpt2_shape(model.config):
+    """Write a tinylm GPT of GPT-2, Llama or Qwen3 shape as a Hugging Face model directory
+    (``from_pretrained`` loads it with the same logits); a tinylm tokenizer is saved beside it,
+    and its start and end ids go into the config."""
+    if hf_family(model.config) == "GPT-2":
         hf = to_hf_gpt2(model)
-    elif is_llama_shape(model.config):
-        hf = to_hf_llama(model)
+    elif tokenizer is not None and tokenizer.bos_id is not None and tokenizer.eos_id is not None:
+        hf = to_hf_llama(model, tokenizer.bos_id, tokenizer.eos_id)
     else:
-        raise TinyLMError("this model is neither GPT-2-shaped nor Llama-shaped; no Hugging Face class matches it")
+        hf = to_hf_llama(model)
     out_dir = Path(out_dir)
     hf.save_pretrained(out_dir)
     # a tinylm JSON tokenizer travels with the model; llama2.c's binary one is not copied

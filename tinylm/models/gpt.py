@@ -57,7 +57,10 @@ class LayerNorm(nn.Module):
         return torch.layer_norm(x, (x.shape[-1],), self.weight, self.bias, self.eps)
 
 
-def rms_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+QK_NORM_EPS = 1e-6  # the epsilon of QK-norm without gain (with one, model.norm_eps, as Qwen3)
+
+
+def rms_normalize(x: torch.Tensor, eps: float = QK_NORM_EPS) -> torch.Tensor:
     """x / sqrt(mean(x^2) + eps) over the last dimension, no gain (RMSNorm's core; QK-norm)."""
     # sum * (1/D) rather than mean(): same value, and mean() costs several times more per call
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) * (1.0 / x.shape[-1]) + eps)
@@ -374,6 +377,11 @@ class CausalSelfAttention(nn.Module):
         self.head_dim = cfg.d_attn // cfg.n_heads
         self.impl = cfg.attention
         self.qk_norm = cfg.qk_norm
+        self.qk_eps = cfg.norm_eps if cfg.qk_norm_weight else QK_NORM_EPS
+        if cfg.qk_norm_weight:  # Qwen3's q_norm and k_norm: one gain over the head dimension each
+            self.q_norm = nn.Parameter(torch.ones(self.head_dim))
+            self.k_norm = nn.Parameter(torch.ones(self.head_dim))
+        self.qk_norm_weight = cfg.qk_norm_weight
         self.dropout = cfg.dropout if cfg.attn_dropout is None else cfg.attn_dropout  # on the weights
         kv_width = cfg.n_kv_heads * self.head_dim
         self.qkv = FusedLinear(
@@ -399,7 +407,10 @@ class CausalSelfAttention(nn.Module):
         if self.value_embed is not None:  # before the cache: decoding reads the values with it added
             v = v + self.value_embed.forward(idx).view(B, T, Hkv, D).transpose(1, 2).to(v.dtype)
         if self.qk_norm:  # unit RMS per head: bounded attention logits whatever the weights' scale
-            qk = rms_normalize(qk)
+            qk = rms_normalize(qk, self.qk_eps)
+            if self.qk_norm_weight:  # the query heads' gain, then the key heads' (qk holds H + Hkv heads)
+                gain = torch.cat([self.q_norm.expand(H, D), self.k_norm.expand(Hkv, D)])
+                qk = qk * gain.view(H + Hkv, 1, D).to(qk.dtype)
         if rope is not None:
             qk = apply_rope(qk, *rope)
         q, k = qk[:, :H], qk[:, H:]  # (B, H, T, D), (B, Hkv, T, D)

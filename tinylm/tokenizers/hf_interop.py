@@ -6,8 +6,13 @@ then ``ByteLevel`` without its own regex (bytes shown as GPT-2's printable chara
 whose ranks are tinylm's merge order, and the four specials as special added tokens with ids 0-3.
 A ``CharTokenizer`` becomes a BPE model without merges whose vocabulary is tinylm's (specials,
 the 256 bytes as ``<0xNN>``, the characters) with byte fallback: a character outside the
-vocabulary is its UTF-8 bytes, as in tinylm. The raw ``tokenizer.json`` recognises special strings
-in the input (for BPE: tinylm's ``encode(text, allowed_special="all")``).
+vocabulary is its UTF-8 bytes, as in tinylm. A ``WordTokenizer`` (regex splitter, ``oov="unk"``)
+becomes a ``WordLevel`` model over tinylm's ids with ``<unk>`` for the rest, behind a ``Lowercase``
+normaliser when it lowercases and a ``Split`` that keeps the pattern's matches (Python's word and
+space classes spelled as the Unicode categories they mean, since Oniguruma's differ on combining
+marks and on the separators U+001C-U+001F), punctuation dropped when the tokenizer drops it; its
+decoder re-joins words as tinylm's does. The raw ``tokenizer.json`` recognises special strings in the input (for BPE:
+tinylm's ``encode(text, allowed_special="all")``).
 
 ``save_hf_tokenizer`` writes the directory ``AutoTokenizer.from_pretrained`` loads: the
 ``tokenizer.json`` plus ``tokenizer_config.json`` naming the start (bos), end (eos), unknown and
@@ -15,8 +20,9 @@ padding tokens, with ``split_special_tokens`` so that special strings in text ar
 as in tinylm's ``encode``: the same ids on any text. As with GPT-2's tokenizer, nothing is added
 around the text (no start token): a caller puts ``bos_token_id`` first where tinylm would.
 
-Refused, with the reason: word-level tokenizers (``word``, ``word_bpe``) lose the text's spacing
-and normalise it, so a token count or a byte count of the text would not be the model's; and
+Refused, with the reason: ``word_bpe``, which normalises the text, so a token count or a byte
+count of the text would not be the model's; a word tokenizer with spaCy's splitter or with BPE
+pieces for unknown words (``oov="bpe"``), which no Hugging Face model reproduces; and
 llama2.c's ``tokenizer.bin``, whose merge rule (run.c: the best-scoring pair anywhere, ties to
 the leftmost, merging through BOS) has no exact Hugging Face equivalent.
 
@@ -30,6 +36,7 @@ spelling, so segmentation is unchanged.
 from __future__ import annotations
 
 import json
+import re
 import warnings
 from pathlib import Path
 
@@ -37,6 +44,7 @@ from tinylm.constants import SPECIAL_TOKENS
 from tinylm.errors import TinyLMError
 from tinylm.tokenizers.bpe import BYTE_BASE, FIRST_MERGE_ID, SPLIT_PATTERNS, BPETokenizer, total_pattern
 from tinylm.tokenizers.char import CharTokenizer
+from tinylm.tokenizers.word import NO_SPACE_BEFORE, WORD_PATTERN, WordTokenizer
 
 _MAX_ALIAS_MERGES = 100_000  # guard against a pathological file blowing up the alias expansion
 
@@ -55,8 +63,6 @@ def _visible(raw: bytes, table: dict[int, str]) -> str:
 
 # ------------------------------------------------------------------------------------- export
 REFUSALS = {
-    "word": "a word-level tokenizer drops the text's spacing (and unknown words), so a Hugging Face copy "
-    "could not count the bytes and tokens the model scores",
     "word_bpe": "a word_bpe tokenizer normalises the text (case, punctuation, spacing) before splitting it, "
     "so a Hugging Face copy could not count the bytes and tokens the model scores",
     "llama2c": "llama2.c's merge rule (the best-scoring pair anywhere, ties to the leftmost, merging through "
@@ -104,18 +110,56 @@ def _char_to_hf(tok: CharTokenizer, hf_lib):
     return hf
 
 
+# Python's \w and \s (what tinylm's word patterns mean) spelled for Oniguruma, whose \w also takes
+# combining marks and whose \s leaves out the separators \x1c-\x1f
+_WORD_CHAR, _NOT_WORD_OR_SPACE = r"[\p{L}\p{N}_]", r"[^\p{L}\p{N}_\s\x1c-\x1f]"
+HF_WORD_PATTERNS = {WORD_PATTERN: rf"{_WORD_CHAR}+(?:'{_WORD_CHAR}+)*|{_NOT_WORD_OR_SPACE}"}
+# WordTokenizer.join's rule as a regex: the start of a word that takes a space before it (a
+# Hugging Face decoder adds it to every such word, then drops the text's first space)
+_SPACE_BEFORE = "^(?!(?:" + "|".join(re.escape(p) for p in sorted(NO_SPACE_BEFORE)) + ")$|')"
+
+
+def _word_to_hf(tok: WordTokenizer, hf_lib):
+    """A ``WordLevel`` model over tinylm's ids (specials by name, words, ``<unk>`` for the rest)
+    behind tinylm's normalisation (lowercase) and split (the pattern's matches, punctuation
+    dropped unless kept)."""
+    if tok.splitter != "regex" or tok.oov_bpe is not None:
+        option = "splitter=spacy (spaCy's rules)" if tok.splitter != "regex" else "oov=bpe (pieces for unknown words)"
+        raise TinyLMError(
+            f"the word tokenizer cannot be exported to Hugging Face: {option} has no Hugging Face equivalent; "
+            "a word tokenizer with the regex splitter and oov=unk can"
+        )
+    vocab = {tok.id_to_piece(i): i for i in range(tok.vocab_size)}
+    if len(vocab) != tok.vocab_size:
+        raise TinyLMError("the word vocabulary holds a special token's name; a Hugging Face vocabulary cannot")
+    hf = hf_lib.Tokenizer(hf_lib.models.WordLevel(vocab=vocab, unk_token=tok.id_to_piece(tok.unk_id)))
+    if tok.lowercase:
+        hf.normalizer = hf_lib.normalizers.Lowercase()
+    pre = hf_lib.pre_tokenizers
+    pattern = HF_WORD_PATTERNS.get(tok.pattern, tok.pattern)
+    steps = [pre.Split(hf_lib.Regex(pattern), behavior="removed", invert=True)]  # re.findall's words
+    if not tok.keep_punctuation:
+        steps.append(pre.Split(hf_lib.Regex(rf"\A{_NOT_WORD_OR_SPACE}+\z"), behavior="removed"))
+    hf.pre_tokenizer = pre.Sequence(steps)
+    dec = hf_lib.decoders
+    hf.decoder = dec.Sequence([dec.Replace(hf_lib.Regex(_SPACE_BEFORE), " "), dec.Fuse(), dec.Strip(" ", 1, 0)])
+    return hf
+
+
 def to_hf_tokenizer(tok):
     """A ``tokenizers.Tokenizer`` giving ``tok``'s ids (needs the ``tokenizers`` package); a
     tokenizer Hugging Face cannot represent exactly is refused with the reason."""
     kind = getattr(tok, "type_name", type(tok).__name__)
-    if not isinstance(tok, (BPETokenizer, CharTokenizer)):
+    converters = {BPETokenizer: _bpe_to_hf, CharTokenizer: _char_to_hf, WordTokenizer: _word_to_hf}
+    convert = next((f for cls, f in converters.items() if isinstance(tok, cls)), None)
+    if convert is None:
         reason = REFUSALS.get(kind, f"no Hugging Face tokenizer gives the ids of a {type(tok).__name__}")
         raise TinyLMError(
             f"the {kind} tokenizer cannot be exported to Hugging Face: {reason} "
-            "(only BPE tokenizers and char tokenizers can)"
+            "(only BPE tokenizers, char tokenizers and word tokenizers can)"
         )
     hf_lib = _tokenizers_modules()
-    hf = _bpe_to_hf(tok, hf_lib) if isinstance(tok, BPETokenizer) else _char_to_hf(tok, hf_lib)
+    hf = convert(tok, hf_lib)
     hf.add_special_tokens([hf_lib.AddedToken(s, special=True, normalized=False) for s in SPECIAL_TOKENS])
     return hf
 
@@ -134,17 +178,17 @@ def save_hf_tokenizer_json(tok, path: str | Path) -> Path:
 def hf_tokenizer_config(tok, model_max_length: int | None = None) -> dict:
     """``tokenizer_config.json`` for ``tok``: its special tokens by role, special strings in text
     kept as text, and no clean-up of spaces on decoding (tinylm's decode adds or drops none)."""
-    names = tok.special_tokens
+    names = tok.id_to_piece
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "split_special_tokens": True,
         "clean_up_tokenization_spaces": False,
         "add_bos_token": False,
         "add_eos_token": False,
-        "bos_token": names[tok.bos_id] if tok.bos_id is not None else None,
-        "eos_token": names[tok.stop_ids[0]] if tok.stop_ids else None,
-        "unk_token": names[tok.unk_id],
-        "pad_token": names[tok.pad_id],
+        "bos_token": names(tok.bos_id) if tok.bos_id is not None else None,
+        "eos_token": names(tok.stop_ids[0]) if tok.stop_ids else None,
+        "unk_token": names(tok.unk_id),
+        "pad_token": names(tok.pad_id),
     }
     if model_max_length is not None:
         config["model_max_length"] = model_max_length

@@ -28,7 +28,7 @@ from tinylm.tokenizers.base import Tokenizer, count_pieces
 from tinylm.tokenizers.word_bpe import END_OF_WORD, EOW_ID, WordBPETokenizer
 
 WORD_PATTERN = r"\w+(?:'\w+)*|[^\w\s]"
-_NO_SPACE_BEFORE = set(".,!?;:)]}'\"") | {"n't", "'s"}
+NO_SPACE_BEFORE = set(".,!?;:)]}'\"") | {"n't", "'s"}
 _PUNCT = re.compile(r"[^\w\s]+")
 # the constructor's options besides the vocabulary, saved with it
 OPTIONS = ("lowercase", "pattern", "keep_punctuation", "splitter", "special_tokens", "specials_at", "oov")
@@ -106,7 +106,7 @@ class WordTokenizer(Tokenizer):
         self._nlp = _spacy_tokenizer() if splitter == "spacy" else None
         # id layout: [specials][words][OOV pieces: __, characters, merges], or the specials last
         n_pieces = self.oov_bpe.vocab_size - EOW_ID if self.oov_bpe is not None else 0
-        first_word = len(SPECIAL_TOKENS) if specials_at == "start" else 0
+        first_word = self.word_ids.start
         self._piece_offset = first_word + len(self.words) - EOW_ID  # word_bpe id b (>= __) -> b + offset
         first_special = 0 if specials_at == "start" else len(self.words) + n_pieces
         ids = {name: first_special + i for i, name in enumerate(self.special_tokens)}
@@ -131,6 +131,12 @@ class WordTokenizer(Tokenizer):
     @property
     def vocab_size(self) -> int:
         return self._size
+
+    @property
+    def word_ids(self) -> range:
+        """The ids of the vocabulary's words: after the specials, or first with ``specials_at="end"``."""
+        first = len(SPECIAL_TOKENS) if self.specials_at == "start" else 0
+        return range(first, first + len(self.words))
 
     def split(self, text: str) -> list[str]:
         if self.lowercase:
@@ -204,7 +210,7 @@ class WordTokenizer(Tokenizer):
         """Words re-joined with single spaces, none before closing punctuation."""
         out: list[str] = []
         for piece in words:
-            if out and piece not in _NO_SPACE_BEFORE and not piece.startswith("'"):
+            if out and piece not in NO_SPACE_BEFORE and not piece.startswith("'"):
                 out.append(" ")
             out.append(piece)
         return "".join(out)
