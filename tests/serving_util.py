@@ -65,7 +65,11 @@ def wait_healthy(url: str, seconds: float = 60.0, proc: subprocess.Popen | None 
         except httpx.HTTPError:
             pass
         if time.monotonic() > deadline:
-            raise RuntimeError(f"{url} did not answer /health with 200 within {seconds} s")
+            output = ""
+            if proc is not None:  # what the server said is the way to know why
+                proc.kill()
+                output = ": " + proc.communicate()[0][-3000:]
+            raise RuntimeError(f"{url} did not answer /health with 200 within {seconds} s{output}")
         time.sleep(0.1)
 
 

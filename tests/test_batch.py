@@ -56,8 +56,8 @@ def test_rows_that_ask_score_their_prompts_in_their_prefill(model, use_cache):
         if asks[i]:
             assert isinstance(events[i][0], PromptEvent)  # before the row's first token
             picked, top = reference(model, prompt, 3)
-            assert scored[0].logprobs == pytest.approx(picked, abs=1e-5)
-            assert [[t for t, _ in alternatives] for alternatives in scored[0].top] == top
+            assert scored[0].scored.logprobs.tolist() == pytest.approx(picked, abs=1e-5)
+            assert scored[0].scored.top_ids.tolist() == top
         tokens = [e.token for e in events[i] if isinstance(e, TokenEvent)]
         assert tokens == [e.token for e in plain[i] if isinstance(e, TokenEvent)]  # the same tokens as without
 

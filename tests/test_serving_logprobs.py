@@ -61,8 +61,8 @@ def check_prompt_part(choice, served, ids, top=3):
     assert lp["text_offset"][:n] == [len(tok.decode(ids[:k])) for k in range(n)]
     assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
     expected = served.sequence_logprobs(ids, top)
-    assert lp["token_logprobs"][1:n] == pytest.approx([x for x, _ in expected], abs=1e-5)
-    for got, (_, alternatives) in zip(lp["top_logprobs"][1:n], expected):
+    assert lp["token_logprobs"][1:n] == pytest.approx(expected.logprobs.tolist(), abs=1e-5)
+    for got, alternatives in zip(lp["top_logprobs"][1:n], expected.alternatives()):
         assert 1 <= len(got) <= top and max(got.values()) == pytest.approx(alternatives[0][1], abs=1e-5)
 
 
@@ -98,7 +98,7 @@ def test_the_harness_request_scores_the_prompt_then_one_new_token(client, served
     assert len(lp["token_logprobs"]) == len(context + continuation) + 1
     scored = served.sequence_logprobs(context + continuation)
     assert sum(lp["token_logprobs"][len(context) : -1]) == pytest.approx(
-        sum(x for x, _ in scored[len(context) - 1 :]), abs=1e-4
+        float(scored.logprobs[len(context) - 1 :].sum()), abs=1e-4
     )
     greedy = lp["top_logprobs"][-1]  # temperature 0: the new token is the most likely one
     assert lp["token_logprobs"][-1] == pytest.approx(max(greedy.values()))
@@ -137,7 +137,7 @@ def test_a_stop_token_that_ends_a_choice_is_listed_last(client, served):
     """The scheduler ends a row on a stop id without emitting it; with echo the logprobs still end
     with it (text ""), as OpenAI's do, so the harness's [ctxlen:-1] keeps every prompt token."""
     ids = served.tokenizer.encode("The dog ran")
-    greedy = served.sequence_logprobs(ids + [0], top=1)[-1][1][0][0]  # the likeliest token after the prompt
+    greedy = int(served.sequence_logprobs(ids + [0], top=1).top_ids[-1, 0])  # the likeliest token after the prompt
     body = score(client, [ids], max_tokens=1, logprobs=2, stop_ids=[greedy])
     choice = body["choices"][0]
     lp = choice["logprobs"]

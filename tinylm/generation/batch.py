@@ -35,7 +35,15 @@ from typing import Callable
 import torch
 
 from tinylm.config import GenerationConfig
-from tinylm.generation.core import cache_slots, full_forward, model_device, picked_logprobs, prefill, window
+from tinylm.generation.core import (
+    ScoredTokens,
+    cache_slots,
+    full_forward,
+    model_device,
+    prefill,
+    scored_tokens,
+    window,
+)
 from tinylm.generation.decode import decode_step
 from tinylm.generation.processors import NEG_INF, NgramBan, mark_seen, penalise_seen
 from tinylm.generation.sampling import RowKnobs, choose
@@ -59,8 +67,7 @@ class PromptEvent:
     """A row's prompt scored by its prefill (``Row.prompt_logprobs``): for each prompt token after
     the first, its log p given the tokens before it, and the most likely (id, log p) there."""
 
-    logprobs: list[float]
-    top: list[list[tuple[int, float]]]
+    scored: ScoredTokens
 
 
 @dataclass
@@ -113,11 +120,11 @@ def _emit_prompt_logprobs(rows: list[Row], ids: list[list[int]], logits: torch.T
         if r.prompt_logprobs is None:
             continue
         if len(ids[j]) < 2:  # a lone token has nothing before it to be scored against
-            r.emit(PromptEvent([], []))
+            r.emit(PromptEvent(ScoredTokens.join([], r.prompt_logprobs)))
             continue
         first = length - len(ids[j])  # the row's first real position
         logp = torch.log_softmax(logits[j, first : length - 1].float(), dim=-1)  # predicts ids[j][1:]
-        r.emit(PromptEvent(*picked_logprobs(logp, ids[j][1:], r.prompt_logprobs)))
+        r.emit(PromptEvent(scored_tokens(logp, ids[j][1:], r.prompt_logprobs)))
 
 
 def hits_stop_string(decode: Callable[[list[int]], str], ids: list[int], stop_strings) -> bool:

@@ -5,10 +5,13 @@ The decoding batch (batch.py) and beam search (beam.py) are both built on these.
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Iterable
 
+import numpy as np
 import torch
 
 from tinylm.constants import PAD_ID
@@ -90,12 +93,52 @@ def prefill(model, rows: list[list[int]], max_len: int, all_logits: bool = False
     return cache, logits if all_logits else logits[:, -1], lengths.clone()
 
 
-def picked_logprobs(logp: torch.Tensor, targets: list[int], top: int) -> tuple[list[float], list[list]]:
+@dataclass(frozen=True)
+class ScoredTokens:
+    """Scored tokens as arrays: each token's log p given the tokens before it, and the ``top``
+    likeliest (id, log p) there. A scored prompt of 16,384 tokens crosses the engine boundary as
+    three arrays, not 16,384 x 6 Python tuples built and pickled while other rows decode."""
+
+    logprobs: np.ndarray  # (N,) float32
+    top_ids: np.ndarray  # (N, k) int64
+    top_logprobs: np.ndarray  # (N, k) float32
+
+    def __len__(self) -> int:
+        return len(self.logprobs)
+
+    def alternatives(self) -> "TopAlternatives":
+        return TopAlternatives(self.top_ids, self.top_logprobs)
+
+    @staticmethod
+    def join(parts: list["ScoredTokens"], top: int) -> "ScoredTokens":
+        if not parts:
+            empty = np.zeros((0, top), dtype=np.float32)
+            return ScoredTokens(np.zeros(0, dtype=np.float32), empty.astype(np.int64), empty)
+        return ScoredTokens(*(np.concatenate(arrays) for arrays in zip(*(dataclasses.astuple(p) for p in parts))))
+
+
+class TopAlternatives(Sequence):
+    """Each token's alternatives as a list of (id, log p), built when read (a slice at a time as
+    a long response is written)."""
+
+    def __init__(self, ids: np.ndarray, logprobs: np.ndarray):
+        self.ids, self.logprobs = ids, logprobs
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, k):
+        if isinstance(k, slice):
+            return [list(zip(i, v)) for i, v in zip(self.ids[k].tolist(), self.logprobs[k].tolist())]
+        return list(zip(self.ids[k].tolist(), self.logprobs[k].tolist()))
+
+
+def scored_tokens(logp: torch.Tensor, targets: list[int], top: int) -> ScoredTokens:
     """For each row of log-probabilities ``logp`` (T, V): the log p of ``targets[t]`` and the ``top``
-    likeliest (id, log p), as lists (a scored prompt, echoed or in a prefill)."""
-    picked = logp.gather(1, torch.tensor(targets, dtype=torch.long, device=logp.device)[:, None]).squeeze(1).tolist()
+    likeliest (id, log p) (a scored prompt, echoed or in a prefill)."""
+    picked = logp.gather(1, torch.tensor(targets, dtype=torch.long, device=logp.device)[:, None]).squeeze(1)
     values, ids = logp.topk(min(top, logp.size(-1)), dim=-1)
-    return picked, [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
+    return ScoredTokens(picked.float().cpu().numpy(), ids.cpu().numpy(), values.float().cpu().numpy())
 
 
 def full_forward(model, rows: list[list[int]]) -> torch.Tensor:

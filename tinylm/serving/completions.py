@@ -38,7 +38,7 @@ from typing import AsyncIterator, Awaitable, Callable, Sequence
 from tinylm.config import ConfigError, GenerationConfig, knob_names
 from tinylm.errors import TinyLMError
 from tinylm.generation.batch import DoneEvent, ErrorEvent, PromptEvent, Row, TokenEvent, ends_row
-from tinylm.generation.core import fit_prompts
+from tinylm.generation.core import ScoredTokens, fit_prompts
 from tinylm.generation.generate import encode_prompt, generate_many, prompt_head
 from tinylm.serving.scheduler import DecodingStopped
 from tinylm.serving.schemas import CompletionRequest
@@ -416,13 +416,12 @@ def logprobs_json(
             return None
         return [{"id": i, "token": text(i), "logprob": lp} for i, lp in alternatives]
 
-    tokens, logprobs, alternatives, offsets, prompt_at = [], [], [], [], []
+    tokens, logprobs, prompt_alternatives, alternatives, offsets, prompt_at = [], [], [], [], [], []
     if prompt_part is not None:
-        ids, lps, alts = prompt_part
+        ids, lps, prompt_alternatives = prompt_part
         tokens += [text(i) for i in ids]
         prompt_at = prompt_offsets(ids, tokenizer, tokens, offset)
         logprobs += lps
-        alternatives += alts
         offset += len(tokenizer.decode(ids))
     new = [(k, choice.tokens[k], choice.logprobs[k], choice.top[k]) for k in range(start, len(choice.tokens))]
     if choice.stop is not None:  # the stop token, after the text
@@ -432,6 +431,7 @@ def logprobs_json(
         tokens.append(text(i))
         logprobs.append(lp)
         alternatives.append(alts)
+    alternatives = Chained(prompt_alternatives, alternatives)
     tops, ids_top = Mapped(top_dict, alternatives), Mapped(top_list, alternatives)
     offsets = Chained(prompt_at, offsets)
     return {
@@ -504,6 +504,11 @@ class Outbox:
             queue.put_nowait(item)
 
 
+def prompt_part(ids: list[int], scored: ScoredTokens) -> tuple:
+    """(ids, log p, alternatives) of an echoed prompt: the first token has none (nothing before it)."""
+    return ids, [None, *scored.logprobs.tolist()], Chained([None], scored.alternatives())
+
+
 async def echo_logprobs(served, plan: Plan) -> dict | None:
     """With echo and logprobs (None otherwise): every prompt token's log probability (the first has
     none), the distinct prompts of the request scored together."""
@@ -511,7 +516,7 @@ async def echo_logprobs(served, plan: Plan) -> dict | None:
         return None
     rows = [list(r) for r in dict.fromkeys(tuple(c.echo_ids) for c in plan.choices)]
     scored = await served.on_model_thread("rows_logprobs", rows, plan.request.logprobs, param="prompt")
-    parts = {tuple(r): (r, [None] + [lp for lp, _ in s], [None] + [a for _, a in s]) for r, s in zip(rows, scored)}
+    parts = {tuple(r): prompt_part(r, s) for r, s in zip(rows, scored)}
     return {c.index: parts[tuple(c.echo_ids)] for c in plan.choices}
 
 
@@ -524,8 +529,8 @@ def beam_choices(served, choices: list[Choice], logprobs: int | None) -> list[Ch
     for c, g in zip(choices, results):
         c.tokens, c.finish_reason, c.seconds = g.tokens, g.finish_reason, seconds
         if logprobs is not None and g.tokens:
-            scored = served.sequence_logprobs(c.prompt_ids + g.tokens, logprobs)[len(c.prompt_ids) - 1 :]
-            c.logprobs, c.top = [lp for lp, _ in scored], [a for _, a in scored]
+            scored, first = served.sequence_logprobs(c.prompt_ids + g.tokens, logprobs), len(c.prompt_ids) - 1
+            c.logprobs, c.top = scored.logprobs[first:].tolist(), scored.alternatives()[first:]
     return choices
 
 
@@ -572,7 +577,7 @@ def record(plan: Plan, index: int, event) -> None:
         c.finish_reason, c.seconds, c.stop_id = event.finish_reason, event.seconds, event.stop_token
         c.stop_scored = event.stop
     elif isinstance(event, PromptEvent):
-        c.prompt_part = (c.echo_ids, [None, *event.logprobs], [None, *event.top])
+        c.prompt_part = prompt_part(c.echo_ids, event.scored)
     elif isinstance(event, DecodingStopped):
         raise unavailable(event.message)
     elif isinstance(event, ErrorEvent):  # with a param: a knob the model could not honour; without: the server's fault

@@ -23,7 +23,7 @@ from tinylm.errors import TinyLMError
 from tinylm.evaluation.perplexity import document_windows, evaluate_texts
 from tinylm.evaluation.plots import attention_maps, attention_maps_of_ids, token_labels
 from tinylm.evaluation.report import read_json
-from tinylm.generation.core import picked_logprobs
+from tinylm.generation.core import ScoredTokens, scored_tokens
 from tinylm.interop.loading import load_any_checkpoint
 from tinylm.models.quantize import InferenceDtype, to_inference_dtype
 from tinylm.serving.completions import APIError, bad, check_scored
@@ -202,17 +202,17 @@ class ServedModel:
             raise TinyLMError("the text encodes to no token to score")
         if max_tokens is not None:
             check_scored(len(ids) - 1, max_tokens, "text")
-        logprobs = [lp for lp, _ in self.sequence_logprobs(ids)]
+        logprobs = self.sequence_logprobs(ids).logprobs.tolist()
         m = evaluate_texts(self.model, self.tokenizer, [text], score_batch(self.context_length, self.vocab_size))
         finite = {k: (v if isinstance(v, (int, float)) and math.isfinite(v) else None) for k, v in m.items()}
         return {"tokens": self.pieces(ids[1:]), "token_logprobs": logprobs, "metrics": finite}
 
-    def sequence_logprobs(self, ids: list[int], top: int = 0) -> list[tuple[float, list[tuple[int, float]]]]:
-        """(log p(ids[t] | ids[:t]), the ``top`` most likely (id, log p)) for t >= 1, with the
+    def sequence_logprobs(self, ids: list[int], top: int = 0) -> ScoredTokens:
+        """log p(ids[t] | ids[:t]) and the ``top`` most likely (id, log p) for t >= 1, with the
         strided windows ``tinylm evaluate`` uses for a text longer than the context."""
         return self.rows_logprobs([ids], top)[0]
 
-    def rows_logprobs(self, rows: list[list[int]], top: int = 0) -> list[list[tuple[float, list[tuple[int, float]]]]]:
+    def rows_logprobs(self, rows: list[list[int]], top: int = 0) -> list[ScoredTokens]:
         """``sequence_logprobs`` of several rows, their windows scored in batches (right-padded:
         a causal model's positions never see the padding after them)."""
         windows = [
@@ -220,7 +220,7 @@ class ServedModel:
             for r, ids in enumerate(rows)
             for inputs, targets in document_windows(ids, self.context_length)
         ]
-        out: list[list] = [[] for _ in rows]
+        parts: list[list[ScoredTokens]] = [[] for _ in rows]
         k = min(top, self.vocab_size)
         batch = score_batch(self.context_length, self.vocab_size)
         with torch.inference_mode():
@@ -230,8 +230,8 @@ class ServedModel:
                 logp = torch.log_softmax(logits.float(), dim=-1)
                 for j, (r, _, targets) in enumerate(chunk):
                     pos = [p for p, t in enumerate(targets) if t != IGNORE_INDEX]
-                    out[r].extend(zip(*picked_logprobs(logp[j, pos], [targets[p] for p in pos], k)))
-        return out
+                    parts[r].append(scored_tokens(logp[j, pos], [targets[p] for p in pos], k))
+        return [ScoredTokens.join(p, k) for p in parts]
 
     def stop_tokens(self, choices: list, top: int = 0) -> list[tuple[int, float, list]]:
         """(id, log p, the ``top`` alternatives) of the stop token that ended each choice: the
