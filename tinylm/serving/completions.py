@@ -35,6 +35,8 @@ import warnings
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Awaitable, Callable, Sequence
 
+import orjson
+
 from tinylm.config import ConfigError, GenerationConfig, knob_names
 from tinylm.errors import TinyLMError
 from tinylm.generation.batch import DoneEvent, ErrorEvent, PromptEvent, Row, TokenEvent, ends_row
@@ -45,7 +47,7 @@ from tinylm.serving.schemas import CompletionRequest
 from tinylm.tokenizers.base import ContinuationText
 
 MAX_LOGPROBS = 20
-JSON_SLICE = 512  # entries of a long list built and written at once (``json_body``)
+JSON_SLICE = 128  # entries of a long list built and written at once (``json_body``): about a millisecond
 MAX_STOPS = 16
 # GenerationConfig's knob -> the request's field, for the knobs a request carries
 REQUEST_FIELDS = knob_names("http")
@@ -675,9 +677,11 @@ async def complete(served, plan: Plan, outbox: Outbox, is_disconnected: Callable
     return completion_json(plan, served.tokenizer, served.name, prompt_parts, lazy=scored > JSON_SLICE)
 
 
-def dumps(value) -> str:
-    """As Starlette's JSONResponse writes JSON: compact, UTF-8 text as is, no NaN."""
-    return json.dumps(value, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+def dumps(value) -> bytes:
+    """Compact UTF-8 JSON, as Starlette's JSONResponse writes it, by orjson: a scored prompt's
+    16,384 entries take a tenth of json's time to encode, time in which no stream moves. A lazy
+    sequence (``Mapped``, ``Chained``) is written as the list it reads as."""
+    return orjson.dumps(value, default=list)
 
 
 def has_long_list(value) -> bool:
@@ -694,38 +698,38 @@ def json_parts(value):
     if not has_long_list(value):
         yield dumps(value)
     elif isinstance(value, dict):
-        yield "{"
+        yield b"{"
         for n, (key, item) in enumerate(value.items()):
-            yield ("," if n else "") + dumps(key) + ":"
+            yield (b"," if n else b"") + dumps(key) + b":"
             yield from json_parts(item)
-        yield "}"
+        yield b"}"
     elif len(value) > JSON_SLICE:  # a long list of short items
-        yield "["
+        yield b"["
         for a in range(0, len(value), JSON_SLICE):
-            yield ("," if a else "") + dumps(list(value[a : a + JSON_SLICE]))[1:-1]
+            yield (b"," if a else b"") + dumps(list(value[a : a + JSON_SLICE]))[1:-1]
             yield None
-        yield "]"
+        yield b"]"
     else:  # a short list holding a long one
-        yield "["
+        yield b"["
         for n, item in enumerate(value):
-            yield "," if n else ""
+            yield b"," if n else b""
             yield from json_parts(item)
-        yield "]"
+        yield b"]"
 
 
 async def json_body(body: dict) -> AsyncIterator[bytes]:
     """A large response (a scored prompt's log probabilities, scores of a long text) built and
     written a slice at a time, the event loop free between slices: the whole of it at once is
     hundreds of milliseconds in which no stream moves and no request is read."""
-    pending: list[str] = []
+    pending: list[bytes] = []
     for part in json_parts(body):
         if part is not None:
             pending.append(part)
             continue
-        yield "".join(pending).encode("utf-8")
+        yield b"".join(pending)
         pending.clear()
         await asyncio.sleep(0)
-    yield "".join(pending).encode("utf-8")
+    yield b"".join(pending)
 
 
 async def sse_stream(served, plan: Plan, outbox: Outbox) -> AsyncIterator[str]:
