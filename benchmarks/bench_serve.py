@@ -176,7 +176,10 @@ async def sse_events(host: str, port: int, path: str, body: dict):
         writer.close()
 
 
-async def one_request(url: str, model: str, seed: int, max_tokens: int, temperature: float) -> dict:
+async def one_request(
+    url: str, model: str, seed: int, max_tokens: int, temperature: float, extra: dict | None = None
+) -> dict:
+    """One streaming completion (``extra``: fields another server needs, e.g. llama.cpp's ignore_eos)."""
     body = {
         "model": model,
         "prompt": PROMPTS[seed % len(PROMPTS)],
@@ -187,6 +190,7 @@ async def one_request(url: str, model: str, seed: int, max_tokens: int, temperat
     }
     if temperature > 0:
         body["top_k"] = 50
+    body.update(extra or {})
     host, port = url.removeprefix("http://").split(":")
     t0 = time.perf_counter()
     token_times, done = [], False
@@ -210,7 +214,14 @@ async def one_request(url: str, model: str, seed: int, max_tokens: int, temperat
 
 
 async def level(
-    url: str, model: str, clients: int, requests: int, max_tokens: int, seconds: float, temperature: float = 0.8
+    url: str,
+    model: str,
+    clients: int,
+    requests: int,
+    max_tokens: int,
+    seconds: float,
+    temperature: float = 0.8,
+    extra: dict | None = None,
 ) -> dict:
     results: list[dict] = []
     t0 = time.perf_counter()
@@ -221,7 +232,7 @@ async def level(
                 return
             try:
                 results.append(
-                    await asyncio.wait_for(one_request(url, model, 1000 * c + k, max_tokens, temperature), 120)
+                    await asyncio.wait_for(one_request(url, model, 1000 * c + k, max_tokens, temperature, extra), 120)
                 )
             except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError, ValueError, KeyError) as exc:
                 results.append({"ok": False, "why": f"{type(exc).__name__}: {exc}"})
