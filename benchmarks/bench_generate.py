@@ -40,6 +40,7 @@ import re
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -223,6 +224,45 @@ def time_greedy(model, ids, new, stop_ids, repeats, compile=False) -> tuple[floa
     return len(tokens) / statistics.median(times), tokens
 
 
+def llama_cpp_greedy(gguf: Path, ids: list[int], new: int, stop_ids, threads: int, repeats: int):
+    """llama.cpp's greedy tokens/s (llama-cpp-python, ``threads`` threads, float32 cache, the
+    prompt's evaluation included as in tinylm's timing) after one untimed run, and its tokens."""
+    import llama_cpp
+
+    llm = llama_cpp.Llama(
+        model_path=str(gguf), n_ctx=512, n_threads=threads, n_threads_batch=threads, verbose=False, type_k=0, type_v=0
+    )
+    times, tokens = [], []
+    for k in range(repeats + 1):
+        t0, tokens = time.perf_counter(), []
+        for token in llm.generate(ids, temp=0.0, top_k=1, repeat_penalty=1.0, reset=True):
+            if token in stop_ids or len(tokens) == new:
+                break
+            tokens.append(token)
+        if k:  # the first run is a warm-up
+            times.append(time.perf_counter() - t0)
+    llm.close()
+    return len(tokens) / statistics.median(times), tokens
+
+
+def llama_cpp_rows(model, tok, ids: list[int], new: int, tinylm_text: str, args) -> list[dict]:
+    """stories260K written by `tinylm export-gguf` and decoded greedily by llama.cpp, beside tinylm."""
+    try:
+        import llama_cpp  # noqa: F401  (a dev extra, compiled from its sdist)
+    except ImportError:
+        print("  (llama-cpp-python not installed: llama.cpp not timed)")
+        return []
+    from tinylm.interop.gguf_export import export_gguf
+
+    with tempfile.TemporaryDirectory() as tmp:
+        gguf = export_gguf(model, Path(tmp) / "stories260K.gguf", tok)
+        speed, tokens = llama_cpp_greedy(gguf, ids, new, set(tok.stop_ids), args.threads, args.repeats)
+    same = tok.decode(ids + tokens) == tinylm_text
+    print(f"  llama.cpp (llama-cpp-python) on stories260K: {speed:.1f} tok/s; the same text as tinylm: {same}")
+    row = {"table": "llama2c", "system": "llama_cpp", "mode": "greedy_cache", "batch": 1}
+    return [{**row, "new_tokens": len(tokens), "tokens_per_s": round(speed, 1), "same_tokens_as_tinylm": same}]
+
+
 def llama2c_rows(args) -> list[dict]:
     from tinylm.interop import load_any_checkpoint
 
@@ -288,7 +328,7 @@ def llama2c_rows(args) -> list[dict]:
         print(f"  llama2.c run: {run_c:.1f} tok/s")
     else:
         print("  (no --llama2c binary given: run.c not timed)")
-    return rows
+    return rows + llama_cpp_rows(model, tok, ids, new, texts["tinylm"], args)
 
 
 def bfloat16_rows(args) -> list[dict]:
