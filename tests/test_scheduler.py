@@ -253,6 +253,30 @@ def test_a_decoding_thread_that_stops_says_why_and_fails_every_row():
     scheduler.close()
 
 
+def test_a_beam_search_takes_turns_with_the_decoding_steps_at_each_of_its_steps():
+    """Beam steps run the blocks without their hooks: the beam gives the decoding thread a turn
+    before each step (``Scheduler.give_turn``), so a streaming row keeps getting tokens while a
+    long beam runs, and the beam's result is the same as alone."""
+    model = small_model()
+    scheduler = Scheduler(model, max_batch=4)
+    cfg = GenerationConfig(max_new_tokens=60, min_new_tokens=60, beam_width=6, temperature=0)
+    alone = generate_many(model, [[2, 7, 9]], cfg)
+    tokens, during = [], []
+    try:
+        row = Row([2, 5], GenerationConfig(max_new_tokens=10**6, min_new_tokens=10**6, temperature=0), tokens.append)
+        scheduler.add(row)
+        wait_for(lambda: tokens, "the streaming row's first token")
+        task = scheduler.call(generate_many, model, [[2, 7, 9]], cfg, None, scheduler.give_turn)
+        while not task.done():
+            during.append(len(tokens))
+            time.sleep(0.001)
+        assert [g.tokens for g in task.result()] == [g.tokens for g in alone]
+        assert during[-1] - during[0] >= 59  # a step at least before each beam step after the first
+        scheduler.cancel(row)
+    finally:
+        scheduler.close()
+
+
 def test_a_long_task_takes_turns_with_the_decoding_steps():
     """A task (scoring, a beam search) pauses at each block for the next step: while it runs,
     a streaming row keeps getting tokens, and the task's result is what it is alone."""

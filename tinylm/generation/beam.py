@@ -48,15 +48,17 @@ class _Prompt:
         del self.finished[self.k :]
 
 
-def beam_search(model, prompts, cfg: GenerationConfig) -> list[list[Generated]]:
+def beam_search(model, prompts, cfg: GenerationConfig, between_steps=None) -> list[list[Generated]]:
+    """``between_steps()`` is called before each step's forward: a server's other clients get a
+    turn on the model there (``Scheduler.give_turn``), so a long beam does not stop their streams."""
     cfg.validate(model.config.vocab_size)
     if cfg.stop_strings:
         raise ValueError("stop_strings are not supported with beam_width > 1 (use stop token ids)")
     with eval_mode(model), torch.inference_mode():
-        return _beam_search(model, fit_prompts(prompts, model.config.context_length), cfg)
+        return _beam_search(model, fit_prompts(prompts, model.config.context_length), cfg, between_steps)
 
 
-def _beam_search(model, prompts: list[list[int]], cfg: GenerationConfig) -> list[list[Generated]]:
+def _beam_search(model, prompts: list[list[int]], cfg: GenerationConfig, between_steps) -> list[list[Generated]]:
     device = model_device(model)
     k, B, V = cfg.beam_width, len(prompts), model.config.vocab_size
     if cfg.max_new_tokens == 0:
@@ -110,6 +112,8 @@ def _beam_search(model, prompts: list[list[int]], cfg: GenerationConfig) -> list
         # rows move only among a prompt's beams, whose key masks and positions are the same
         batch.reorder(rows.tolist(), shared_slots + common if shared_slots else 0)
         batch.feed(tokens)
+        if between_steps is not None:
+            between_steps()
         logits, slid = _next_logits(batch)
         if slid:
             shared_slots = 0  # a window per beam: no slot is known to be shared

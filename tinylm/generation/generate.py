@@ -96,11 +96,12 @@ class TokenStream:
                 break
 
 
-def generate_many(model, prompts, cfg: GenerationConfig, decode=None) -> list[Generated]:
+def generate_many(model, prompts, cfg: GenerationConfig, decode=None, between_steps=None) -> list[Generated]:
     """Generate for several prompts at once (or beam search when ``cfg.beam_width > 1``; then each
-    prompt gets ``num_return_sequences`` results, best first, flattened prompt by prompt)."""
+    prompt gets ``num_return_sequences`` results, best first, flattened prompt by prompt, and
+    ``between_steps`` is ``beam_search``'s)."""
     if cfg.beam_width > 1:
-        return [h for hyps in beam_search(model, prompts, cfg) for h in hyps]
+        return [h for hyps in beam_search(model, prompts, cfg, between_steps) for h in hyps]
     stream = TokenStream(model, prompts, cfg, decode)
     for _ in stream:
         pass

@@ -526,7 +526,9 @@ def beam_choices(served, choices: list[Choice], logprobs: int | None) -> list[Ch
     """Beam search for one prompt's ``n`` choices, on the model's thread: the choices filled in (an
     engine process sends back copies)."""
     t0 = time.perf_counter()
-    results = generate_many(served.model, [choices[0].prompt_ids], choices[0].cfg, served.tokenizer.decode)
+    results = generate_many(
+        served.model, [choices[0].prompt_ids], choices[0].cfg, served.tokenizer.decode, served.scheduler.give_turn
+    )
     seconds = time.perf_counter() - t0
     for c, g in zip(choices, results):
         c.tokens, c.finish_reason, c.seconds = g.tokens, g.finish_reason, seconds

@@ -291,6 +291,11 @@ class Scheduler:
 
     def _between_blocks(self, module, args) -> None:
         """A forward pre-hook on each block: on the task thread, the decoding thread's turn."""
+        self.give_turn()
+
+    def give_turn(self) -> None:
+        """On the task thread, the decoding thread's turn if it waits for one (a beam search calls
+        this between its steps, which run the blocks without their hooks); elsewhere nothing."""
         if threading.get_ident() == self._task_ident:
             self.turns.pause()
 
