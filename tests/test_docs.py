@@ -14,12 +14,25 @@ Commands live in fenced ```bash blocks; a line continued with a backslash is one
 * A block whose fence follows the line `<!-- tested: runs -->` is also run end to end, as a bash
   script in a temporary directory with the virtualenv's `bin` first on PATH (the slow test):
   README.md's blocks first (they make `runs/demo-quick`), then docs/*.md in name order.
+
+Numbers typed into prose carry the file and key they were read from, right after the number (its
+unit may sit between them): in Markdown an HTML comment, which renders as nothing,
+`10.71<!-- docs/results/tinystories-assignment/tinylm-settings/eval.json#eval.valid.token_ppl -->`;
+in a preset's YAML comment the same in parentheses, `28.5 (docs/results/x/eval.json#train_seconds /60)`.
+The path is from the repository root: JSON or YAML (keys, list indices, `[name=value]` picks the one
+list item whose field has that value; `[a.b]` is a key with dots in it), CSV and Markdown (the rows of
+every table, picked the same way, `[col=value,col2=value2]`); a cell or string holding several
+numbers takes `[i]`, the i-th. A trailing `/N` or `*N` scales the file's value (seconds to minutes,
+a share to a percentage). The rule: the number as written equals the file's value rounded to the
+decimals written (within half a unit of its last digit). README.md, docs/*.md, docs/results/**/*.md
+and tinylm/presets/*.yaml are searched; docs/notes/ records past work and is left alone.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import csv
 import dataclasses
 import functools
 import io
@@ -218,6 +231,136 @@ def check_command(cmd: Command) -> None:
         pytest.fail("a python command that is not a benchmark script: document it as a ```python block")
 
 
+# ------------------------------------------------------------------- numbers checked against files
+NUMBER_PAGES = [
+    ROOT / "README.md",
+    *sorted((ROOT / "docs").glob("*.md")),
+    *sorted((ROOT / "docs" / "results").rglob("*.md")),
+    *sorted((ROOT / "tinylm" / "presets").glob("*.yaml")),
+]
+SOURCE = r"[\w./-]+\.(?:json|csv|md|yaml)#"
+# Markdown hides the marker in a comment; a YAML comment shows it in parentheses
+MARKERS = {".md": re.compile(rf"<!--\s*({SOURCE}.*?)\s*-->"), ".yaml": re.compile(rf"\(({SOURCE}[^()]*)\)")}
+REF = re.compile(r"(?P<path>[\w./-]+)#(?P<key>.+?)(?:\s+(?P<op>[*/])\s*(?P<by>\d+(?:\.\d+)?(?:e\d+)?))?")
+# the number just before a marker: bold and a unit of up to three letters (0.28x, 3.23M, 553 MiB) may follow it
+WRITTEN = re.compile(r"(?<![\w.])(-?\d[\d,]*(?:\.\d+)?)(?:\*\*)?\s?[A-Za-z%]{0,3}\s?$")
+NUMBERS_IN_TEXT = re.compile(r"(?<![\w.])-?\d[\d,]*(?:\.\d+)?(?:[eE][-+]?\d+)?")
+
+
+def table_cells(line: str) -> list[str]:
+    return [c.strip().replace("**", "").replace("`", "") for c in line.strip().strip("|").split("|")]
+
+
+def markdown_table_rows(text: str) -> list[dict]:
+    """Every row of every table of a Markdown page, as {header: cell} (cells without ** and `)."""
+    rows: list[dict] = []
+    lines = text.splitlines()
+    for i in range(1, len(lines)):
+        if not re.fullmatch(r"\s*\|?\s*:?-{3,}.*\|.*", lines[i]) or "|" not in lines[i - 1]:
+            continue
+        headers = table_cells(lines[i - 1])
+        for line in lines[i + 1 :]:
+            if not line.strip().startswith("|"):
+                break
+            rows.append(dict(zip(headers, table_cells(line))))
+    return rows
+
+
+@functools.lru_cache(maxsize=None)
+def number_source(path: Path):
+    """A marker's file as data: JSON or YAML as read, CSV as its rows, Markdown as its tables' rows."""
+    from tinylm.evaluation.report import read_json, read_yaml
+
+    if path.suffix == ".csv":
+        with path.open(encoding="utf-8", newline="") as f:
+            return list(csv.DictReader(f))
+    if path.suffix == ".md":
+        return markdown_table_rows(path.read_text(encoding="utf-8"))
+    data = read_json(path) if path.suffix == ".json" else read_yaml(path)
+    if data is None:
+        raise LookupError(f"{path} does not parse")
+    return data
+
+
+def key_step(data, segment: str):
+    """One step of a marker's key: a dict key, a list index, a [field=value] pick, or a string's i-th number."""
+    inner = segment[1:-1] if segment.startswith("[") else segment
+    if isinstance(data, str):
+        numbers = NUMBERS_IN_TEXT.findall(data)
+        if not re.fullmatch(r"-?\d+", inner) or not -len(numbers) <= int(inner) < len(numbers):
+            raise LookupError(f"{data!r} has no number [{inner}]")
+        return numbers[int(inner)]
+    if isinstance(data, list) and "=" in inner:
+        wanted = dict(part.split("=", 1) for part in re.split(r",(?=[^,=]+=)", inner))
+        hits = [x for x in data if isinstance(x, dict) and all(str(x.get(f)) == v for f, v in wanted.items())]
+        if len(hits) != 1:
+            raise LookupError(f"{len(hits)} items match [{inner}], not one")
+        return hits[0]
+    if isinstance(data, list) and re.fullmatch(r"-?\d+", inner) and -len(data) <= int(inner) < len(data):
+        return data[int(inner)]
+    if isinstance(data, dict) and inner in data:
+        return data[inner]
+    raise LookupError(f"no key {segment}")
+
+
+def marked_value(ref: str, root: Path = ROOT) -> float:
+    """The number a marker's reference ('path#key', maybe ' /60') names in its file."""
+    m = REF.fullmatch(ref.strip())
+    if not m:
+        raise LookupError(f"not a reference: {ref!r}")
+    if not (root / m["path"]).is_file():
+        raise LookupError(f"no file {m['path']}")
+    value = number_source(root / m["path"])
+    for segment in re.findall(r"\[[^\]]*\]|[^.\[\]]+", m["key"]):
+        value = key_step(value, segment)
+    if isinstance(value, str):
+        numbers = NUMBERS_IN_TEXT.findall(value)
+        if len(numbers) != 1:
+            raise LookupError(f"{value!r} holds {len(numbers)} numbers; pick one with [i]")
+        value = float(numbers[0].replace(",", ""))
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise LookupError(f"{value!r} is not a number")
+    if m["op"]:
+        value = value * float(m["by"]) if m["op"] == "*" else value / float(m["by"])
+    return float(value)
+
+
+def check_marked_line(where: str, line: str, root: Path = ROOT, kind: str = ".md") -> tuple[int, list[str]]:
+    """(markers found, what is wrong with them) on one line of a page (kind: its suffix)."""
+    wrong = []
+    found = 0
+    for m in MARKERS[kind].finditer(line):
+        found += 1
+        ref = m.group(1)
+        num = WRITTEN.search(line[: m.start()])
+        if not num:
+            wrong.append(f"{where}: no number just before the marker {ref!r}")
+            continue
+        written = num.group(1)
+        decimals = len(written.partition(".")[2])
+        try:
+            value = marked_value(ref, root)
+        except LookupError as exc:
+            wrong.append(f"{where}: {written} names {ref!r}: {exc}")
+            continue
+        if abs(float(written.replace(",", "")) - value) > 0.5 * 10**-decimals + 1e-9 * max(1.0, abs(value)):
+            wrong.append(f"{where}: written {written}, {ref} holds {value:.6g} ({value:.{decimals}f} as written)")
+    return found, wrong
+
+
+def check_marked_numbers(pages: list[Path], root: Path = ROOT) -> tuple[dict[str, int], list[str]]:
+    """Markers per page and every disagreement, for the pages given."""
+    counts, wrong = {}, []
+    for page in pages:
+        name = str(page.relative_to(root))
+        counts[name] = 0
+        for n, line in enumerate(page.read_text(encoding="utf-8").splitlines(), start=1):
+            found, bad = check_marked_line(f"{name}:{n}", line, root, page.suffix)
+            counts[name] += found
+            wrong += bad
+    return counts, wrong
+
+
 # ------------------------------------------------------------------------------------ tests
 def test_pages_exist_and_are_linked_from_the_readme():
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
@@ -335,6 +478,50 @@ def test_every_command_is_in_a_checked_block():
             if line.startswith("    ") and STRAY_COMMAND.match(line)
         ]
     assert not stray, "commands outside ```bash blocks: " + ", ".join(stray)
+
+
+ASSIGNMENT = "docs/results/tinystories-assignment"
+
+
+def test_marked_numbers_agree_with_their_files():
+    counts, wrong = check_marked_numbers(NUMBER_PAGES)
+    assert not wrong, "numbers that differ from their files:\n" + "\n".join(wrong)
+    assert counts["docs/studies.md"] >= 100 and counts["tinylm/presets/tinystories-assignment.yaml"] >= 5, counts
+
+
+@pytest.mark.parametrize(
+    "line, fails",
+    [
+        (f"perplexity 10.70<!-- {ASSIGNMENT}/tinylm-settings/eval.json#eval.valid.token_ppl -->", "written 10.70"),
+        (f"k = 8's 48<!-- {ASSIGNMENT}/accumulation.json#rows[name=tokens_k8].optimizer_steps -->", "holds 47"),
+        (f"# about 45 ({ASSIGNMENT}/eval.json#train_seconds /60) minutes", "written 45"),
+        (f"25.66<!-- {ASSIGNMENT}/no-such.json#eval.valid.token_ppl -->", "no file"),
+        (f"25.66<!-- {ASSIGNMENT}/eval.json#eval.valid.no_such_key -->", "no key no_such_key"),
+        (f"1<!-- {ASSIGNMENT}/accumulation.json#rows[accum_steps=1].seconds -->", "2 items match"),
+        (f"fast<!-- {ASSIGNMENT}/eval.json#tokens_per_s -->", "no number just before"),
+        (f"2.5<!-- {ASSIGNMENT}/eval.json#eval.valid -->", "is not a number"),
+    ],
+)
+def test_the_number_check_catches_mistakes(line, fails):
+    found, wrong = check_marked_line("planted:1", line, kind=".yaml" if line.startswith("#") else ".md")
+    assert found == 1 and len(wrong) == 1 and fails in wrong[0], wrong
+
+
+def test_the_number_check_reads_each_kind_of_file(tmp_path):
+    (tmp_path / "r.json").write_text('{"a.b": {"rows": [{"k": 1, "s": 2.345}, {"k": 2, "s": 1707.95}]}}')
+    (tmp_path / "m.csv").write_text("step,loss\n10,3.2\n20,2.9\n")
+    (tmp_path / "t.md").write_text("# x\n\n| run | ppl |\n|---|---:|\n| small | 28.64 / 27.40 (not converged) |\n")
+    page = tmp_path / "page.md"
+    page.write_text(
+        "2.35<!-- r.json#[a.b].rows[k=1].s --> and 2.3<!-- r.json#[a.b].rows.0.s --> and "
+        "**28.5** min<!-- r.json#[a.b].rows[-1].s /60 -->\n"
+        "2.9<!-- m.csv#[step=20].loss --> then 27.40<!-- t.md#[run=small].ppl[1] --> | 27.4<!-- t.md#[0].ppl[1] -->\n"
+        "2.34<!-- r.json#[a.b].rows[k=1].s --> (2.345 is 2.35 at 2 decimals; half a unit is allowed either way)\n"
+        "2,800<!-- m.csv#[0].loss *1000 --> 2.34<!-- r.json#[a.b].rows[k=1].s /1 -->\n"
+    )
+    counts, wrong = check_marked_numbers([page], root=tmp_path)
+    assert counts == {"page.md": 10}
+    assert wrong == ["page.md:4: written 2,800, m.csv#[0].loss *1000 holds 3200 (3200 as written)"]
 
 
 def test_commands_were_found():
