@@ -19,13 +19,17 @@ Numbers typed into prose carry the file and key they were read from, right after
 unit may sit between them): in Markdown an HTML comment, which renders as nothing,
 `10.71<!-- docs/results/tinystories-assignment/tinylm-settings/eval.json#eval.valid.token_ppl -->`;
 in a preset's YAML comment the same in parentheses, `28.5 (docs/results/x/eval.json#train_seconds /60)`.
-The path is from the repository root: JSON or YAML (keys, list indices, `[name=value]` picks the one
-list item whose field has that value; `[a.b]` is a key with dots in it), CSV and Markdown (the rows of
-every table, picked the same way, `[col=value,col2=value2]`); a cell or string holding several
-numbers takes `[i]`, the i-th. A trailing `/N` or `*N` scales the file's value (seconds to minutes,
-a share to a percentage). The rule: the number as written equals the file's value rounded to the
-decimals written (within half a unit of its last digit). README.md, docs/*.md, docs/results/**/*.md
-and tinylm/presets/*.yaml are searched; docs/notes/ records past work and is left alone.
+* The path is from the repository root. JSON and YAML: keys, list indices, `[a.b]` for a key with
+  dots in it, `[field=value]` for the one list item whose field has that value. CSV and Markdown
+  are read as a list of rows (Markdown: every table's, a header repeated in one table named
+  `header (2)`), picked the same way, `[col=value,col2=value2]`. A cell or string holding several
+  numbers takes `[i]`, its i-th. A key `/regex/` takes its first match in the file's text, or that
+  match's first group: a number in a generated page's prose (a YAML marker holds no parentheses).
+* A trailing `/N` or `*N` scales the file's value (seconds to minutes, a share to a percentage).
+* The rule: the number as written equals the file's value rounded to the decimals written (within
+  half a unit of its last digit, so 0.0715 may be written 0.071 or 0.072, and 0.07147 only 0.071).
+README.md, docs/*.md, docs/results/**/*.md and tinylm/presets/*.yaml are searched (docs/notes/
+records past work and is left alone).
 """
 
 from __future__ import annotations
@@ -50,7 +54,19 @@ ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 RUNS_MARK = "<!-- tested: runs -->"
 # the programs a documented command line may start with; anything else in a bash block is a typo
-PROGRAMS = ("tinylm", ".venv/bin/tinylm", "make", "torchrun", ".venv/bin/python", "python", "bash", "printf")
+PROGRAMS = (
+    "tinylm",
+    ".venv/bin/tinylm",
+    "make",
+    "torchrun",
+    ".venv/bin/python",
+    "python",
+    "bash",
+    "printf",
+    "pip",
+    "vllm",
+    "lm_eval",
+)
 FENCE = re.compile(r"^(\s*)(`{3,})\s*([\w+-]*)")
 # a command line (not an error message such as "tinylm train: error: ...") outside a bash block
 STRAY_COMMAND = re.compile(r"^\s*(\$\s+)?(\.venv/bin/)?tinylm\s+(?![\w-]+:)[\w-]+")
@@ -242,13 +258,22 @@ SOURCE = r"[\w./-]+\.(?:json|csv|md|yaml)#"
 # Markdown hides the marker in a comment; a YAML comment shows it in parentheses
 MARKERS = {".md": re.compile(rf"<!--\s*({SOURCE}.*?)\s*-->"), ".yaml": re.compile(rf"\(({SOURCE}[^()]*)\)")}
 REF = re.compile(r"(?P<path>[\w./-]+)#(?P<key>.+?)(?:\s+(?P<op>[*/])\s*(?P<by>\d+(?:\.\d+)?(?:e\d+)?))?")
-# the number just before a marker: bold and a unit of up to three letters (0.28x, 3.23M, 553 MiB) may follow it
-WRITTEN = re.compile(r"(?<![\w.])(-?\d[\d,]*(?:\.\d+)?)(?:\*\*)?\s?[A-Za-z%]{0,3}\s?$")
+# the number just before a marker: bold and a unit of up to three letters (0.28x, 3.23M, 553 MiB) may follow it;
+# a minus after a space or bracket is its sign, after anything else a dash (0.3-1.8%)
+WRITTEN = re.compile(r"((?:(?<![^\s(\[])-)?(?<![\w.])\d[\d,]*(?:\.\d+)?)(?:\*\*)?\s?[A-Za-z%]{0,3}\s?$")
 NUMBERS_IN_TEXT = re.compile(r"(?<![\w.])-?\d[\d,]*(?:\.\d+)?(?:[eE][-+]?\d+)?")
 
 
 def table_cells(line: str) -> list[str]:
     return [c.strip().replace("**", "").replace("`", "") for c in line.strip().strip("|").split("|")]
+
+
+def table_headers(line: str) -> list[str]:
+    """A table's headers; one that repeats an earlier one is numbered (`bpb` then `bpb (2)`)."""
+    headers: list[str] = []
+    for h in table_cells(line):
+        headers.append(f"{h} ({headers.count(h) + 1})" if h in headers else h)
+    return headers
 
 
 def markdown_table_rows(text: str) -> list[dict]:
@@ -258,7 +283,7 @@ def markdown_table_rows(text: str) -> list[dict]:
     for i in range(1, len(lines)):
         if not re.fullmatch(r"\s*\|?\s*:?-{3,}.*\|.*", lines[i]) or "|" not in lines[i - 1]:
             continue
-        headers = table_cells(lines[i - 1])
+        headers = table_headers(lines[i - 1])
         for line in lines[i + 1 :]:
             if not line.strip().startswith("|"):
                 break
@@ -278,7 +303,7 @@ def number_source(path: Path):
         return markdown_table_rows(path.read_text(encoding="utf-8"))
     data = read_json(path) if path.suffix == ".json" else read_yaml(path)
     if data is None:
-        raise LookupError(f"{path} does not parse")
+        raise LookupError(f"{path.name} does not parse")
     return data
 
 
@@ -310,9 +335,19 @@ def marked_value(ref: str, root: Path = ROOT) -> float:
         raise LookupError(f"not a reference: {ref!r}")
     if not (root / m["path"]).is_file():
         raise LookupError(f"no file {m['path']}")
-    value = number_source(root / m["path"])
-    for segment in re.findall(r"\[[^\]]*\]|[^.\[\]]+", m["key"]):
-        value = key_step(value, segment)
+    key = m["key"]
+    if len(key) > 2 and key[0] == key[-1] == "/":  # a number in a generated page's prose
+        try:
+            found = re.search(key[1:-1], (root / m["path"]).read_text(encoding="utf-8"))
+        except re.error as exc:
+            raise LookupError(f"{key} is not a regex: {exc}") from None
+        if not found:
+            raise LookupError(f"{key} is not in {m['path']}")
+        value = found.group(1) if found.groups() else found.group(0)
+    else:
+        value = number_source(root / m["path"])
+        for segment in re.findall(r"\[[^\]]*\]|[^.\[\]]+", key):
+            value = key_step(value, segment)
     if isinstance(value, str):
         numbers = NUMBERS_IN_TEXT.findall(value)
         if len(numbers) != 1:
@@ -334,14 +369,14 @@ def check_marked_line(where: str, line: str, root: Path = ROOT, kind: str = ".md
         ref = m.group(1)
         num = WRITTEN.search(line[: m.start()])
         if not num:
-            wrong.append(f"{where}: no number just before the marker {ref!r}")
+            wrong.append(f"{where}: no number just before the marker {ref}")
             continue
         written = num.group(1)
         decimals = len(written.partition(".")[2])
         try:
             value = marked_value(ref, root)
         except LookupError as exc:
-            wrong.append(f"{where}: {written} names {ref!r}: {exc}")
+            wrong.append(f"{where}: {written} names {ref}: {exc}")
             continue
         if abs(float(written.replace(",", "")) - value) > 0.5 * 10**-decimals + 1e-9 * max(1.0, abs(value)):
             wrong.append(f"{where}: written {written}, {ref} holds {value:.6g} ({value:.{decimals}f} as written)")
@@ -486,7 +521,19 @@ ASSIGNMENT = "docs/results/tinystories-assignment"
 def test_marked_numbers_agree_with_their_files():
     counts, wrong = check_marked_numbers(NUMBER_PAGES)
     assert not wrong, "numbers that differ from their files:\n" + "\n".join(wrong)
-    assert counts["docs/studies.md"] >= 100 and counts["tinylm/presets/tinystories-assignment.yaml"] >= 5, counts
+    # a marker syntax the pattern stopped reading would pass silently: the pages hold these many
+    assert counts["docs/studies.md"] >= 300 and counts["tinylm/presets/tinystories-assignment.yaml"] >= 10, counts
+    assert counts["tinylm/presets/shakespeare-report.yaml"] >= 5, counts
+
+
+def test_a_wrong_number_planted_in_studies_md_is_caught():
+    lines = (ROOT / "docs" / "studies.md").read_text(encoding="utf-8").splitlines()
+    n = next(i for i, line in enumerate(lines) if "**valid perplexity 10.71<!--" in line)
+    found, wrong = check_marked_line(f"studies.md:{n + 1}", lines[n].replace("10.71<!--", "10.72<!--"))
+    assert found == 2 and wrong == [
+        f"studies.md:{n + 1}: written 10.72, {ASSIGNMENT}/tinylm-settings/eval.json#eval.valid.token_ppl "
+        "holds 10.7085 (10.71 as written)"
+    ]
 
 
 @pytest.mark.parametrize(
@@ -510,7 +557,10 @@ def test_the_number_check_catches_mistakes(line, fails):
 def test_the_number_check_reads_each_kind_of_file(tmp_path):
     (tmp_path / "r.json").write_text('{"a.b": {"rows": [{"k": 1, "s": 2.345}, {"k": 2, "s": 1707.95}]}}')
     (tmp_path / "m.csv").write_text("step,loss\n10,3.2\n20,2.9\n")
-    (tmp_path / "t.md").write_text("# x\n\n| run | ppl |\n|---|---:|\n| small | 28.64 / 27.40 (not converged) |\n")
+    (tmp_path / "t.md").write_text(
+        "# x\n\n| run | ppl | bpb | bpb |\n|---|---:|---|---|\n| small | 28.64 / 27.40 (not converged) | 2.2 | 1.7 |\n"
+        "\nTotal 3960 s.\n"
+    )
     page = tmp_path / "page.md"
     page.write_text(
         "2.35<!-- r.json#[a.b].rows[k=1].s --> and 2.3<!-- r.json#[a.b].rows.0.s --> and "
@@ -518,10 +568,15 @@ def test_the_number_check_reads_each_kind_of_file(tmp_path):
         "2.9<!-- m.csv#[step=20].loss --> then 27.40<!-- t.md#[run=small].ppl[1] --> | 27.4<!-- t.md#[0].ppl[1] -->\n"
         "2.34<!-- r.json#[a.b].rows[k=1].s --> (2.345 is 2.35 at 2 decimals; half a unit is allowed either way)\n"
         "2,800<!-- m.csv#[0].loss *1000 --> 2.34<!-- r.json#[a.b].rows[k=1].s /1 -->\n"
+        "28.64<!-- t.md#/small \\| (\\d+\\.\\d+)/ --> 3<!-- t.md#/no such (\\d)/ -->\n"
+        "1.7<!-- t.md#[run=small].bpb (2) --> and 66 min<!-- t.md#/Total \\d+ s/ /60 -->\n"
     )
     counts, wrong = check_marked_numbers([page], root=tmp_path)
-    assert counts == {"page.md": 10}
-    assert wrong == ["page.md:4: written 2,800, m.csv#[0].loss *1000 holds 3200 (3200 as written)"]
+    assert counts == {"page.md": 13}
+    assert wrong == [
+        "page.md:4: written 2,800, m.csv#[0].loss *1000 holds 3200 (3200 as written)",
+        "page.md:5: 3 names t.md#/no such (\\d)/: /no such (\\d)/ is not in t.md",
+    ]
 
 
 def test_commands_were_found():

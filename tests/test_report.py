@@ -260,6 +260,36 @@ def test_experiment_tables_show_the_files_numbers(tmp_path):
     assert "decoding beam5: beam search is not available" in md  # listed in the INCOMPLETE banner
 
 
+def test_bleu_perplexities_are_the_judged_models(tmp_path):
+    """BLEU's samples come from the model a part judged; the perplexity beside them must be its own."""
+    write_training_run(tmp_path)  # the run's own model: token ppl 10.4321
+    (tmp_path / "experiments.json").write_text(json.dumps({"quick": False, "parts": {}}))
+    (tmp_path / "column").mkdir()
+    (tmp_path / "column" / "eval.json").write_text(
+        json.dumps({"eval": {"valid": {"token_ppl": 8.7654, "word_ppl": 12.3456}}})
+    )
+    bleu = {
+        "protocol": {"prompt_tokens": 5, "max_continuation": None, "seed": 0, "smoothing": "method1"},
+        "samples": 2,
+        "requested": 2,
+        "reference_ppl": 9.5,
+        "reference_tokens": 100,
+        "mean_per_sample_ppl": 9.9,
+        "bleu_tokenization": "x",
+        "meaning": "BLEU",
+        "settings": [],
+        "judged": "column",
+    }
+    (tmp_path / "bleu.json").write_text(json.dumps(bleu))
+    md = tinystories_report.write_experiments_report(tmp_path)[0].read_text()
+    assert "| validation token ppl | 8.7654 | every validation story, from <sos>; the judged model (column/) |" in md
+    assert "| validation word ppl | 12.3456 |" in md
+    del bleu["judged"]  # a run without the second column judges its own model
+    (tmp_path / "bleu.json").write_text(json.dumps(bleu))
+    md = tinystories_report.write_experiments_report(tmp_path)[0].read_text()
+    assert "| validation token ppl | 10.4321 | every validation story, from <sos>; this run's model |" in md
+
+
 def test_a_malformed_part_file_makes_only_its_section_missing(tmp_path):
     write_training_run(tmp_path)
     (tmp_path / "experiments.json").write_text(json.dumps({"parts": {}}))
@@ -302,5 +332,9 @@ def test_checkpointing_spread_counts_the_rounds_each_variant_lost():
     said = tinystories_report._spread_sentence(rows)
     assert "plain 10.0-12.0 s" in said
     assert "checkpointed: 10.5-12.0 s, inside plain's range" in said
+    rows.append({"name": "torch", "seconds_each": [9.5, 13.0, 12.5, 13.5]})
+    rows.append({"name": "slow", "seconds_each": [12.5, 13.0, 12.5, 13.5]})
+    said = tinystories_report._spread_sentence(rows)
+    assert "torch: 9.5-13.5 s, overlapping plain's range" in said and "slow: 12.5-13.5 s, outside" in said
     assert "1.10, 1.09, 1.05, 0.92" in said
     assert "median 1.07, slower in 3 of 4 rounds, one-sided sign test p = 0.312" in said

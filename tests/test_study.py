@@ -231,6 +231,19 @@ def test_the_verdict_names_each_reference_and_the_gap():
     assert "these margins are what the cap allowed" in "\n".join(answer_lines(None, run))
 
 
+def test_the_bigram_section_names_the_optimizer_its_runs_used():
+    from tinylm.studies.shakespeare_report import bigram_lines
+
+    run = {"tokenizer": "word_bpe-1000", "label": "d=64 wd=1e-05", "lr": 1e-3, "d_embed": 64, "weight_decay": 1e-5}
+    run |= {"best_val_loss": 3.6534, "valid_ppl": 38.58, "test_ppl": 36.95, "test_bpb": 2.4748, "steps": 5000}
+    run |= {"stopped": "max_steps", "converged": False}
+    lines = bigram_lines(load_study_config("shakespeare-report").bigram, {"bigram_runs": [run]}, {})
+    assert lines[3].startswith("Adam with the weight decay added to the gradient as an L2 term, random minibatches")
+    assert "| 38.58 | 36.95 | 2.4748 | 5000 | max_steps (not converged) | - |" in lines[-3]
+    lines = bigram_lines(load_study_config("shakespeare-study").bigram, {"bigram_runs": [run]}, {})
+    assert lines[3].startswith("AdamW, every pair through the pair-count matrix")
+
+
 @pytest.mark.slow
 def test_the_report_preset_quick_mode_covers_every_stage_under_90_s(tmp_path):
     cfg = load_study_config("shakespeare-report", [f"out_dir={tmp_path / 'r'}", "compare_with=null"], quick=True)

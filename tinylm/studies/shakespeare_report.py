@@ -196,6 +196,10 @@ def model_lines(state: dict) -> list[str]:
     return lines
 
 
+# the opening of Task 3 names the optimizer the runs used (bigram.optimizer)
+BIGRAM_OPTIMIZERS = {"adamw": "AdamW", "adam_l2": "Adam with the weight decay added to the gradient as an L2 term"}
+
+
 def _bigram_batches(bigram) -> str:
     """What each step of the bigram runs trained on (tinylm.training.bigram's modes)."""
     pairs = f"random minibatches of {bigram.batch_size} pairs"
@@ -214,7 +218,7 @@ def bigram_lines(bigram, state: dict, curve_files: dict) -> list[str]:
         "",
         "## Task 3: neural bigram runs",
         "",
-        f"AdamW, {_bigram_batches(bigram)}, {bigram.schedule} learning rate, "
+        f"{BIGRAM_OPTIMIZERS[bigram.optimizer]}, {_bigram_batches(bigram)}, {bigram.schedule} learning rate, "
         f"validation every {bigram.eval_interval or max(10, bigram.max_steps // 30)} steps, early stopping "
         f"after {bigram.patience} evaluations without improvement, at most {bigram.max_steps} steps / "
         f"{bigram.max_seconds:g} s per run; the weights of the best validation loss are kept. The best run "

@@ -70,11 +70,14 @@ def _section_bleu(doc: Doc, run: Path, bleu, ev):
     for note in bleu.get("notes", []):
         doc.p(f"**note:** {note}")
     doc.table(["temperature", *BLEU_HEADERS], _bleu_rows(bleu["settings"]))
+    if bleu.get("judged"):  # the samples came from the tinylm-settings model, so its perplexity goes beside them
+        ev = report.read_json(run / bleu["judged"] / "eval.json")
+    whose = f"the judged model ({bleu['judged']}/)" if bleu.get("judged") else "this run's model"
     valid = (ev or {}).get("eval", {}).get("valid", {})
     doc.table(
         ["perplexity", "value", "meaning"],
         [
-            ("validation token ppl", valid.get("token_ppl"), "every validation story, from <sos>"),
+            ("validation token ppl", valid.get("token_ppl"), f"every validation story, from <sos>; {whose}"),
             ("validation word ppl", valid.get("word_ppl"), "same NLL per whitespace word"),
             (
                 "reference continuation ppl",
@@ -323,12 +326,17 @@ def _spread_sentence(rows: list[dict]) -> str:
     said = []
     for r in rows[1:]:
         each = r.get("seconds_each") or []
-        outside = min(each) > max(plain) or max(each) < min(plain)
+        if min(each) > max(plain) or max(each) < min(plain):
+            where = "outside"
+        elif min(each) >= min(plain) and max(each) <= max(plain):
+            where = "inside"
+        else:
+            where = "overlapping"
         ratios = [x / y for x, y in zip(each, plain)]
         above = sum(ratio > 1 for ratio in ratios)
         said.append(
             f"{r.get('label') or r['name']}: {min(each):.1f}-{max(each):.1f} s, "
-            f"{'outside' if outside else 'inside'} plain's range (round by round against plain: "
+            f"{where} plain's range (round by round against plain: "
             f"{', '.join(f'{x:.2f}' for x in ratios)}; median {statistics.median(ratios):.2f}, slower in "
             f"{above} of {len(ratios)} rounds, one-sided sign test p = {_sign_test(above, len(ratios)):.3f})"
         )
