@@ -14,7 +14,7 @@ from serving_util import make_run
 from tinylm.errors import TinyLMError
 from tinylm.evaluation.perplexity import evaluate_texts
 from tinylm.serving.app import create_app
-from tinylm.serving.completions import Chained, Limits, Mapped, has_long_list, json_body, prompt_offsets
+from tinylm.serving.completions import JSON_SLICE, Chained, Limits, Mapped, has_long_list, json_body, prompt_offsets
 from tinylm.serving.models import load_models, model_name
 from tinylm.tokenizers.bpe import BPETokenizer
 from tinylm.tokenizers.word import WordTokenizer
@@ -240,6 +240,18 @@ def test_prompt_offsets_are_each_prefix_s_length_for_characters_cut_between_toke
         offsets = prompt_offsets(ids, tok, pieces, start=7)
         assert offsets[:5] == want[:5] and list(offsets) == want and offsets[-1] == want[-1]  # read in order
     assert "".join(tok.decode([i]) for i in bpe.encode(text)) != bpe.decode(bpe.encode(text))  # the hard case
+
+
+def test_many_short_scored_prompts_longer_than_a_slice_together_are_answered(client, served):
+    """lm-evaluation-harness's batches: several scored prompts, each shorter than a slice, together
+    longer (the response is built lazily and written at once): a 200 with every prompt's scores."""
+    tok = served.tokenizer
+    ids = [tok.bos_id] + tok.encode("Tom had a red ball and a blue kite. " * 3)
+    prompts = [ids[: len(ids) - k] for k in range(8)]
+    assert max(map(len, prompts)) <= JSON_SLICE < sum(map(len, prompts))
+    body = score(client, prompts, max_tokens=1, logprobs=1, temperature=0)
+    for choice, prompt in zip(body["choices"], prompts):
+        check_prompt_part(choice, served, prompt, top=1)
 
 
 def test_a_long_body_is_written_in_slices_as_a_whole_dump_writes_it():

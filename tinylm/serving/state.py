@@ -14,9 +14,9 @@ from pathlib import Path
 from typing import Annotated
 
 from fastapi import Depends, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
-from tinylm.serving.completions import APIError, Limits, Outbox, bad, has_long_list, json_body, unavailable
+from tinylm.serving.completions import APIError, Limits, Outbox, bad, dumps, has_long_list, json_body, unavailable
 from tinylm.serving.engine import LocalEngine, ProcessEngine
 from tinylm.serving.models import ServedModel
 
@@ -86,7 +86,8 @@ StateDep = Annotated[ServerState, Depends(server_state)]
 
 def large_json(body: dict) -> Response:
     """A body that may be large (scores, a scored prompt's log probabilities): JSON written a slice
-    at a time (``completions.json_body``) when it holds a long list, else at once."""
+    at a time (``completions.json_body``) when it holds a long list, else at once (by ``dumps``,
+    which reads the lazy lists a response built for slices holds when each of them is short)."""
     if has_long_list(body):
         return StreamingResponse(json_body(body), media_type="application/json")
-    return JSONResponse(body)
+    return Response(dumps(body), media_type="application/json")
