@@ -175,6 +175,7 @@ def main(argv=None) -> int:
     met = errors == 0 and all(v <= TARGET for v in ratios.values())
     if a.json:
         setup = {k: getattr(a, k) for k in ("checkpoint", "threads", "rounds", "streams", "max_tokens", "seconds")}
+        setup["checkpoint"] = str(a.checkpoint).removeprefix(f"{REPO}/")  # no machine path in a result
         setup.update(
             max_score_tokens=a.max_score_tokens, beside=a.beside, beam_width=a.beam_width, cpu_count=os.cpu_count()
         )

@@ -162,6 +162,7 @@ def main() -> None:
         )
     if a.json:
         setup = {k: v for k, v in vars(a).items() if k != "json"}
+        setup["llama_server"] = a.llama_server and Path(a.llama_server).name  # no machine path in a result
         setup["cpu"] = platform.processor() or platform.machine()
         Path(a.json).write_text(json.dumps({"rows": rows, "runs": runs, "setup": setup}, indent=1) + "\n")
     if any(r["errors"] for r in rows):

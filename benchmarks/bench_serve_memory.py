@@ -164,7 +164,7 @@ def main(argv=None) -> int:
     if a.json:
         report = {"curve": curve, "growth": growth, "failures": failures, "healthy": healthy}
         report["setup"] = {
-            "checkpoint": a.checkpoint,
+            "checkpoint": str(a.checkpoint).removeprefix(f"{REPO}/"),  # no machine path in a result
             "requests": a.requests,
             "clients": a.clients,
             "cpu_count": os.cpu_count(),

@@ -55,6 +55,8 @@ PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 RUNS_MARK = "<!-- tested: runs -->"
 # the programs a documented command line may start with; anything else in a bash block is a typo
 PROGRAMS = (
+    "cmake",
+    "tar",
     "tinylm",
     ".venv/bin/tinylm",
     "make",
