@@ -110,12 +110,16 @@ def start_server(
         text=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
-    url = f"http://127.0.0.1:{port}"
     wait = 900 if compile else 120  # a cold compile of every batch bucket takes minutes on 2 cores
+    return wait_healthy(proc, f"http://127.0.0.1:{port}", wait, "tinylm serve")
+
+
+def wait_healthy(proc: subprocess.Popen, url: str, wait: float, what: str) -> subprocess.Popen:
+    """``proc`` once ``url``/health answers 200; exits naming ``what`` if it dies or takes ``wait`` s."""
     deadline = time.monotonic() + wait
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise SystemExit(f"tinylm serve exited: {proc.stdout.read()}")
+            raise SystemExit(f"{what} exited: {proc.stdout.read()[-2000:]}")
         try:
             if httpx.get(url + "/health", timeout=1).status_code == 200:
                 return proc
@@ -123,7 +127,7 @@ def start_server(
             pass
         time.sleep(0.2)
     proc.kill()
-    raise SystemExit(f"tinylm serve did not become healthy in {wait} s")
+    raise SystemExit(f"{what} did not become healthy in {wait} s")
 
 
 def percentile(values: list[float], q: float) -> float:

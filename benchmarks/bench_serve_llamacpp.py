@@ -29,13 +29,10 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-import httpx
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_serve import free_port, level, start_server, stop_server  # noqa: E402
+from bench_serve import free_port, level, start_server, stop_server, wait_healthy  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -51,18 +48,7 @@ def start_llama_server(binary: str, gguf: Path, port: int, threads: int, paralle
     cmd = [binary, "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-t", str(threads)]
     cmd += ["-tb", str(threads), "--parallel", str(parallel), "-c", str(parallel * context), "-ngl", "0"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 120
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"llama-server exited: {proc.stdout.read()[-2000:]}")
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    proc.kill()
-    raise SystemExit("llama-server did not become healthy in 120 s")
+    return wait_healthy(proc, f"http://127.0.0.1:{port}", 120, "llama-server")
 
 
 def model_context(checkpoint: str) -> tuple[str, int]:

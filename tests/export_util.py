@@ -8,7 +8,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import torch
 from conftest import make_stories, tiny_run_config
+
+from tinylm.config import ModelConfig
+from tinylm.models.gpt import GPT
 
 LLAMA_SHAPE = dict(
     positions="rope", norm="rmsnorm", ffn="swiglu", bias=False, tie_weights=False, n_kv_heads=2, context_length=64
@@ -76,3 +80,23 @@ def llama_cpp_greedy(llm, ids, limit, stop_ids):
         if token in stop_ids or len(out) == limit:
             return out
         out.append(token)
+
+
+def llama_gpt(vocab=330, tie=False, seed=0, **overrides) -> GPT:
+    """A small random Llama-shaped GPT (grouped kv heads), ``overrides`` on its config."""
+    torch.manual_seed(seed)
+    cfg = dict(
+        vocab_size=vocab,
+        context_length=64,
+        d_model=32,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        d_ff=44,
+        positions="rope",
+        norm="rmsnorm",
+        ffn="swiglu",
+        bias=False,
+        tie_weights=tie,
+    )
+    return GPT(ModelConfig(**{**cfg, **overrides})).eval()

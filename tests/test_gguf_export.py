@@ -9,10 +9,17 @@ import numpy as np
 import pytest
 import torch
 from conftest import make_stories
-from export_util import PROMPTS, llama_cpp_greedy, llama_cpp_model, read_gguf, separate_matrices, train_llama_run
+from export_util import (
+    PROMPTS,
+    llama_cpp_greedy,
+    llama_cpp_model,
+    llama_gpt,
+    read_gguf,
+    separate_matrices,
+    train_llama_run,
+)
 
 from tinylm.cli import main
-from tinylm.config import ModelConfig
 from tinylm.errors import TinyLMError
 from tinylm.generation import GenerationConfig, generate_many
 from tinylm.interop import load_any_checkpoint
@@ -37,25 +44,6 @@ LAYER = {
     "ffn_up": "ffn.up",
     "ffn_down": "ffn.down",
 }
-
-
-def llama_gpt(vocab=330, tie=False, seed=0, **overrides) -> GPT:
-    torch.manual_seed(seed)
-    cfg = dict(
-        vocab_size=vocab,
-        context_length=64,
-        d_model=32,
-        n_layers=2,
-        n_heads=4,
-        n_kv_heads=2,
-        d_ff=44,
-        positions="rope",
-        norm="rmsnorm",
-        ffn="swiglu",
-        bias=False,
-        tie_weights=tie,
-    )
-    return GPT(ModelConfig(**{**cfg, **overrides})).eval()
 
 
 def tinylm_weights(model: GPT) -> dict[str, np.ndarray]:

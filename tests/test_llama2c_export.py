@@ -11,9 +11,9 @@ import pytest
 import torch
 from conftest import make_stories
 from export_util import PROMPTS, separate_matrices, train_llama_run
+from export_util import llama_gpt as small_llama_gpt
 
 from tinylm.cli import main
-from tinylm.config import ModelConfig
 from tinylm.errors import TinyLMError
 from tinylm.interop import load_any_checkpoint
 from tinylm.interop.llama2c import load_llama2c, read_header, save_llama2c
@@ -27,22 +27,7 @@ RUN_C = Path(__file__).parent / "vendor" / "llama2c" / "run.c"
 
 
 def llama_gpt(tie=False, seed=0, **overrides) -> GPT:
-    torch.manual_seed(seed)
-    cfg = dict(
-        vocab_size=330,
-        context_length=64,
-        d_model=32,
-        n_layers=2,
-        n_heads=4,
-        n_kv_heads=2,
-        d_ff=44,
-        positions="rope",
-        norm="rmsnorm",
-        ffn="swiglu",
-        bias=False,
-        tie_weights=tie,
-    )
-    model = GPT(ModelConfig(**{**cfg, **overrides})).eval()
+    model = small_llama_gpt(330, tie, seed, **overrides)
     with torch.no_grad():  # norm gains away from 1, so a swapped norm shows
         for name, p in model.named_parameters():
             if "norm" in name:

@@ -10,10 +10,9 @@ import numpy as np
 import pytest
 import torch
 from conftest import make_stories
-from export_util import PROMPTS, llama_cpp_greedy, llama_cpp_model, read_gguf, train_llama_run
+from export_util import PROMPTS, llama_cpp_greedy, llama_cpp_model, llama_gpt, read_gguf, train_llama_run
 
 from tinylm.cli import main
-from tinylm.config import ModelConfig
 from tinylm.errors import TinyLMError
 from tinylm.generation import GenerationConfig, generate_many
 from tinylm.interop import export_hf, load_hf_dir
@@ -42,24 +41,8 @@ SENTENCES = [
 
 
 def qwen3_gpt(vocab: int, tie=False, n_kv_heads=2, seed=0, **overrides) -> GPT:
-    torch.manual_seed(seed)
-    cfg = dict(
-        vocab_size=vocab,
-        context_length=64,
-        d_model=32,
-        n_layers=2,
-        n_heads=4,
-        n_kv_heads=n_kv_heads,
-        d_ff=44,
-        positions="rope",
-        norm="rmsnorm",
-        ffn="swiglu",
-        bias=False,
-        tie_weights=tie,
-        qk_norm=True,
-        qk_norm_weight=True,
-    )
-    model = GPT(ModelConfig(**{**cfg, **overrides})).eval()
+    overrides = {"n_kv_heads": n_kv_heads, "qk_norm": True, "qk_norm_weight": True, **overrides}
+    model = llama_gpt(vocab, tie, seed, **overrides)
     with torch.no_grad():  # gains away from their initial ones: a gain in the wrong order shows
         for block in model.blocks if model.config.qk_norm_weight else []:
             block.attn.q_norm.normal_(1.0, 0.3)
